@@ -1,0 +1,111 @@
+"""The run configuration: one TOML file, validated once, read by the stack, the functions and participants.
+
+Every knob of a run lives here so that the coordinator, the participants and `cdk deploy` can never
+disagree about a timeout or a limit.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{1,38}[a-z0-9]$")
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used, with a message naming every bad field."""
+
+
+class Strategy(StrEnum):
+    FEDAVG = "fedavg"
+    MEDIAN = "median"
+    TRIMMED_MEAN = "trimmed_mean"
+    CLIPPED_FEDAVG = "clipped_fedavg"
+
+
+class RunConfig(BaseModel):
+    """What a run is: who may join, how rounds are paced, how updates are combined and checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str = Field(description="Lower-case letters, digits and '-', 3-40 characters; part of every name.")
+    min_clients: int = Field(2, ge=1, description="Participants needed to start an epoch.")
+    fraction_per_round: float = Field(1.0, gt=0.0, le=1.0, description="Share of members trained per round.")
+    min_per_round: int = Field(1, ge=1, description="Participants selected per round at least.")
+    min_updates: int = Field(1, ge=1, description="Accepted updates a round needs to be aggregated.")
+    total_rounds: int = Field(10, ge=1, description="Aggregated rounds before the run is Finished.")
+    rounds_per_epoch: int = Field(0, ge=0, description="Rounds per epoch; 0 means one epoch for the run.")
+    warmup_time: float = Field(30.0, ge=0, description="Seconds for members to fetch the model.")
+    max_round_train_time: float = Field(300.0, gt=0, description="Round deadline in seconds.")
+    round_witness_time: float = Field(0.0, ge=0, description="Seconds the witness phase lasts.")
+    cooldown_time: float = Field(5.0, ge=0, description="Seconds between epochs.")
+    liveness_timeout: float = Field(60.0, gt=0, description="Silence after which a participant is dropped.")
+    heartbeat_interval: float = Field(0.0, ge=0, description="Seconds between heartbeats; 0: timeout/4.")
+    strategy: Strategy = Strategy.FEDAVG
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
+    clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")
+    task: str = Field("participant.tasks.digits:task", description="module:object of the training task.")
+    dataset_size: int = Field(0, ge=0, description="Samples in the shared training set; 0: from the task.")
+    local_epochs: int = Field(1, ge=1, description="Passes over its assigned data per round.")
+    batch_size: int = Field(32, ge=1)
+    learning_rate: float = Field(0.05, gt=0)
+    max_update_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Largest update object accepted.")
+    seed: int = Field(0, ge=0, description="Run seed for selection and data assignment.")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_shape(cls, value: str) -> str:
+        if not RUN_ID_PATTERN.match(value):
+            raise ValueError("must be 3-40 characters of a-z, 0-9 and '-', starting and ending alphanumeric")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.min_per_round > self.min_clients:
+            raise ValueError(
+                f"min_per_round ({self.min_per_round}) cannot exceed min_clients ({self.min_clients})"
+            )
+        if self.min_updates > self.min_per_round:
+            raise ValueError(f"min_updates ({self.min_updates}) cannot exceed min_per_round ({self.min_per_round})")
+        return self
+
+    @property
+    def epoch_rounds(self) -> int:
+        return self.rounds_per_epoch or self.total_rounds
+
+    @property
+    def heartbeat_every(self) -> float:
+        return self.heartbeat_interval or self.liveness_timeout / 4
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def parse_config(data: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate a config mapping; errors name every offending field in one message."""
+    table = data.get("run", data)
+    try:
+        return RunConfig.model_validate(table)
+    except ValidationError as exc:
+        lines = [f"{source}: invalid run configuration"]
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(run)"
+            lines.append(f"  {where}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a run TOML file (keys at top level or under [run])."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such run configuration file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse_config(data, str(path))

@@ -1,0 +1,343 @@
+"""The coordinator: a pure `tick(snapshot, config, now) -> Decision` over a transition table.
+
+A tick first drops members that went silent, then fires transitions of the table until none applies
+(so one tick can close a round, aggregate it and open the next). The table is data: `TRANSITIONS`
+lists every (source, target, name, guard, action), `transition_table()` renders it for the docs,
+and a test fires each row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.config import RunConfig
+from shared.selection import round_seed, select
+from shared.state import (
+    AdoptInitialModel,
+    Aggregate,
+    AggregateInput,
+    CarryGlobal,
+    Effect,
+    Member,
+    MemberStatus,
+    Note,
+    ParticipantView,
+    Phase,
+    RecordRound,
+    RoundSummary,
+    RunState,
+    Snapshot,
+    UpdateView,
+)
+
+MAX_STEPS = 16
+LIVE_PHASES = frozenset({Phase.WARMUP, Phase.TRAIN, Phase.WITNESS})
+
+
+@dataclass
+class Ctx:
+    """One tick in progress: the inputs, the state being built and the effects asked for."""
+
+    snap: Snapshot
+    config: RunConfig
+    now: float
+    state: RunState
+    effects: list[Effect] = field(default_factory=list)
+    fired: list[str] = field(default_factory=list)
+
+    def eligible(self) -> list[ParticipantView]:
+        """Joined participants that are alive now, sorted by id: who a new epoch admits."""
+        timeout = self.config.liveness_timeout
+        return sorted(
+            (p for p in self.snap.participants.values() if p.alive(self.now, timeout)), key=lambda p: p.pid
+        )
+
+    def updates(self) -> dict[str, UpdateView]:
+        """Updates recorded for the round the state is in now (a tick can move past the snapshot's)."""
+        return {pid: u for pid, u in self.snap.updates.items() if u.round == self.state.round}
+
+    def drop(self, pid: str, reason: str) -> None:
+        members = dict(self.state.members)
+        members[pid] = Member(MemberStatus.DROPPED, self.now, reason)
+        self.state = self.state.evolve(
+            members=members, selected=tuple(p for p in self.state.selected if p != pid)
+        )
+        self.effects.append(Note(f"dropped {pid}: {reason}"))
+
+
+@dataclass(frozen=True)
+class Transition:
+    source: Phase
+    target: Phase
+    name: str
+    guard: Callable[[Ctx], bool]
+    action: Callable[[Ctx], None]
+    doc: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: RunState
+    effects: tuple[Effect, ...]
+    fired: tuple[str, ...]
+    changed: bool
+
+
+# --- guards --------------------------------------------------------------------------------------------
+
+
+def _deadline_passed(c: Ctx) -> bool:
+    return c.now >= c.state.deadline
+
+
+def _too_few_members(c: Ctx) -> bool:
+    return len(c.state.active()) < c.config.min_clients
+
+
+def _can_start_epoch(c: Ctx) -> bool:
+    eligible = c.eligible()
+    has_model = c.state.has_model or any(p.init_digest for p in eligible)
+    return len(eligible) >= c.config.min_clients and has_model
+
+
+def _warmup_over(c: Ctx) -> bool:
+    ready = all(
+        (p := c.snap.participants.get(pid)) is not None and p.ready_epoch >= c.state.epoch
+        for pid in c.state.active()
+    )
+    return ready or _deadline_passed(c)
+
+
+def _round_closed(c: Ctx) -> bool:
+    updates = c.updates()
+    recorded = all(pid in updates for pid in c.state.selected)
+    return recorded or _deadline_passed(c)
+
+
+def _enough_updates(c: Ctx) -> bool:
+    return len(c.state.counted) >= c.config.min_updates
+
+
+def _epoch_ends_after_this_round(c: Ctx) -> bool:
+    s = c.state
+    return s.aggregated + 1 >= c.config.total_rounds or s.rounds_in_epoch + 1 >= c.config.epoch_rounds
+
+
+def _run_complete(c: Ctx) -> bool:
+    return c.state.aggregated >= c.config.total_rounds
+
+
+# --- actions -------------------------------------------------------------------------------------------
+
+
+def _start_epoch(c: Ctx) -> None:
+    eligible = c.eligible()
+    s = c.state.evolve(
+        epoch=c.state.epoch + 1,
+        members={p.pid: Member(MemberStatus.ACTIVE, c.now) for p in eligible},
+        selected=(),
+        counted=(),
+        rounds_in_epoch=0,
+        deadline=c.now + c.config.warmup_time,
+    )
+    if not s.has_model:
+        source = next(p for p in eligible if p.init_digest)
+        s = s.evolve(global_digest=source.init_digest, model_source=source.pid)
+        c.effects.append(AdoptInitialModel(source.pid, source.init_digest))
+    c.state = s
+    c.effects.append(Note(f"epoch {s.epoch} starts with {len(eligible)} members"))
+
+
+def _back_to_waiting(c: Ctx) -> None:
+    if c.state.phase is Phase.TRAIN:  # the round was started: close it unaggregated
+        _close_round(c, aggregated=False)
+    c.state = c.state.evolve(members={}, selected=(), counted=(), deadline=0.0)
+    c.effects.append(Note(f"fewer than {c.config.min_clients} members: waiting for members"))
+
+
+def _begin_round(c: Ctx) -> None:
+    s = c.state
+    seed = round_seed(c.config.seed, s.epoch, s.round)
+    chosen = select(seed, s.active(), c.config.fraction_per_round, c.config.min_per_round)
+    c.state = s.evolve(
+        seed=seed,
+        selected=chosen,
+        counted=(),
+        round_started=c.now,
+        deadline=c.now + c.config.max_round_train_time,
+    )
+
+
+def _freeze_round(c: Ctx) -> None:
+    updates = c.updates()
+    for pid in c.state.selected:
+        if pid not in updates:
+            c.drop(pid, f"missed the deadline of round {c.state.round}")
+    counted = tuple(
+        sorted(pid for pid in c.state.selected if (u := updates.get(pid)) is not None and u.accepted)
+    )
+    c.state = c.state.evolve(counted=counted, deadline=c.now + c.config.round_witness_time)
+
+
+def _weighted_metric(c: Ctx, name: str) -> float | None:
+    updates = c.updates()
+    pairs = [
+        (u.samples, u.metrics[name])
+        for pid in c.state.counted
+        if (u := updates.get(pid)) is not None and name in u.metrics
+    ]
+    total = sum(w for w, _ in pairs)
+    return sum(w * v for w, v in pairs) / total if total else None
+
+
+def _close_round(c: Ctx, aggregated: bool) -> None:
+    s = c.state
+    updates = c.updates()
+    counted = s.counted if aggregated else ()
+    dropped = {
+        pid: m.reason
+        for pid, m in s.members.items()
+        if m.status is MemberStatus.DROPPED and m.since >= s.round_started
+    }
+    summary = RoundSummary(
+        round=s.round,
+        epoch=s.epoch,
+        selected=tuple(sorted(set(s.selected) | set(dropped))),
+        counted=counted,
+        refused={pid: u.reason for pid, u in sorted(updates.items()) if not u.accepted},
+        dropped=dropped,
+        samples=sum(updates[p].samples for p in counted),
+        loss=_weighted_metric(c, "loss") if aggregated else None,
+        accuracy=_weighted_metric(c, "test_accuracy") if aggregated else None,
+        started=s.round_started,
+        ended=c.now,
+        aggregated=aggregated,
+    )
+    if aggregated:
+        inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest) for p in counted)
+        c.effects.append(Aggregate(s.round, inputs))
+    else:
+        c.effects.append(CarryGlobal(s.round))
+    c.effects.append(RecordRound(summary))
+    c.state = s.evolve(
+        round=s.round + 1,
+        aggregated=s.aggregated + (1 if aggregated else 0),
+        rounds_in_epoch=s.rounds_in_epoch + (1 if aggregated else 0),
+        selected=(),
+        counted=(),
+        # The aggregate's digest is known only once it is written: Decision.resolve fills it in.
+        global_digest="" if aggregated else s.global_digest,
+    )
+
+
+def _aggregate_and_continue(c: Ctx) -> None:
+    _close_round(c, aggregated=True)
+    _begin_round(c)
+
+
+def _aggregate_and_cool_down(c: Ctx) -> None:
+    _close_round(c, aggregated=True)
+    c.state = c.state.evolve(deadline=c.now + c.config.cooldown_time)
+
+
+def _retry_round(c: Ctx) -> None:
+    c.effects.append(Note(f"round {c.state.round}: {len(c.state.counted)} accepted updates, retrying"))
+    _close_round(c, aggregated=False)
+    _begin_round(c)
+
+
+def _finish(c: Ctx) -> None:
+    c.state = c.state.evolve(deadline=0.0, selected=(), counted=())
+    c.effects.append(Note("run finished"))
+
+
+def _nothing(c: Ctx) -> None:
+    c.state = c.state.evolve(deadline=0.0)
+
+
+def _all(*guards: Callable[[Ctx], bool]) -> Callable[[Ctx], bool]:
+    return lambda c: all(g(c) for g in guards)
+
+
+def _not(guard: Callable[[Ctx], bool]) -> Callable[[Ctx], bool]:
+    return lambda c: not guard(c)
+
+
+W, WU, T, RW, CD, F = Phase.WAITING, Phase.WARMUP, Phase.TRAIN, Phase.WITNESS, Phase.COOLDOWN, Phase.FINISHED
+
+# Order matters within a source phase: the first row whose guard holds fires.
+TRANSITIONS: tuple[Transition, ...] = (
+    Transition(W, WU, "epoch_start", _can_start_epoch, _start_epoch,
+               "min_clients live participants (and a model or an offer of one): admit them"),
+    Transition(WU, W, "warmup_too_few", _too_few_members, _back_to_waiting,
+               "members dropped below min_clients during warmup"),
+    Transition(WU, T, "warmup_done", _warmup_over, _begin_round,
+               "every member reported ready, or warmup_time passed: select the round's trainers"),
+    Transition(T, W, "train_too_few", _too_few_members, _back_to_waiting,
+               "members dropped below min_clients: the round closes unaggregated"),
+    Transition(T, RW, "round_closed", _round_closed, _freeze_round,
+               "every selected participant uploaded, or max_round_train_time passed: freeze the count"),
+    Transition(RW, CD, "aggregate_epoch_end",
+               _all(_deadline_passed, _enough_updates, _epoch_ends_after_this_round), _aggregate_and_cool_down,
+               "aggregate; the epoch (or the run) has had its rounds"),
+    Transition(RW, T, "aggregate_next_round", _all(_deadline_passed, _enough_updates), _aggregate_and_continue,
+               "aggregate and start the next round"),
+    Transition(RW, T, "round_retry", _all(_deadline_passed, _not(_enough_updates)), _retry_round,
+               "fewer than min_updates accepted: carry the model over and train a new round"),
+    Transition(CD, F, "run_complete", _all(_deadline_passed, _run_complete), _finish,
+               "total_rounds aggregated"),
+    Transition(CD, WU, "next_epoch", _all(_deadline_passed, _can_start_epoch), _start_epoch,
+               "cooldown over: admit every live participant to the next epoch"),
+    Transition(CD, W, "next_epoch_waiting", _deadline_passed, _back_to_waiting,
+               "cooldown over but too few live participants"),
+)
+
+
+def _drop_silent(c: Ctx) -> None:
+    if c.state.phase not in LIVE_PHASES:
+        return
+    timeout = c.config.liveness_timeout
+    for pid in c.state.active():
+        view = c.snap.participants.get(pid)
+        if view is None or not view.alive(c.now, timeout):
+            silent = c.now - view.last_seen if view else float("inf")
+            c.drop(pid, f"silent for {silent:.0f}s (liveness timeout {timeout:.0f}s)")
+
+
+def tick(snap: Snapshot, config: RunConfig, now: float) -> Decision:
+    """Advance the run as far as `now` allows. Pure: the same inputs always give the same decision."""
+    c = Ctx(snap, config, now, snap.state)
+    _drop_silent(c)
+    for _ in range(MAX_STEPS):
+        row = next((t for t in TRANSITIONS if t.source is c.state.phase and t.guard(c)), None)
+        if row is None:
+            break
+        row.action(c)
+        c.state = c.state.evolve(phase=row.target, phase_started=now)
+        c.fired.append(row.name)
+        c.effects.append(Note(f"{row.source} -> {row.target} ({row.name})"))
+    return Decision(c.state, tuple(c.effects), tuple(c.fired), c.state != snap.state)
+
+
+def resolve(decision: Decision, aggregate_digest: str) -> Decision:
+    """Fill in the digest of the aggregate an `Aggregate` effect wrote (known only after writing it)."""
+    effects = tuple(
+        RecordRound(_with_digest(e.summary, aggregate_digest)) if isinstance(e, RecordRound) and e.summary.aggregated
+        else e
+        for e in decision.effects
+    )
+    state = decision.state.evolve(global_digest=aggregate_digest)
+    return Decision(state, effects, decision.fired, decision.changed)
+
+
+def _with_digest(summary: RoundSummary, digest: str) -> RoundSummary:
+    return dataclasses.replace(summary, global_digest=digest)
+
+
+def transition_table() -> str:
+    """The table as Markdown, for the docs."""
+    rows = ["| from | to | name | when |", "|---|---|---|---|"]
+    rows += [f"| {t.source} | {t.target} | `{t.name}` | {t.doc} |" for t in TRANSITIONS]
+    return "\n".join(rows)

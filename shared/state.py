@@ -1,0 +1,172 @@
+"""The coordinator's state and what a tick sees and asks for: plain frozen data, no I/O.
+
+`RunState` is owned by the tick and committed as one item with a version condition. The facts that
+arrive from participants (joins, heartbeats, updates) are owned by the ingest function and reach the
+tick read-only as `ParticipantView` and `UpdateView`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Phase(StrEnum):
+    WAITING = "WaitingForMembers"
+    WARMUP = "Warmup"
+    TRAIN = "RoundTrain"
+    WITNESS = "RoundWitness"
+    COOLDOWN = "Cooldown"
+    FINISHED = "Finished"
+
+
+class MemberStatus(StrEnum):
+    ACTIVE = "active"
+    DROPPED = "dropped"
+
+
+@dataclass(frozen=True)
+class Member:
+    """A participant admitted to the current epoch."""
+
+    status: MemberStatus = MemberStatus.ACTIVE
+    since: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RunState:
+    run_id: str
+    version: int = 0
+    phase: Phase = Phase.WAITING
+    epoch: int = 0  # epochs started; the current epoch's number (first epoch is 1)
+    round: int = 0  # current round; every round number is used once and never decreases
+    aggregated: int = 0  # rounds aggregated so far (the run is finished at total_rounds)
+    seed: str = ""  # the current round's seed (hex)
+    phase_started: float = 0.0
+    deadline: float = 0.0  # when the current phase ends at the latest; 0: no deadline
+    round_started: float = 0.0
+    rounds_in_epoch: int = 0
+    members: Mapping[str, Member] = field(default_factory=dict)
+    selected: tuple[str, ...] = ()
+    counted: tuple[str, ...] = ()  # accepted updates frozen for aggregation when RoundTrain ends
+    global_digest: str = ""  # digest of rounds/<round>/global; "" before the run has a model
+    model_source: str = ""  # participant whose initial-model offer became round 0's model
+
+    @property
+    def has_model(self) -> bool:
+        return bool(self.global_digest)
+
+    def active(self) -> list[str]:
+        return sorted(p for p, m in self.members.items() if m.status is MemberStatus.ACTIVE)
+
+    def evolve(self, **changes: Any) -> RunState:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ParticipantView:
+    """What ingest recorded about a participant: when it joined and was last heard from."""
+
+    pid: str
+    joined_at: float
+    last_seen: float
+    ready_epoch: int = 0  # last epoch for which it reported having the model loaded
+    init_digest: str = ""  # digest of its initial-model offer, if it made one
+
+    def alive(self, now: float, timeout: float) -> bool:
+        return now - self.last_seen <= timeout
+
+
+@dataclass(frozen=True)
+class UpdateView:
+    """An update recorded for the current round: accepted with its weight, or refused with a reason."""
+
+    pid: str
+    round: int
+    accepted: bool
+    samples: int = 0
+    digest: str = ""
+    reason: str = ""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    state: RunState
+    participants: Mapping[str, ParticipantView] = field(default_factory=dict)
+    updates: Mapping[str, UpdateView] = field(default_factory=dict)  # current round only
+
+
+# --- effects: what a tick asks its handler to do -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdoptInitialModel:
+    """Copy a participant's initial-model offer to round 0's global key and record the manifest."""
+
+    participant: str
+    digest: str
+
+
+@dataclass(frozen=True)
+class AggregateInput:
+    participant: str
+    samples: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """Combine the counted updates of `round` into the global model of `round + 1`, before committing."""
+
+    round: int
+    inputs: tuple[AggregateInput, ...]
+
+
+@dataclass(frozen=True)
+class CarryGlobal:
+    """A round that could not be aggregated: its global model becomes the next round's unchanged."""
+
+    round: int
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """One finished round, kept as the run's metrics history."""
+
+    round: int
+    epoch: int
+    selected: tuple[str, ...]
+    counted: tuple[str, ...]
+    refused: Mapping[str, str]
+    dropped: Mapping[str, str]
+    samples: int
+    loss: float | None
+    accuracy: float | None
+    started: float
+    ended: float
+    aggregated: bool
+    global_digest: str = ""  # filled in once the aggregate is written
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+
+@dataclass(frozen=True)
+class RecordRound:
+    summary: RoundSummary
+
+
+@dataclass(frozen=True)
+class Note:
+    """A notable event for the logs (drops, phase changes)."""
+
+    message: str
+
+
+Effect = AdoptInitialModel | Aggregate | CarryGlobal | RecordRound | Note
