@@ -6,6 +6,7 @@
     runs/<run>/rounds/<round>/global           global model that round <round> trains from
     runs/<run>/rounds/<round>/<participant>    participant's trained model for round <round>
     runs/<run>/manifest.json                   tensor names, shapes and dtypes of the model
+    runs/<run>/config.json                     the run configuration, published by the first tick
 
 Rounds are zero-padded so keys sort in round order. Participant ids are validated before they become
 part of any key: no path characters, no reserved names.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 PARTICIPANT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
-RESERVED_IDS = frozenset({"global", "manifest", "witness", "health", "state", "checkpoint"})
+RESERVED_IDS = frozenset({"global", "manifest", "config", "witness", "health", "state", "checkpoint", "checkpoints"})
 ROUND_DIGITS = 6
 
 
@@ -33,6 +34,7 @@ class ObjectKind(StrEnum):
     GLOBAL = "global"
     UPDATE = "update"
     MANIFEST = "manifest"
+    CONFIG = "config"
 
 
 def validate_participant_id(pid: str) -> str:
@@ -81,6 +83,10 @@ def manifest_key(run_id: str) -> str:
     return f"{run_prefix(run_id)}manifest.json"
 
 
+def config_key(run_id: str) -> str:
+    return f"{run_prefix(run_id)}config.json"
+
+
 @dataclass(frozen=True)
 class ParsedKey:
     kind: ObjectKind
@@ -100,6 +106,8 @@ def parse_key(key: str) -> ParsedKey:
     run_id, rest = parts[1], parts[2:]
     if rest == ["manifest.json"]:
         return ParsedKey(ObjectKind.MANIFEST, run_id)
+    if rest == ["config.json"]:
+        return ParsedKey(ObjectKind.CONFIG, run_id)
     simple = {"join": ObjectKind.JOIN, "init": ObjectKind.INIT, "heartbeat": ObjectKind.HEARTBEAT}
     if len(rest) == 2 and rest[0] in simple:
         return ParsedKey(simple[rest[0]], run_id, participant=validate_participant_id(rest[1]))

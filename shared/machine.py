@@ -145,7 +145,7 @@ def _start_epoch(c: Ctx) -> None:
     if not s.has_model:
         source = next(p for p in eligible if p.init_digest)
         s = s.evolve(global_digest=source.init_digest, model_source=source.pid)
-        c.effects.append(AdoptInitialModel(source.pid, source.init_digest))
+        c.effects.append(AdoptInitialModel(source.pid, source.init_digest, s.round))
     c.state = s
     c.effects.append(Note(f"epoch {s.epoch} starts with {len(eligible)} members"))
 
@@ -216,7 +216,7 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         aggregated=aggregated,
     )
     if aggregated:
-        inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest) for p in counted)
+        inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest, updates[p].version_id) for p in counted)
         c.effects.append(Aggregate(s.round, inputs))
     else:
         c.effects.append(CarryGlobal(s.round))

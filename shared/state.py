@@ -92,6 +92,7 @@ class UpdateView:
     digest: str = ""
     reason: str = ""
     metrics: Mapping[str, float] = field(default_factory=dict)
+    version_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class AdoptInitialModel:
 
     participant: str
     digest: str
+    round: int
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class AggregateInput:
     participant: str
     samples: int
     digest: str
+    version_id: str = ""  # the S3 object version accepted (uploads to the same key cannot swap it)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""A tick against the real stores: load, decide (pure), carry out what must precede the commit, commit.
+
+Used by the tick handler and, after recording an object, by the ingest handler. Two ticks racing is
+normal: the loser's conditional commit fails with `Conflict`, it re-reads, and finds nothing to do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from functions.settings import Deps
+from shared import keys
+from shared.aggregate import WeightedInput, aggregate_file
+from shared.machine import Decision, resolve, tick
+from shared.state import AdoptInitialModel, Aggregate, CarryGlobal, Note, RecordRound, RoundSummary, RunState
+from shared.store import Conflict
+from shared.wire import Manifest, WireError, decode, digest, parse_header
+
+MAX_ATTEMPTS = 6
+
+
+class TickContention(RuntimeError):
+    """Every attempt lost its race; the next tick will try again (nothing is lost)."""
+
+
+class CorruptInput(RuntimeError):
+    """A stored object no longer matches what was recorded for it."""
+
+
+@dataclass(frozen=True)
+class TickResult:
+    committed: bool
+    state: RunState
+    attempts: int
+    fired: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    summaries: tuple[RoundSummary, ...] = ()
+    aggregation_seconds: float = 0.0
+
+
+def run_tick(deps: Deps, now: float | None = None) -> TickResult:
+    now = time.time() if now is None else now
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        snap = deps.store.load_snapshot()
+        decision = tick(snap, deps.config, now)
+        first = snap.state.version == 0  # the run's first commit publishes its configuration
+        if first:
+            deps.bucket.put(keys.config_key(deps.config.run_id), deps.config.model_dump_json(indent=1).encode())
+        if not decision.changed and not first:
+            return TickResult(False, snap.state, attempt)
+        started = time.perf_counter()
+        decision = carry_out_before_commit(deps, decision)
+        aggregation_seconds = time.perf_counter() - started
+        summaries = tuple(e.summary for e in decision.effects if isinstance(e, RecordRound))
+        try:
+            version = deps.store.commit(decision.state, snap.state.version, summaries)
+        except Conflict:
+            continue
+        notes = tuple(e.message for e in decision.effects if isinstance(e, Note))
+        state = decision.state.evolve(version=version)
+        return TickResult(True, state, attempt, decision.fired, notes, summaries, aggregation_seconds)
+    raise TickContention(f"lost {MAX_ATTEMPTS} races in a row")
+
+
+def carry_out_before_commit(deps: Deps, decision: Decision) -> Decision:
+    """Write every object the new state will point to. Writes are idempotent: same key, same bytes."""
+    run_id = deps.config.run_id
+    for effect in decision.effects:
+        if isinstance(effect, AdoptInitialModel):
+            adopt_initial_model(deps, effect)
+        elif isinstance(effect, Aggregate):
+            data = aggregate_round(deps, effect)
+            deps.bucket.put(keys.global_key(run_id, effect.round + 1), data)
+            decision = resolve(decision, digest(data))
+        elif isinstance(effect, CarryGlobal):
+            deps.bucket.copy(keys.global_key(run_id, effect.round), keys.global_key(run_id, effect.round + 1))
+    return decision
+
+
+def adopt_initial_model(deps: Deps, effect: AdoptInitialModel) -> None:
+    run_id = deps.config.run_id
+    blob = deps.bucket.get(keys.init_key(run_id, effect.participant))
+    if digest(blob.data) != effect.digest:
+        raise CorruptInput(f"initial model offer of {effect.participant} changed after it was recorded")
+    manifest = Manifest.of(parse_header(blob.data))
+    deps.bucket.put(keys.manifest_key(run_id), manifest.to_json().encode())
+    deps.bucket.put(keys.global_key(run_id, effect.round), blob.data)
+
+
+def load_manifest(deps: Deps) -> Manifest:
+    return Manifest.from_json(deps.bucket.get(keys.manifest_key(deps.config.run_id)).data)
+
+
+def aggregate_round(deps: Deps, effect: Aggregate) -> bytes:
+    """Stream the counted updates of a round, one at a time, into the next global model's bytes."""
+    run_id = deps.config.run_id
+    manifest = load_manifest(deps)
+
+    def loader(pid: str, version_id: str, want: str):  # type: ignore[no-untyped-def]
+        def load():  # type: ignore[no-untyped-def]
+            blob = deps.bucket.get(keys.update_key(run_id, effect.round, pid), version_id=version_id)
+            if digest(blob.data) != want:
+                raise CorruptInput(f"update of {pid} for round {effect.round} does not match its recorded digest")
+            try:
+                arrays, _ = decode(blob.data)
+            except WireError as exc:  # it was validated on arrival; reaching here means the bucket changed
+                raise CorruptInput(str(exc)) from None
+            return arrays
+
+        return load
+
+    inputs = [
+        WeightedInput(i.participant, i.samples, i.digest, loader(i.participant, i.version_id, i.digest))
+        for i in effect.inputs
+    ]
+    return aggregate_file(manifest, run_id, effect.round + 1, deps.config.strategy.value, inputs)

@@ -1,0 +1,212 @@
+"""What ingest does with one uploaded object: classify it by key, validate it, record the outcome.
+
+Idempotent: an outcome is recorded once per object (conditional puts keyed on the round slot, or on
+the object's key and ETag), so a duplicate or late S3 event changes nothing. Every refusal is recorded
+with its reason and never raises: bad input must not stop the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from functions.coordinator import load_manifest
+from functions.settings import Deps
+from shared import keys
+from shared.blobs import NotFound
+from shared.keys import KeyError_, ObjectKind
+from shared.selection import assigned_count
+from shared.state import Phase, RunState
+from shared.store import UpdateRecord
+from shared.wire import UpdateMeta, WireError, decode, digest, non_finite, parse_header
+
+MAX_CONTROL_BYTES = 16 * 1024  # join requests and heartbeats are small JSON documents
+
+
+@dataclass(frozen=True)
+class ObjectCreated:
+    """The parts of an S3 "Object Created" event that ingest uses."""
+
+    bucket: str
+    key: str
+    size: int
+    etag: str
+    version_id: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str
+    key: str
+    accepted: bool
+    reason: str = ""
+    participant: str = ""
+    recorded: bool = True  # False: this object had been handled before (a duplicate event)
+
+
+def ingest_object(deps: Deps, obj: ObjectCreated) -> Outcome:
+    try:
+        parsed = keys.parse_key(obj.key)
+    except KeyError_ as exc:
+        return _refuse(deps, obj, "layout", str(exc))
+    if parsed.run_id != deps.config.run_id:
+        return _refuse(deps, obj, "layout", f"object belongs to run {parsed.run_id!r}, not {deps.config.run_id!r}")
+    pid = parsed.participant or ""
+    if parsed.kind is ObjectKind.JOIN:
+        return _join(deps, obj, pid)
+    if parsed.kind is ObjectKind.HEARTBEAT:
+        return _heartbeat(deps, obj, pid)
+    if parsed.kind is ObjectKind.INIT:
+        return _init_offer(deps, obj, pid)
+    if parsed.kind is ObjectKind.UPDATE:
+        assert parsed.round is not None
+        return _update(deps, obj, pid, parsed.round)
+    return Outcome(parsed.kind.value, obj.key, True, "written by the coordinator", recorded=False)
+
+
+def _refuse(deps: Deps, obj: ObjectCreated, kind: str, reason: str, pid: str = "") -> Outcome:
+    recorded = deps.store.record_refusal(obj.key, obj.etag, reason, obj.time, pid)
+    return Outcome(kind, obj.key, False, reason, pid, recorded)
+
+
+def _read_json(deps: Deps, obj: ObjectCreated) -> dict[str, Any]:
+    if obj.size > MAX_CONTROL_BYTES:
+        raise ValueError(f"{obj.size} bytes is over the {MAX_CONTROL_BYTES}-byte limit for control documents")
+    blob = deps.bucket.get(obj.key, max_bytes=MAX_CONTROL_BYTES, version_id=obj.version_id)
+    try:
+        body = json.loads(blob.data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError("not a JSON document") from None
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    return body
+
+
+def _join(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
+    try:
+        body = _read_json(deps, obj)
+    except (ValueError, NotFound) as exc:
+        return _refuse(deps, obj, "join", f"join request refused: {exc}", pid)
+    if body.get("run_id") != deps.config.run_id:
+        wrong = f"join request for run {body.get('run_id')!r}, this is {deps.config.run_id!r}"
+        return _refuse(deps, obj, "join", wrong, pid)
+    if body.get("participant") != pid:
+        return _refuse(deps, obj, "join", "join request names another participant than its key", pid)
+    info = body.get("info") if isinstance(body.get("info"), dict) else {}
+    created = deps.store.record_join(pid, obj.time, str(body.get("public_key", "")), _small(info))
+    return Outcome("join", obj.key, True, "" if created else "rejoined", pid)
+
+
+def _small(info: dict[str, Any]) -> dict[str, Any]:
+    """Keep a bounded, flat copy of participant-supplied info (it is displayed, never trusted)."""
+    return {str(k)[:40]: v if isinstance(v, int | float) else str(v)[:200] for k, v in list(info.items())[:20]}
+
+
+def _heartbeat(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
+    try:
+        body = _read_json(deps, obj)
+    except (ValueError, NotFound) as exc:
+        return _refuse(deps, obj, "heartbeat", f"heartbeat refused: {exc}", pid)
+    ready = body.get("ready_epoch")
+    info = body.get("info") if isinstance(body.get("info"), dict) else None
+    ready_epoch = ready if isinstance(ready, int) else None
+    known = deps.store.touch(pid, obj.time, ready_epoch, _small(info) if info else None)
+    if not known:
+        return _refuse(deps, obj, "heartbeat", "heartbeat from a participant that never joined", pid)
+    return Outcome("heartbeat", obj.key, True, participant=pid)
+
+
+def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
+    state = deps.store.read_state()
+    if state.has_model:
+        return _refuse(deps, obj, "init", "the run already has a model", pid)
+    if deps.store.participant(pid) is None:
+        return _refuse(deps, obj, "init", "initial model offered by a participant that never joined", pid)
+    try:
+        data = _fetch_model(deps, obj)
+        header = parse_header(data)
+        if not header.tensors:
+            raise WireError("the file holds no tensors")
+        arrays, _ = decode(data)
+        if reason := non_finite(arrays):
+            raise WireError(reason)
+    except (WireError, ValueError, NotFound) as exc:
+        return _refuse(deps, obj, "init", f"initial model refused: {exc}", pid)
+    deps.store.set_init_offer(pid, digest(data))
+    return Outcome("init", obj.key, True, participant=pid)
+
+
+def _fetch_model(deps: Deps, obj: ObjectCreated) -> bytes:
+    limit = deps.config.max_update_bytes
+    if obj.size > limit:
+        raise ValueError(f"over the size limit: {obj.size} bytes > {limit}")
+    return deps.bucket.get(obj.key, max_bytes=limit, version_id=obj.version_id).data
+
+
+def _update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
+    state = deps.store.read_state()
+    if reason := _slot_problem(state, round_no, pid):
+        return _refuse(deps, obj, "update", reason, pid)
+    existing = deps.store.update_record(round_no, pid)
+    if existing is not None:
+        if existing.etag == obj.etag and existing.version_id == obj.version_id:
+            return Outcome("update", obj.key, existing.accepted, existing.reason, pid, recorded=False)
+        return _refuse(deps, obj, "update", f"duplicate: an update for round {round_no} was already received", pid)
+    record = _validate_update(deps, obj, pid, round_no, state)
+    if not deps.store.record_update(record):  # a racing delivery of the same object got there first
+        return Outcome("update", obj.key, record.accepted, record.reason, pid, recorded=False)
+    return Outcome("update", obj.key, record.accepted, record.reason, pid)
+
+
+def _slot_problem(state: RunState, round_no: int, pid: str) -> str:
+    """Why an update cannot belong to a round slot at all (recorded outside the slots), or ""."""
+    if state.phase is Phase.FINISHED:
+        return "the run is finished"
+    if round_no != state.round:
+        return f"wrong round: update for round {round_no}, the run is at round {state.round}"
+    if state.phase is not Phase.TRAIN:
+        return f"round {round_no} is not accepting updates (phase {state.phase})"
+    if pid not in state.members:
+        return f"{pid} is not a member of epoch {state.epoch}"
+    return ""
+
+
+def _validate_update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int, state: RunState) -> UpdateRecord:
+    base = UpdateRecord(round_no, pid, obj.key, False, etag=obj.etag, version_id=obj.version_id,
+                        size=obj.size, received_at=obj.time)
+    if pid not in state.selected:
+        return _replace(base, reason=f"not selected for round {round_no}")
+    try:
+        data = _fetch_model(deps, obj)
+        header = parse_header(data)
+        manifest = load_manifest(deps)
+        if reason := manifest.mismatch(header):
+            raise WireError(reason)
+        meta = UpdateMeta.from_metadata(header.metadata)
+        _check_meta(deps, meta, pid, round_no, state)
+        arrays, _ = decode(data)
+        if reason := non_finite(arrays):
+            raise WireError(reason)
+    except (WireError, ValueError) as exc:
+        return _replace(base, reason=str(exc))
+    except NotFound:
+        return _replace(base, reason="the object was deleted before it could be read")
+    return _replace(base, accepted=True, samples=meta.samples, digest=digest(data), metrics=dict(meta.metrics))
+
+
+def _check_meta(deps: Deps, meta: UpdateMeta, pid: str, round_no: int, state: RunState) -> None:
+    if meta.run_id != deps.config.run_id or meta.round != round_no or meta.participant != pid:
+        raise WireError("metadata names another run, round or participant than the key")
+    if meta.samples <= 0:
+        raise WireError(f"sample count must be positive, got {meta.samples}")
+    if deps.config.dataset_size:
+        assigned = assigned_count(deps.config.dataset_size, state.selected, pid)
+        if meta.samples > assigned:
+            raise WireError(f"claims {meta.samples} samples, more than the {assigned} it was assigned")
+
+
+def _replace(rec: UpdateRecord, **changes: Any) -> UpdateRecord:
+    return dataclasses.replace(rec, **changes)

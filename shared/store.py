@@ -1,0 +1,218 @@
+"""The run's state in DynamoDB: load a snapshot, commit a tick, record what participants sent.
+
+Optimistic concurrency: the state item carries a version; a commit is conditional on the version it
+was computed from, and a lost race surfaces as one exception, `Conflict`, handled by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pynamodb.connection import Connection
+from pynamodb.exceptions import DoesNotExist, PutError, TransactWriteError, UpdateError
+from pynamodb.transactions import TransactWrite
+
+from shared.records import (
+    STATE_SK,
+    Models,
+    models,
+    participant_sk,
+    participant_view,
+    refusal_sk,
+    round_sk,
+    run_pk,
+    state_from_body,
+    state_to_body,
+    summary_from_body,
+    summary_to_body,
+    update_sk,
+    update_view,
+)
+from shared.state import ParticipantView, RoundSummary, RunState, Snapshot, UpdateView
+
+CONDITION_FAILED = {"ConditionalCheckFailedException", "TransactionCanceledException"}
+
+
+class Conflict(Exception):
+    """Another writer changed the record first; re-read and decide again."""
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """What ingest learned about one uploaded update."""
+
+    round: int
+    pid: str
+    key: str
+    accepted: bool
+    reason: str = ""
+    samples: int = 0
+    digest: str = ""
+    size: int = 0
+    etag: str = ""
+    version_id: str = ""
+    received_at: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class StateStore:
+    def __init__(self, table: str, run_id: str, endpoint: str | None = None, region: str = "us-east-1") -> None:
+        self.run_id = run_id
+        self.pk = run_pk(run_id)
+        self.m: Models = models(table, endpoint, region)
+        self._table, self._endpoint, self._region = table, endpoint, region
+
+    # --- the coordinator state ---------------------------------------------------------------------
+
+    def read_state(self) -> RunState:
+        """The committed state (strongly consistent); a fresh state if the run has not started."""
+        try:
+            item = self.m.run.get(self.pk, STATE_SK, consistent_read=True)
+        except DoesNotExist:
+            return RunState(self.run_id)
+        return state_from_body(item.body, int(item.version))
+
+    def load_snapshot(self) -> Snapshot:
+        state = self.read_state()
+        return Snapshot(state, self.participants(), self.updates(state.round))
+
+    def commit(self, state: RunState, expected_version: int, summaries: tuple[RoundSummary, ...] = ()) -> int:
+        """Write `state` if the stored version is still `expected_version`; return the new version."""
+        item = self.m.run(
+            self.pk,
+            STATE_SK,
+            phase=state.phase.value,
+            round=state.round,
+            epoch=state.epoch,
+            body=state_to_body(state),
+        )
+        if expected_version:  # without a version, pynamodb's save requires that the item not exist yet
+            item.version = expected_version
+        try:
+            if not summaries:
+                item.save()
+            else:
+                with TransactWrite(connection=self._connection()) as tx:
+                    tx.save(item)
+                    for s in summaries:
+                        tx.save(self.m.round(self.pk, round_sk(s.round), round=s.round, body=summary_to_body(s)))
+        except (PutError, TransactWriteError) as exc:
+            if exc.cause_response_code in CONDITION_FAILED:
+                raise Conflict(f"state changed since version {expected_version}") from None
+            raise
+        return expected_version + 1
+
+    def _connection(self) -> Connection:
+        return Connection(region=self._region, host=self._endpoint)
+
+    # --- what ingest records -----------------------------------------------------------------------
+
+    def participants(self) -> dict[str, ParticipantView]:
+        items = self.m.participant.query(
+            self.pk, self.m.participant.sk.startswith("P#"), consistent_read=True
+        )
+        return {i.pid: participant_view(i) for i in items}
+
+    def participant(self, pid: str) -> Any | None:
+        try:
+            return self.m.participant.get(self.pk, participant_sk(pid), consistent_read=True)
+        except DoesNotExist:
+            return None
+
+    def record_join(self, pid: str, at: float, public_key: str = "", info: dict[str, Any] | None = None) -> bool:
+        """Create the participant's record; False if it had joined before (only liveness is refreshed)."""
+        item = self.m.participant(
+            self.pk, participant_sk(pid), pid=pid, joined_at=at, last_seen=at, public_key=public_key, info=info or {}
+        )
+        try:
+            item.save(condition=self.m.participant.pk.does_not_exist())
+            return True
+        except PutError as exc:
+            if exc.cause_response_code not in CONDITION_FAILED:
+                raise
+        self.touch(pid, at)
+        return False
+
+    def touch(self, pid: str, at: float, ready_epoch: int | None = None, info: dict[str, Any] | None = None) -> bool:
+        """Move last_seen forward (never back: events arrive out of order); False if pid never joined."""
+        p = self.m.participant
+        actions = [p.last_seen.set(at)]
+        if ready_epoch is not None:
+            actions.append(p.ready_epoch.set(ready_epoch))
+        if info is not None:
+            actions.append(p.info.set(info))
+        try:
+            self.m.participant(self.pk, participant_sk(pid)).update(
+                actions=actions, condition=p.pk.exists() & (p.last_seen < at)
+            )
+            return True
+        except UpdateError as exc:
+            if exc.cause_response_code not in CONDITION_FAILED:
+                raise
+        return self.participant(pid) is not None
+
+    def set_init_offer(self, pid: str, digest: str) -> None:
+        p = self.m.participant
+        self.m.participant(self.pk, participant_sk(pid)).update(
+            actions=[p.init_digest.set(digest)], condition=p.pk.exists()
+        )
+
+    def updates(self, round_no: int) -> dict[str, UpdateView]:
+        items = self.m.update.query(
+            self.pk, self.m.update.sk.startswith(update_sk(round_no)), consistent_read=True
+        )
+        return {i.pid: update_view(i) for i in items}
+
+    def record_update(self, rec: UpdateRecord) -> bool:
+        """Record an update once; False if one is already recorded for this round and participant."""
+        item = self.m.update(
+            self.pk,
+            update_sk(rec.round, rec.pid),
+            round=rec.round,
+            pid=rec.pid,
+            accepted=rec.accepted,
+            reason=rec.reason,
+            samples=rec.samples,
+            digest=rec.digest,
+            size=rec.size,
+            key=rec.key,
+            etag=rec.etag,
+            version_id=rec.version_id,
+            received_at=rec.received_at,
+            metrics=rec.metrics,
+        )
+        try:
+            item.save(condition=self.m.update.pk.does_not_exist())
+            return True
+        except PutError as exc:
+            if exc.cause_response_code in CONDITION_FAILED:
+                return False
+            raise
+
+    def update_record(self, round_no: int, pid: str) -> Any | None:
+        try:
+            return self.m.update.get(self.pk, update_sk(round_no, pid), consistent_read=True)
+        except DoesNotExist:
+            return None
+
+    def all_updates(self) -> list[Any]:
+        return list(self.m.update.query(self.pk, self.m.update.sk.startswith("U#"), consistent_read=True))
+
+    def record_refusal(self, key: str, etag: str, reason: str, at: float, pid: str = "") -> bool:
+        """Record an object refused before it could be tied to a round slot; once per (key, etag)."""
+        item = self.m.refusal(self.pk, refusal_sk(key, etag), key=key, etag=etag, reason=reason, at=at, pid=pid)
+        try:
+            item.save(condition=self.m.refusal.pk.does_not_exist())
+            return True
+        except PutError as exc:
+            if exc.cause_response_code in CONDITION_FAILED:
+                return False
+            raise
+
+    def refusals(self) -> list[Any]:
+        return list(self.m.refusal.query(self.pk, self.m.refusal.sk.startswith("X#"), consistent_read=True))
+
+    def rounds(self) -> list[RoundSummary]:
+        items = self.m.round.query(self.pk, self.m.round.sk.startswith("R#"), consistent_read=True)
+        return [summary_from_body(i.body) for i in items]
