@@ -147,14 +147,15 @@ def _fetch_model(deps: Deps, obj: ObjectCreated) -> bytes:
 
 
 def _update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
+    deps.store.touch(pid, obj.time)  # any upload shows the participant is alive
+    existing = deps.store.update_record(round_no, pid)
+    if existing is not None:
+        if existing.etag == obj.etag and existing.version_id == obj.version_id:  # the same event again
+            return Outcome("update", obj.key, existing.accepted, existing.reason, pid, recorded=False)
+        return _refuse(deps, obj, "update", f"duplicate: an update for round {round_no} was already received", pid)
     state = deps.store.read_state()
     if reason := _slot_problem(state, round_no, pid):
         return _refuse(deps, obj, "update", reason, pid)
-    existing = deps.store.update_record(round_no, pid)
-    if existing is not None:
-        if existing.etag == obj.etag and existing.version_id == obj.version_id:
-            return Outcome("update", obj.key, existing.accepted, existing.reason, pid, recorded=False)
-        return _refuse(deps, obj, "update", f"duplicate: an update for round {round_no} was already received", pid)
     record = _validate_update(deps, obj, pid, round_no, state)
     if not deps.store.record_update(record):  # a racing delivery of the same object got there first
         return Outcome("update", obj.key, record.accepted, record.reason, pid, recorded=False)

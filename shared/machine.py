@@ -248,6 +248,11 @@ def _retry_round(c: Ctx) -> None:
     _begin_round(c)
 
 
+def _close_and_wait(c: Ctx) -> None:
+    _close_round(c, aggregated=_enough_updates(c))
+    _back_to_waiting(c)
+
+
 def _finish(c: Ctx) -> None:
     c.state = c.state.evolve(deadline=0.0, selected=(), counted=())
     c.effects.append(Note("run finished"))
@@ -282,6 +287,8 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(RW, CD, "aggregate_epoch_end",
                _all(_deadline_passed, _enough_updates, _epoch_ends_after_this_round), _aggregate_and_cool_down,
                "aggregate; the epoch (or the run) has had its rounds"),
+    Transition(RW, W, "witness_too_few", _all(_deadline_passed, _too_few_members), _close_and_wait,
+               "aggregate if enough updates arrived, then wait: members dropped below min_clients"),
     Transition(RW, T, "aggregate_next_round", _all(_deadline_passed, _enough_updates), _aggregate_and_continue,
                "aggregate and start the next round"),
     Transition(RW, T, "round_retry", _all(_deadline_passed, _not(_enough_updates)), _retry_round,

@@ -1,0 +1,167 @@
+"""A run on in-process moto, driven through the real handlers with recorded EventBridge event JSON."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import boto3
+import numpy as np
+import pytest
+from moto import mock_aws
+from moto.dynamodb.models import DynamoDBBackend
+
+from functions import ingest, tick
+from functions.settings import Deps, deps_from_env
+from infra.local.context import LocalContext
+from infra.local.resources import create_resources
+from shared import keys, wire
+from shared.config import RunConfig
+from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_RUN_ID, ENV_TABLE
+from shared.selection import assigned_count
+from shared.state import RunState
+
+EVENTS = Path(__file__).resolve().parents[1] / "events"
+RUN = "func-run"
+MODEL = {"dense.weight": np.full((4, 3), 0.5, np.float32), "dense.bias": np.zeros(4, np.float32)}
+
+
+def recorded_event(name: str) -> dict[str, Any]:
+    return json.loads((EVENTS / name).read_text())
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "POWERTOOLS_TRACE_DISABLED": "true",
+        "POWERTOOLS_METRICS_DISABLED": "true",
+        "POWERTOOLS_LOG_LEVEL": "WARNING",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with mock_aws():
+        yield
+
+
+@pytest.fixture
+def atomic_dynamodb(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process moto checks a condition and writes in two steps; hold one lock around each write (FACTS.md)."""
+    lock = threading.RLock()
+    for name in ("put_item", "update_item", "delete_item", "transact_write_items", "get_item", "query"):
+        original = getattr(DynamoDBBackend, name)
+
+        def locked(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
+            with lock:
+                return __original(self, *args, **kwargs)
+
+        monkeypatch.setattr(DynamoDBBackend, name, locked)
+
+
+class Harness:
+    """One run: put objects as participants would, deliver their events to the handlers, tick."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.res = create_resources(config.run_id)
+        self.s3 = boto3.client("s3", region_name="us-east-1")
+
+    @property
+    def deps(self) -> Deps:
+        return deps_from_env()
+
+    def state(self) -> RunState:
+        return self.deps.store.read_state()
+
+    # --- objects and their events -----------------------------------------------------------------
+
+    def put(self, key: str, body: bytes) -> dict[str, Any]:
+        """Upload an object and return the EventBridge event S3 would emit for it."""
+        resp = self.s3.put_object(Bucket=self.res.bucket, Key=key, Body=body)
+        event = copy.deepcopy(recorded_event("s3_object_created.json"))
+        event["time"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event["detail"]["bucket"]["name"] = self.res.bucket
+        event["detail"]["object"].update(
+            key=key, size=len(body), etag=resp["ETag"].strip('"'), **{"version-id": resp.get("VersionId", "")}
+        )
+        return event
+
+    def deliver(self, event: dict[str, Any]) -> dict[str, Any]:
+        return ingest.handler(event, LocalContext())
+
+    def send(self, key: str, body: bytes) -> dict[str, Any]:
+        return self.deliver(self.put(key, body))
+
+    def scheduled_tick(self) -> dict[str, Any]:
+        return tick.handler(recorded_event("scheduled_tick.json"), LocalContext())
+
+    # --- participant actions ----------------------------------------------------------------------
+
+    def join(self, pid: str, run_id: str | None = None) -> dict[str, Any]:
+        body = {"run_id": run_id or self.config.run_id, "participant": pid, "info": {"host": "test"}}
+        return self.send(keys.join_key(self.config.run_id, pid), json.dumps(body).encode())
+
+    def offer(self, pid: str, model: dict[str, np.ndarray] = MODEL) -> dict[str, Any]:
+        return self.send(keys.init_key(self.config.run_id, pid), wire.encode(model))
+
+    def update_bytes(
+        self, pid: str, arrays: dict[str, np.ndarray], round_no: int | None = None, samples: int | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> bytes:
+        s = self.state()
+        rnd = s.round if round_no is None else round_no
+        if samples is None:
+            samples = assigned_count(self.config.dataset_size, s.selected, pid) if s.selected else 1
+        meta = wire.UpdateMeta(self.config.run_id, rnd, pid, samples, metrics or {"loss": 1.0})
+        return wire.encode(arrays, meta.to_metadata())
+
+    def upload(self, pid: str, arrays: dict[str, np.ndarray], round_no: int | None = None, **kw: Any) -> dict[str, Any]:
+        rnd = self.state().round if round_no is None else round_no
+        return self.send(keys.update_key(self.config.run_id, rnd, pid), self.update_bytes(pid, arrays, rnd, **kw))
+
+    def start(self, pids: list[str]) -> RunState:
+        """Join everyone, offer the initial model: the run is then training round 0."""
+        self.scheduled_tick()
+        for pid in pids:
+            self.join(pid)
+        self.offer(pids[0])
+        return self.state()
+
+    def global_model(self, round_no: int) -> dict[str, np.ndarray]:
+        body = self.s3.get_object(Bucket=self.res.bucket, Key=keys.global_key(self.config.run_id, round_no))
+        return wire.decode(body["Body"].read())[0]
+
+
+def make_config(**overrides: Any) -> RunConfig:
+    base: dict[str, Any] = dict(
+        run_id=RUN, min_clients=2, min_per_round=2, min_updates=1, total_rounds=3, warmup_time=0,
+        max_round_train_time=60, round_witness_time=0, cooldown_time=0, liveness_timeout=60, dataset_size=100,
+        max_update_bytes=4096,
+    )
+    base.update(overrides)
+    return RunConfig(**base)
+
+
+@pytest.fixture
+def harness_factory(aws: None, atomic_dynamodb: None, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    def build(**overrides: Any) -> Harness:
+        config = make_config(**overrides)
+        res_bucket = f"fed-{config.run_id}"
+        monkeypatch.setenv(ENV_RUN_ID, config.run_id)
+        monkeypatch.setenv(ENV_BUCKET, res_bucket)
+        monkeypatch.setenv(ENV_TABLE, f"fed-{config.run_id}-state")
+        monkeypatch.setenv(ENV_CONFIG, config.model_dump_json())
+        return Harness(config)
+
+    return build
+
+
+@pytest.fixture
+def harness(harness_factory):  # type: ignore[no-untyped-def]
+    return harness_factory()

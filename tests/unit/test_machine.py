@@ -1,0 +1,255 @@
+"""The coordinator state machine: every row of the transition table, and the table's own shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.config import RunConfig
+from shared.machine import TRANSITIONS, tick, transition_table
+from shared.state import (
+    AdoptInitialModel,
+    Aggregate,
+    CarryGlobal,
+    Member,
+    MemberStatus,
+    ParticipantView,
+    Phase,
+    RecordRound,
+    RunState,
+    Snapshot,
+    UpdateView,
+)
+
+CFG = RunConfig(
+    run_id="unit-run",
+    min_clients=2,
+    min_per_round=2,
+    min_updates=1,
+    total_rounds=3,
+    warmup_time=10,
+    max_round_train_time=30,
+    round_witness_time=5,
+    cooldown_time=5,
+    liveness_timeout=20,
+)
+T0 = 1000.0
+
+
+def pv(pid: str, seen: float = T0, ready: int = 0, init: str = "") -> ParticipantView:
+    return ParticipantView(pid, joined_at=T0 - 50, last_seen=seen, ready_epoch=ready, init_digest=init)
+
+
+def members(*pids: str) -> dict[str, Member]:
+    return {p: Member(MemberStatus.ACTIVE, T0 - 10) for p in pids}
+
+
+def state(phase: Phase, **kw: object) -> RunState:
+    base = dict(run_id="unit-run", version=3, phase=phase, epoch=1, global_digest="g0", deadline=T0 + 100)
+    base.update(kw)
+    return RunState(**base)  # type: ignore[arg-type]
+
+
+def upd(pid: str, rnd: int = 0, ok: bool = True) -> UpdateView:
+    return UpdateView(pid, rnd, ok, samples=10, digest=f"d-{pid}", reason="" if ok else "bad", metrics={"loss": 1.0})
+
+
+# Each scenario: (transition name, snapshot, now) such that that row is the first to fire.
+SCENARIOS = {
+    "epoch_start": (
+        Snapshot(RunState("unit-run"), {"a": pv("a", init="i"), "b": pv("b")}),
+        T0,
+    ),
+    "warmup_too_few": (
+        Snapshot(state(Phase.WARMUP, members=members("a", "b")), {"a": pv("a"), "b": pv("b", seen=T0 - 60)}),
+        T0,
+    ),
+    "warmup_done": (
+        Snapshot(state(Phase.WARMUP, members=members("a", "b")), {"a": pv("a", ready=1), "b": pv("b", ready=1)}),
+        T0,
+    ),
+    "train_too_few": (
+        Snapshot(
+            state(Phase.TRAIN, members=members("a", "b"), selected=("a", "b")),
+            {"a": pv("a"), "b": pv("b", seen=T0 - 60)},
+        ),
+        T0,
+    ),
+    "round_closed": (
+        Snapshot(
+            state(Phase.TRAIN, members=members("a", "b"), selected=("a", "b")),
+            {"a": pv("a"), "b": pv("b")},
+            {"a": upd("a"), "b": upd("b")},
+        ),
+        T0,
+    ),
+    "aggregate_epoch_end": (
+        Snapshot(
+            state(Phase.WITNESS, members=members("a", "b"), counted=("a", "b"), aggregated=2, round=2, deadline=T0),
+            {"a": pv("a"), "b": pv("b")},
+            {"a": upd("a", 2), "b": upd("b", 2)},
+        ),
+        T0,
+    ),
+    "witness_too_few": (
+        Snapshot(
+            state(Phase.WITNESS, members=members("a", "b"), counted=("a",), deadline=T0),
+            {"a": pv("a"), "b": pv("b", seen=T0 - 60)},
+            {"a": upd("a")},
+        ),
+        T0,
+    ),
+    "aggregate_next_round": (
+        Snapshot(
+            state(Phase.WITNESS, members=members("a", "b"), counted=("a",), deadline=T0),
+            {"a": pv("a"), "b": pv("b")},
+            {"a": upd("a"), "b": upd("b", ok=False)},
+        ),
+        T0,
+    ),
+    "round_retry": (
+        Snapshot(
+            state(Phase.WITNESS, members=members("a", "b"), counted=(), deadline=T0),
+            {"a": pv("a"), "b": pv("b")},
+            {"a": upd("a", ok=False), "b": upd("b", ok=False)},
+        ),
+        T0,
+    ),
+    "run_complete": (
+        Snapshot(state(Phase.COOLDOWN, members=members("a", "b"), aggregated=3, round=3, deadline=T0)),
+        T0,
+    ),
+    "next_epoch": (
+        Snapshot(
+            state(Phase.COOLDOWN, members=members("a", "b"), aggregated=1, round=1, deadline=T0),
+            {"a": pv("a"), "b": pv("b"), "c": pv("c")},
+        ),
+        T0,
+    ),
+    "next_epoch_waiting": (
+        Snapshot(
+            state(Phase.COOLDOWN, members=members("a", "b"), aggregated=1, round=1, deadline=T0),
+            {"a": pv("a"), "b": pv("b", seen=T0 - 60)},
+        ),
+        T0,
+    ),
+}
+
+
+def test_every_transition_has_a_scenario() -> None:
+    assert {t.name for t in TRANSITIONS} == set(SCENARIOS)
+
+
+@pytest.mark.parametrize("row", TRANSITIONS, ids=lambda t: t.name)
+def test_transition_fires(row) -> None:  # type: ignore[no-untyped-def]
+    # Given a run set up for this row
+    snap, now = SCENARIOS[row.name]
+    assert snap.state.phase is row.source
+    # When the coordinator ticks
+    decision = tick(snap, CFG, now)
+    # Then this row fires first and the run moves to its target
+    assert decision.fired[0] == row.name
+    assert decision.changed
+    first_target = row.target
+    if len(decision.fired) == 1:
+        assert decision.state.phase is first_target
+
+
+def test_table_shape() -> None:
+    sources = {t.source for t in TRANSITIONS}
+    assert Phase.FINISHED not in sources, "nothing leaves Finished"
+    for phase in Phase:
+        if phase is not Phase.FINISHED:
+            assert phase in sources, f"{phase} has no way out"
+    reachable, frontier = {Phase.WAITING}, [Phase.WAITING]
+    while frontier:
+        here = frontier.pop()
+        for t in TRANSITIONS:
+            if t.source is here and t.target not in reachable:
+                reachable.add(t.target)
+                frontier.append(t.target)
+    assert reachable == set(Phase)
+    assert transition_table().count("\n") == len(TRANSITIONS) + 1
+
+
+def test_epoch_start_adopts_the_first_offer_and_admits_live_participants() -> None:
+    snap = Snapshot(RunState("unit-run"), {"b": pv("b", init="ib"), "a": pv("a", init="ia"), "z": pv("z", T0 - 99)})
+    d = tick(snap, CFG, T0)
+    assert d.state.phase is Phase.WARMUP and d.state.epoch == 1
+    assert set(d.state.members) == {"a", "b"}  # z is silent: not admitted
+    assert AdoptInitialModel("a", "ia", 0) in d.effects
+    assert d.state.global_digest == "ia"
+
+
+def test_no_epoch_without_a_model_or_an_offer() -> None:
+    snap = Snapshot(RunState("unit-run"), {"a": pv("a"), "b": pv("b")})
+    assert not tick(snap, CFG, T0).changed
+
+
+def test_late_joiner_waits_for_the_next_epoch() -> None:
+    snap = Snapshot(
+        state(Phase.TRAIN, members=members("a", "b"), selected=("a", "b")),
+        {"a": pv("a"), "b": pv("b"), "late": pv("late")},
+    )
+    d = tick(snap, CFG, T0)
+    assert "late" not in d.state.members and "late" not in d.state.selected
+
+
+def test_selection_is_fraction_with_minimum() -> None:
+    cfg = CFG.model_copy(update={"fraction_per_round": 0.5, "min_per_round": 2, "min_clients": 2})
+    pids = [f"p{i}" for i in range(10)]
+    snap = Snapshot(
+        state(Phase.WARMUP, members=members(*pids)), {p: pv(p, ready=1) for p in pids}
+    )
+    d = tick(snap, cfg, T0)
+    assert len(d.state.selected) == 5
+    assert tick(snap, cfg, T0).state.selected == d.state.selected  # deterministic
+
+
+def test_deadline_drops_the_missing_and_freezes_the_count() -> None:
+    snap = Snapshot(
+        state(Phase.TRAIN, members=members("a", "b", "c"), selected=("a", "b", "c"), deadline=T0),
+        {p: pv(p) for p in "abc"},
+        {"a": upd("a")},
+    )
+    cfg = CFG.model_copy(update={"min_clients": 1, "min_per_round": 1})
+    d = tick(snap, cfg, T0)
+    assert d.fired[0] == "round_closed"
+    assert d.state.members["b"].status is MemberStatus.DROPPED
+    assert "deadline" in d.state.members["b"].reason
+    assert d.state.counted == ("a",)
+    assert "b" not in d.state.selected
+
+
+def test_aggregate_effect_lists_exactly_the_counted_updates() -> None:
+    snap = SCENARIOS["aggregate_next_round"][0]
+    d = tick(snap, CFG, T0)
+    (agg,) = [e for e in d.effects if isinstance(e, Aggregate)]
+    assert [i.participant for i in agg.inputs] == ["a"]
+    (rec,) = [e for e in d.effects if isinstance(e, RecordRound)]
+    assert rec.summary.refused == {"b": "bad"}
+    assert d.state.round == 1 and d.state.aggregated == 1
+
+
+def test_retry_carries_the_model_and_uses_a_new_round_number() -> None:
+    snap = SCENARIOS["round_retry"][0]
+    d = tick(snap, CFG, T0)
+    assert CarryGlobal(0) in d.effects
+    assert d.state.round == 1 and d.state.aggregated == 0
+    assert d.state.global_digest == "g0"
+
+
+def test_one_tick_runs_a_whole_round_when_nothing_waits() -> None:
+    cfg = CFG.model_copy(update={"round_witness_time": 0})
+    snap = SCENARIOS["round_closed"][0]
+    d = tick(snap, cfg, T0)
+    assert d.fired == ("round_closed", "aggregate_next_round")
+    assert d.state.phase is Phase.TRAIN and d.state.round == 1
+    assert d.state.global_digest == ""  # filled in by resolve() once the aggregate is written
+
+
+def test_nothing_to_do_changes_nothing() -> None:
+    snap = Snapshot(
+        state(Phase.TRAIN, members=members("a", "b"), selected=("a", "b")), {"a": pv("a"), "b": pv("b")}
+    )
+    d = tick(snap, CFG, T0)
+    assert not d.changed and d.fired == () and d.effects == ()
