@@ -56,7 +56,8 @@ def test_a_round_end_to_end_and_the_global_equals_fedavg_of_accepted_files(harne
     raw = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 1))["Body"]
     assert wire.digest(raw.read()) == state.global_digest
     (summary,) = harness.deps.store.rounds()
-    assert summary.counted == ("alice", "bob") and summary.samples == 40 and summary.global_digest == state.global_digest
+    assert summary.counted == ("alice", "bob") and summary.samples == 40
+    assert summary.global_digest == state.global_digest
 
 
 def test_duplicate_event_changes_nothing(harness: Harness) -> None:
