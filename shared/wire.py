@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 from safetensors.numpy import load as _st_load
-from safetensors.numpy import save as _st_save
 
 SCHEMA_VERSION = "1"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -119,8 +118,31 @@ def parse_header(data: bytes) -> Header:
     return Header(tensors, dict(metadata))
 
 
+_TAG_OF = {np.dtype(name): tag for tag, (name, _) in DTYPES.items()}
+
+
 def encode(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
-    return _st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata or None)
+    """A safetensors file with a canonical layout: the same tensors and metadata always give the same bytes.
+
+    (The safetensors library orders metadata by a hash map, so two writes of one model can differ; a
+    global model's digest must be reproducible by anyone, so the layout is fixed here.)
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(sorted(metadata.items()))
+    chunks, offset = [], 0
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        if arr.dtype not in _TAG_OF:
+            raise WireError(f"tensor {name!r}: dtype {arr.dtype} cannot be stored")
+        raw = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        span = [offset, offset + len(raw)]
+        header[name] = {"dtype": _TAG_OF[arr.dtype], "shape": list(arr.shape), "data_offsets": span}
+        chunks.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
 
 
 def decode(data: bytes) -> tuple[dict[str, np.ndarray], Header]:

