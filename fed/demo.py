@@ -1,0 +1,429 @@
+"""`fed demo`: the local stack plus N real participant processes training the built-in task to the end.
+
+The demo is an observer: it starts the stack and the participants, then only reads what the coordinator
+records (round summaries, the run state) and the global models in the bucket, which it evaluates with
+the task on its held-out test set. It never drives the run itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from fed.localrun import RoundFollower, store_for
+from infra.local.stack import LocalStack, client_environment
+from participant.tasks import digits_meta
+from shared import keys
+from shared.blobs import Bucket, s3_client
+from shared.config import RunConfig
+from shared.connection import Connection
+from shared.state import Phase, RoundSummary
+from shared.wire import digest
+
+DEMO_RUN_ID = "demo"
+DEFAULT_ROUNDS = 20
+DEFAULT_TIMEOUT = 600.0
+JOIN_TIMEOUT = 120.0  # participants import torch first: seconds on a loaded 2-core machine
+EXIT_GRACE = 20.0  # after the run finished, how long participants get to notice and exit
+
+
+class DemoFailed(RuntimeError):
+    """The demo could not finish; the message says why and where the logs are."""
+
+
+def demo_config(participants: int, rounds: int = DEFAULT_ROUNDS, kill_one: bool = False,
+                run_id: str = DEMO_RUN_ID, **overrides: Any) -> RunConfig:
+    """Settings that finish quickly on a 2-core CPU machine and reach >= 0.95 test accuracy on digits.
+
+    Every participant trains every round (fraction 1.0) on its 1/N share of the training set. With
+    `kill_one`, one participant will die mid-run, so the run must keep going with N-1 members.
+    """
+    if participants < 1:
+        raise ValueError("a demo needs at least one participant")
+    survivors = participants - 1 if kill_one else participants
+    if survivors < 1:
+        raise ValueError("--kill-one needs at least two participants")
+    values: dict[str, Any] = dict(
+        run_id=run_id,
+        min_clients=survivors,
+        fraction_per_round=1.0,
+        min_per_round=survivors,
+        min_updates=max(1, survivors - 1) if survivors > 1 else 1,
+        total_rounds=rounds,
+        rounds_per_epoch=0,
+        warmup_time=5.0,
+        max_round_train_time=30.0,
+        round_witness_time=0.0,
+        cooldown_time=0.0,
+        liveness_timeout=10.0,
+        task=digits_meta.TASK,
+        dataset_size=digits_meta.TRAIN_SIZE,
+        local_epochs=2,
+        batch_size=32,
+        learning_rate=0.05,
+    )
+    values.update(overrides)
+    return RunConfig(**values)
+
+
+# --- evaluation --------------------------------------------------------------------------------------
+
+
+class Evaluator:
+    """Test accuracy of a round's global model, with the run's task (torch is imported in the background)."""
+
+    def __init__(self, config: RunConfig, connection: Connection) -> None:
+        self.config = config
+        self.bucket = Bucket(connection.bucket, s3_client(connection.endpoint, connection.region))
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._task: Any = None
+        self._model: Any = None
+        threading.Thread(target=self._load, name="evaluator-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            import torch
+
+            from participant.task import load_task
+
+            torch.set_num_threads(1)  # the participants need the cores more than the evaluator
+            self._task = load_task(self.config.task)
+            self._model = self._task.build_model(self.config.seed)
+            self._task.evaluate(self._model, torch.device("cpu"))  # load the data set now, not mid-run
+        except BaseException as exc:  # reported when an accuracy is asked for
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def accuracy(self, round_no: int, expect_digest: str = "") -> float:
+        """Test accuracy of rounds/<round_no>/global (its digest checked when given)."""
+        import torch
+
+        from participant.tensors import load_into
+
+        self._ready.wait()
+        if self._error is not None:
+            raise DemoFailed(f"cannot evaluate with task {self.config.task!r}: {self._error}") from self._error
+        data = self.bucket.get(keys.global_key(self.config.run_id, round_no)).data
+        if expect_digest and digest(data) != expect_digest:
+            raise DemoFailed(f"the global model of round {round_no} does not match the digest the run recorded")
+        load_into(self._model, data)
+        return float(self._task.evaluate(self._model, torch.device("cpu"))["test_accuracy"])
+
+
+# --- participant processes ---------------------------------------------------------------------------
+
+
+def participant_command() -> list[str]:
+    """`fed-participant` from this environment (beside this interpreter), else on PATH."""
+    beside = Path(sys.executable).with_name("fed-participant")
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("fed-participant")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "from participant.cli import app; app()"]
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the demo dies, so no participant outlives it (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Participant:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    killed: bool = False
+
+
+@dataclass
+class Participants:
+    """N `fed-participant start` processes, each with its own state directory and log file."""
+
+    connection_file: Path
+    workdir: Path
+    extra_args: list[str] = field(default_factory=list)
+    procs: dict[str, Participant] = field(default_factory=dict)
+
+    def spawn(self, names: list[str]) -> None:
+        env = {
+            **os.environ,
+            **client_environment(),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",  # N processes share the cores: one thread each trains fastest
+            "MKL_NUM_THREADS": "1",
+        }
+        logs = self.workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            log = logs / f"{name}.log"
+            state_dir = self.workdir / "participants" / name
+            cmd = [*participant_command(), "start", "--connection", str(self.connection_file), "--id", name,
+                   "--state-dir", str(state_dir), *self.extra_args]
+            with log.open("wb") as out:
+                proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    start_new_session=True,  # Ctrl-C reaches the demo, which stops them in order
+                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+                )
+            self.procs[name] = Participant(name, proc, log)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: no goodbye, no flush; the coordinator must notice on its own."""
+        p = self.procs[name]
+        p.killed = True
+        p.process.send_signal(signal.SIGKILL)
+        p.process.wait()
+
+    def failed(self) -> list[Participant]:
+        """Processes that exited with an error (a killed one does not count)."""
+        return [p for p in self.procs.values()
+                if not p.killed and p.process.poll() is not None and p.process.returncode != 0]
+
+    def running(self) -> list[Participant]:
+        return [p for p in self.procs.values() if p.process.poll() is None]
+
+    def wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return not self.running()
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every live process, then SIGKILL what is left after `grace` seconds."""
+        for p in self.running():
+            p.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            try:
+                p.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.process.kill()
+                p.process.wait()
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        try:
+            text = self.procs[name].log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+# --- the demo ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class DemoOptions:
+    participants: int = 4
+    rounds: int | None = None  # None: the config's total_rounds (DEFAULT_ROUNDS without --config)
+    report: Path | None = None
+    config: RunConfig | None = None
+    kill_one: bool = False
+    kill_after_round: int = 1  # with kill_one: kill during the first round after this many were recorded
+    timeout: float = DEFAULT_TIMEOUT
+    tick_interval: float = 1.0
+    workdir: Path | None = None
+    keep: bool = False
+
+
+@dataclass
+class RoundRow:
+    round: int
+    participants: int
+    accepted: int
+    refused: int
+    loss: float | None
+    accuracy: float
+    seconds: float
+    aggregated: bool
+    dropped: dict[str, str]
+
+    def report(self) -> dict[str, Any]:
+        return {"round": self.round, "participants": self.participants, "accepted": self.accepted,
+                "refused": self.refused, "loss": self.loss, "accuracy": self.accuracy,
+                "seconds": round(self.seconds, 3), "aggregated": self.aggregated, "dropped": self.dropped}
+
+
+HEADER = (f"{'round':>5}  {'participants':>12}  {'accepted':>8}  {'refused':>7}  {'loss':>8}  {'test acc':>8}  "
+          f"{'seconds':>7}")
+
+
+def format_row(r: RoundRow) -> str:
+    loss = f"{r.loss:8.4f}" if r.loss is not None else f"{'-':>8}"
+    note = "" if r.aggregated else "  not aggregated"
+    if r.dropped:
+        note += "  dropped: " + ", ".join(f"{p} ({why})" for p, why in sorted(r.dropped.items()))
+    return (f"{r.round:>5}  {r.participants:>12}  {r.accepted:>8}  {r.refused:>7}  {loss}  {r.accuracy:8.4f}  "
+            f"{r.seconds:7.2f}{note}")
+
+
+def resolve_config(opts: DemoOptions) -> RunConfig:
+    if opts.config is None:
+        return demo_config(opts.participants, opts.rounds or DEFAULT_ROUNDS, opts.kill_one)
+    if opts.rounds is not None and opts.rounds != opts.config.total_rounds:
+        return RunConfig(**{**opts.config.model_dump(), "total_rounds": opts.rounds})
+    return opts.config
+
+
+def run_demo(opts: DemoOptions, console: Console | None = None,
+             on_ready: Callable[[LocalStack, Participants], None] | None = None) -> dict[str, Any]:
+    """Run the demo to the end; return the report (also written to `opts.report`). Raises DemoFailed."""
+    console = console or Console()
+    config = resolve_config(opts)
+    if opts.kill_one and opts.participants - 1 < config.min_clients:
+        raise DemoFailed(
+            f"--kill-one with {opts.participants} participants leaves {opts.participants - 1}, fewer than the "
+            f"config's min_clients ({config.min_clients}): the run could not go on"
+        )
+    started = time.monotonic()
+    workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="fed-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    stack = LocalStack(config, tick_interval=opts.tick_interval, log_file=workdir / "functions.log",
+                       log_level="INFO", start_dispatcher=False)
+    procs: Participants | None = None
+    ok = False
+    try:
+        stack.start()
+        connection_file = workdir / "connection.json"
+        stack.connection.save(connection_file)
+        console.print(f"[bold]fed demo[/]: {opts.participants} participants, {config.total_rounds} rounds of "
+                      f"{config.task} on {stack.endpoint}")
+        console.print(f"logs: {workdir / 'logs'}   watch: fed status --connection {connection_file} --watch")
+        names = [f"p{i}" for i in range(1, opts.participants + 1)]
+        procs = Participants(connection_file, workdir)
+        procs.spawn(names)
+        evaluator = Evaluator(config, stack.connection)
+        if on_ready is not None:
+            on_ready(stack, procs)
+        _await_joins(stack, config, names, procs, console)
+        assert stack.dispatcher is not None
+        stack.dispatcher.start()  # every participant has asked to join: the first epoch admits them all
+        rows = _follow(stack, config, opts, procs, evaluator, console, started)
+        final = store_for(stack.connection).read_state()
+        final_accuracy = evaluator.accuracy(final.round, final.global_digest)
+        procs.wait_exit(EXIT_GRACE)
+        wall = time.monotonic() - started
+        report = {
+            "config": config.to_json_dict(),
+            "rounds": [r.report() for r in rows],
+            "final_accuracy": final_accuracy,
+            "wall_seconds": round(wall, 2),
+            "participants": opts.participants,
+            "killed": [p.name for p in procs.procs.values() if p.killed],
+            "aggregated_rounds": final.aggregated,
+        }
+        if opts.report is not None:
+            opts.report.parent.mkdir(parents=True, exist_ok=True)
+            opts.report.write_text(json.dumps(report, indent=1) + "\n")
+        console.print(f"[green]finished[/]: {final.aggregated} rounds in {wall:.1f}s, "
+                      f"final test accuracy {final_accuracy:.4f}"
+                      + (f"; report: {opts.report}" if opts.report else ""))
+        ok = True
+        return report
+    finally:
+        if procs is not None:
+            procs.stop()
+        stack.stop()
+        if ok and not opts.keep and opts.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif not ok:
+            console.print(f"logs kept in {workdir}")
+
+
+def _await_joins(stack: LocalStack, config: RunConfig, names: list[str], procs: Participants,
+                 console: Console) -> None:
+    """Hold event delivery until every participant's join request is in the bucket."""
+    assert stack.resources is not None
+    bucket = Bucket(stack.resources.bucket, s3_client(stack.endpoint, stack.resources.region))
+    prefix = keys.run_prefix(config.run_id) + "join/"
+    deadline = time.monotonic() + JOIN_TIMEOUT
+    with console.status(f"starting {len(names)} participant processes"):
+        while True:
+            _check_processes(procs)
+            joined = {k.rsplit("/", 1)[-1] for k in bucket.keys(prefix)}
+            if joined >= set(names):
+                return
+            if time.monotonic() > deadline:
+                missing = ", ".join(sorted(set(names) - joined))
+                raise DemoFailed(f"participants {missing} did not ask to join within {JOIN_TIMEOUT:.0f}s")
+            time.sleep(0.2)
+
+
+def _check_processes(procs: Participants) -> None:
+    failed = procs.failed()
+    if failed:
+        p = failed[0]
+        raise DemoFailed(
+            f"participant {p.name} exited with status {p.process.returncode}; the end of {p.log}:\n{procs.tail(p.name)}"
+        )
+
+
+def _follow(stack: LocalStack, config: RunConfig, opts: DemoOptions, procs: Participants, evaluator: Evaluator,
+            console: Console, started: float) -> list[RoundRow]:
+    """Print a row per recorded round until the run is Finished; kill a participant if asked."""
+    store = store_for(stack.connection)
+    follower = RoundFollower(store)
+    rows: list[RoundRow] = []
+    victim = sorted(procs.procs)[-1] if opts.kill_one else None
+    console.print(HEADER)
+    deadline = started + opts.timeout
+    while True:
+        _check_processes(procs)
+        state = store.read_state()
+        for summary in follower.new():
+            row = _row(summary, evaluator)
+            rows.append(row)
+            console.print(format_row(row))
+        if victim is not None and not procs.procs[victim].killed:
+            _maybe_kill(procs, store, state, victim, len(rows), opts.kill_after_round, console)
+        if state.phase is Phase.FINISHED and state.aggregated >= config.total_rounds:
+            for summary in follower.new():  # the closing tick records the last round with the state
+                row = _row(summary, evaluator)
+                rows.append(row)
+                console.print(format_row(row))
+            return rows
+        if time.monotonic() > deadline:
+            raise DemoFailed(
+                f"the run did not finish within {opts.timeout:.0f}s: phase {state.phase}, round {state.round}, "
+                f"{state.aggregated}/{config.total_rounds} rounds aggregated"
+            )
+        time.sleep(0.25)
+
+
+def _row(summary: RoundSummary, evaluator: Evaluator) -> RoundRow:
+    accuracy = evaluator.accuracy(summary.round + 1, summary.global_digest if summary.aggregated else "")
+    return RoundRow(summary.round, len(summary.selected), len(summary.counted), len(summary.refused), summary.loss,
+                    accuracy, summary.seconds, summary.aggregated, dict(summary.dropped))
+
+
+def _maybe_kill(procs: Participants, store: Any, state: Any, victim: str, rounds_seen: int, after: int,
+                console: Console) -> None:
+    """Kill the victim while it is selected for a round it has not delivered yet: mid-round."""
+    if rounds_seen < after or state.phase is not Phase.TRAIN or victim not in state.selected:
+        return
+    if store.update_record(state.round, victim) is not None:
+        return
+    procs.kill(victim)
+    console.print(f"[yellow]killed participant {victim} (SIGKILL) during round {state.round}[/]")
+

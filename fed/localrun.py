@@ -1,0 +1,157 @@
+"""`fed local`: the local stack in the foreground, until Ctrl-C, with a line per finished round."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from infra.local.stack import LocalStack
+from participant.tasks import digits_meta
+from shared.config import RunConfig
+from shared.connection import DEFAULT_LOCAL_FILE, Connection
+from shared.state import RoundSummary
+from shared.store import StateStore
+
+LOCAL_RUN_ID = "local"
+
+
+def default_local_config(run_id: str = LOCAL_RUN_ID, **overrides: Any) -> RunConfig:
+    """A run for trying things by hand: two or more participants on the built-in digits task."""
+    values: dict[str, Any] = dict(
+        run_id=run_id,
+        min_clients=2,
+        fraction_per_round=1.0,
+        min_per_round=2,
+        min_updates=1,
+        total_rounds=20,
+        rounds_per_epoch=0,
+        warmup_time=10.0,
+        max_round_train_time=60.0,
+        round_witness_time=0.0,
+        cooldown_time=0.0,
+        liveness_timeout=20.0,
+        task=digits_meta.TASK,
+        dataset_size=digits_meta.TRAIN_SIZE,
+        local_epochs=1,
+        batch_size=32,
+        learning_rate=0.05,
+    )
+    values.update(overrides)
+    return RunConfig(**values)
+
+
+class RoundFollower:
+    """Yield each round summary once, in round order, as the coordinator records them."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.seen: set[int] = set()
+
+    def new(self) -> list[RoundSummary]:
+        fresh = [s for s in sorted(self.store.rounds(), key=lambda s: s.round) if s.round not in self.seen]
+        self.seen.update(s.round for s in fresh)
+        return fresh
+
+
+def store_for(connection: Connection) -> StateStore:
+    return StateStore(connection.table, connection.run_id, connection.endpoint, connection.region)
+
+
+def describe_round(s: RoundSummary) -> str:
+    loss = f"{s.loss:.4f}" if s.loss is not None else "-"
+    what = "aggregated" if s.aggregated else "not aggregated (too few updates): model carried over"
+    extra = ""
+    if s.refused:
+        extra += "  refused: " + ", ".join(f"{p} ({r})" for p, r in sorted(s.refused.items()))
+    if s.dropped:
+        extra += "  dropped: " + ", ".join(f"{p} ({r})" for p, r in sorted(s.dropped.items()))
+    return (f"round {s.round} {what}: {len(s.counted)}/{len(s.selected)} updates, loss {loss}, "
+            f"{s.seconds:.1f}s{extra}")
+
+
+def participant_hint(connection_file: Path, names: tuple[str, ...] = ("alice", "bob")) -> list[str]:
+    return [f"fed-participant start --connection {connection_file} --id {name}" for name in names]
+
+
+def run_local(
+    config: RunConfig,
+    port: int,
+    tick_interval: float,
+    connection_file: Path = DEFAULT_LOCAL_FILE,
+    log_file: Path | None = None,
+    log_level: str = "INFO",
+    console: Console | None = None,
+    stop: threading.Event | None = None,
+    on_ready: Callable[[LocalStack], None] | None = None,
+) -> int:
+    """Serve the run until Ctrl-C (or `stop` is set); print a line per round and when the run finishes."""
+    console = console or Console()
+    stop = stop or threading.Event()
+    log_file = log_file or connection_file.parent / "local.log"
+    stack = LocalStack(config, port=port, tick_interval=tick_interval, log_file=log_file, log_level=log_level)
+    previous = _on_signals(stop)
+    try:
+        with console.status("starting moto's server and the run's resources"):
+            stack.start()
+        stack.connection.save(connection_file)
+        console.print(f"[bold]local run {config.run_id!r}[/] on {stack.endpoint} (moto; state is in memory)")
+        console.print(f"connection: {connection_file}   function logs: {log_file}")
+        console.print(f"waiting for {config.min_clients} participants; in other terminals run:")
+        names = tuple(f"p{i}" for i in range(1, config.min_clients + 1))
+        for line in participant_hint(connection_file, names):
+            console.print(f"  [cyan]{line}[/]")
+        console.print(f"and watch it with:\n  [cyan]fed status --connection {connection_file} --watch[/]")
+        console.print("Ctrl-C stops the stack.")
+        if on_ready is not None:
+            on_ready(stack)
+        follower = RoundFollower(store_for(stack.connection))
+        finished = False
+        while not stop.wait(1.0):
+            for summary in follower.new():
+                console.print(describe_round(summary))
+            state = follower.store.read_state()
+            if state.phase.value == "Finished" and not finished:
+                finished = True
+                console.print(f"[green]run finished[/]: {state.aggregated} rounds aggregated; "
+                              "the stack stays up for `fed status` until Ctrl-C")
+    finally:
+        _restore_signals(previous)
+        dispatcher = stack.dispatcher
+        with console.status("stopping"):
+            stack.stop()
+        if dispatcher is not None:
+            stats = dispatcher.stats
+            console.print(f"delivered {stats.delivered} events, {stats.ticks} scheduled ticks")
+    return 0
+
+
+def _on_signals(stop: threading.Event) -> dict[int, Any]:
+    """Ctrl-C and SIGTERM set `stop` (only possible from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    return previous
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
+    """Poll `predicate` until it holds or `timeout` passes; True if it held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

@@ -1,0 +1,260 @@
+"""`fed status`: the run at a glance, read from its table and bucket (local endpoint or AWS).
+
+Collecting (I/O) and describing (pure, `describe`) are separate so the description is testable without
+any store; rendering turns the description into rich tables, or JSON with `--json`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from shared import keys
+from shared.blobs import Bucket, NotFound, s3_client
+from shared.config import RunConfig
+from shared.connection import Connection
+from shared.state import MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
+from shared.store import StateStore
+
+RECENT_ROUNDS = 10
+
+
+@dataclass(frozen=True)
+class ParticipantLine:
+    pid: str
+    state: str  # pending | active | dropped
+    reason: str  # why it was dropped, or why it is pending
+    selected: bool
+    round_status: str  # this round: training | uploaded | refused | waiting | -
+    round_detail: str  # refusal reason, or the update's training loss
+    last_seen_ago: float | None
+    silent: bool  # no sign of life for more than half the liveness timeout
+
+
+@dataclass(frozen=True)
+class RefusalLine:
+    round: int | None
+    pid: str
+    key: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class RoundLine:
+    round: int
+    participants: int
+    accepted: int
+    refused: int
+    dropped: int
+    aggregated: bool
+    loss: float | None
+    accuracy: float | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Status:
+    run_id: str
+    phase: str
+    epoch: int
+    round: int
+    aggregated: int
+    total_rounds: int | None
+    deadline_in: float | None  # seconds from now until the phase's deadline; None: no deadline
+    participants: list[ParticipantLine]
+    refusals: list[RefusalLine]
+    rounds: list[RoundLine]
+    round_seconds: float | None  # mean of the recent aggregated rounds
+    eta_seconds: float | None
+    endpoint: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def describe(
+    state: RunState,
+    participants: Mapping[str, ParticipantView],
+    updates: Mapping[str, UpdateView],
+    refused_updates: Sequence[RefusalLine],
+    refusals: Sequence[RefusalLine],
+    rounds: Sequence[RoundSummary],
+    config: RunConfig | None,
+    now: float,
+    endpoint: str | None = None,
+) -> Status:
+    """Everything `fed status` shows, from the run's records and the time now. Pure."""
+    timeout = config.liveness_timeout if config else None
+    lines = []
+    for pid in sorted(set(participants) | set(state.members)):
+        view, member = participants.get(pid), state.members.get(pid)
+        if member is None:
+            st, reason = "pending", "joined; admitted at the next epoch" if state.phase is not Phase.FINISHED else ""
+        elif member.status is MemberStatus.DROPPED:
+            st, reason = "dropped", member.reason
+        else:
+            st, reason = "active", ""
+        selected = pid in state.selected
+        update = updates.get(pid)
+        if update is not None and update.round == state.round:
+            round_status = "uploaded" if update.accepted else "refused"
+            loss = update.metrics.get("loss")
+            round_detail = update.reason if not update.accepted else (f"loss {loss:.4f}" if loss is not None else "")
+        elif selected and state.phase is Phase.TRAIN:
+            round_status, round_detail = "training", ""
+        elif st == "active" and state.phase in (Phase.TRAIN, Phase.WITNESS):
+            round_status, round_detail = "waiting", "not selected this round"
+        else:
+            round_status, round_detail = "-", ""
+        ago = now - view.last_seen if view is not None else None
+        silent = bool(ago is not None and timeout and ago > timeout / 2 and st != "dropped")
+        lines.append(ParticipantLine(pid, st, reason, selected, round_status, round_detail, ago, silent))
+
+    recent = sorted(rounds, key=lambda r: r.round)[-RECENT_ROUNDS:]
+    round_lines = [
+        RoundLine(r.round, len(r.selected), len(r.counted), len(r.refused), len(r.dropped), r.aggregated,
+                  r.loss, r.accuracy, r.seconds)
+        for r in recent
+    ]
+    done = [r.seconds for r in recent if r.aggregated]
+    round_seconds = sum(done) / len(done) if done else None
+    total = config.total_rounds if config else None
+    eta = None
+    if round_seconds is not None and total is not None and state.phase is not Phase.FINISHED:
+        eta = max(0, total - state.aggregated) * round_seconds
+    deadline_in = state.deadline - now if state.deadline and state.phase is not Phase.FINISHED else None
+    notes = []
+    if state.version == 0:
+        notes.append("the coordinator has not ticked yet: no run state")
+    elif state.phase is Phase.WAITING and config is not None:
+        live = sum(1 for p in participants.values() if p.alive(now, config.liveness_timeout))
+        notes.append(f"waiting for members: {live} live of the {config.min_clients} needed")
+    return Status(
+        run_id=state.run_id,
+        phase=state.phase.value,
+        epoch=state.epoch,
+        round=state.round,
+        aggregated=state.aggregated,
+        total_rounds=total,
+        deadline_in=deadline_in,
+        participants=lines,
+        refusals=sorted([*refused_updates, *refusals], key=lambda r: r.at),
+        rounds=round_lines,
+        round_seconds=round_seconds,
+        eta_seconds=eta,
+        endpoint=endpoint,
+        notes=notes,
+    )
+
+
+def collect(connection: Connection, now: float | None = None) -> Status:
+    """Read the run's records and describe them."""
+    store = StateStore(connection.table, connection.run_id, connection.endpoint, connection.region)
+    bucket = Bucket(connection.bucket, s3_client(connection.endpoint, connection.region))
+    config = read_config(bucket, connection.run_id)
+    state = store.read_state()
+    participants = store.participants()
+    rounds = store.rounds()
+    updates = store.updates(state.round)
+    refused_updates = [
+        RefusalLine(int(u.round), u.pid, u.key, u.reason, float(u.received_at))
+        for u in store.all_updates()
+        if not u.accepted
+    ]
+    refusals = [RefusalLine(None, r.pid, r.key, r.reason, float(r.at)) for r in store.refusals()]
+    return describe(state, participants, updates, refused_updates, refusals, rounds, config,
+                    time.time() if now is None else now, connection.endpoint)
+
+
+def read_config(bucket: Bucket, run_id: str) -> RunConfig | None:
+    """The run's configuration as its first tick published it; None before that."""
+    try:
+        return RunConfig.model_validate_json(bucket.get(keys.config_key(run_id)).data)
+    except (NotFound, ValueError):
+        return None
+
+
+# --- rendering -----------------------------------------------------------------------------------------
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    value = max(0.0, value)
+    if value < 120:
+        return f"{value:.0f}s"
+    if value < 7200:
+        return f"{value / 60:.1f}min"
+    return f"{value / 3600:.1f}h"
+
+
+def _num(value: float | None, fmt: str = ".4f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+STATE_STYLE = {"active": "green", "pending": "yellow", "dropped": "red"}
+ROUND_STYLE = {"uploaded": "green", "refused": "red", "training": "cyan"}
+
+
+def render(status: Status) -> RenderableType:
+    head = Text()
+    head.append(f"run {status.run_id}", style="bold")
+    if status.endpoint:
+        head.append(f"  ({status.endpoint})", style="dim")
+    head.append(f"\nphase {status.phase}   epoch {status.epoch}   round {status.round}")
+    total = f"/{status.total_rounds}" if status.total_rounds is not None else ""
+    head.append(f"   aggregated {status.aggregated}{total}")
+    head.append(f"   deadline in {_seconds(status.deadline_in)}" if status.deadline_in is not None else "")
+    if status.round_seconds is not None:
+        head.append(f"\n{status.round_seconds:.1f}s per round   ETA {_seconds(status.eta_seconds)}")
+    for note in status.notes:
+        head.append(f"\n{note}", style="yellow")
+
+    people = Table(title="participants", title_justify="left", expand=False)
+    for col in ("participant", "state", "selected", "this round", "last seen", "detail"):
+        people.add_column(col)
+    for p in status.participants:
+        seen = "never" if p.last_seen_ago is None else f"{_seconds(p.last_seen_ago)} ago"
+        people.add_row(
+            p.pid,
+            Text(p.state, style=STATE_STYLE.get(p.state, "")),
+            "yes" if p.selected else "",
+            Text(p.round_status, style=ROUND_STYLE.get(p.round_status, "")),
+            Text(seen, style="red" if p.silent else ""),
+            p.reason or p.round_detail,
+        )
+
+    if not status.participants:
+        people.add_row("(nobody has joined yet)", "", "", "", "", "")
+    parts: list[RenderableType] = [head, people]
+    if status.refusals:
+        refused = Table(title="refused uploads", title_justify="left")
+        for col in ("round", "participant", "key", "reason"):
+            refused.add_column(col)
+        for r in status.refusals[-RECENT_ROUNDS:]:
+            refused.add_row("-" if r.round is None else str(r.round), r.pid or "?", r.key, Text(r.reason, style="red"))
+        parts.append(refused)
+    if status.rounds:
+        rounds = Table(title="recent rounds", title_justify="left")
+        for col in ("round", "participants", "accepted", "refused", "dropped", "loss", "accuracy", "seconds"):
+            rounds.add_column(col, justify="right")
+        for r in status.rounds:
+            rounds.add_row(
+                str(r.round), str(r.participants), str(r.accepted) if r.aggregated else f"{r.accepted} (retried)",
+                str(r.refused), str(r.dropped), _num(r.loss), _num(r.accuracy), f"{r.seconds:.1f}",
+            )
+        parts.append(rounds)
+    return Group(*parts)
+
+
+def render_json(status: Status) -> str:
+    return json.dumps(status.to_json(), indent=1)

@@ -1,0 +1,212 @@
+"""The local stand-in for Lambda's triggers: deliver queued S3 events to `ingest`, and scheduled ticks to `tick`.
+
+On AWS, EventBridge invokes the ingest function for every "Object Created" event of the run's bucket and
+a schedule invokes the tick function every minute. Locally the same rule targets an SQS queue; the
+dispatcher long-polls it and hands each envelope (the message body is exactly the EventBridge event) to
+the very same handler, on a small thread pool so that deliveries race as Lambda invocations do. A
+message is deleted only after its handler returned; a handler that raises leaves it on the queue, and it
+is delivered again once its visibility timeout passes (Lambda's retry of a failed async invocation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import boto3
+from botocore.config import Config
+
+from infra.local.context import LocalContext
+from infra.local.resources import LocalResources
+
+log = logging.getLogger("fed.local.dispatcher")
+
+Handler = Callable[[dict[str, Any], Any], Any]
+
+
+def scheduled_event(region: str, rule: str, at: float | None = None) -> dict[str, Any]:
+    """An EventBridge "Scheduled Event", as the tick schedule delivers it on AWS."""
+    when = datetime.fromtimestamp(time.time() if at is None else at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "version": "0",
+        "id": str(uuid.uuid4()),
+        "detail-type": "Scheduled Event",
+        "source": "aws.events",
+        "account": "123456789012",
+        "time": when,
+        "region": region,
+        "resources": [f"arn:aws:events:{region}:123456789012:rule/{rule}"],
+        "detail": {},
+    }
+
+
+@dataclass
+class DispatchStats:
+    """What the dispatcher has done so far (read by tests and `fed local`'s shutdown line)."""
+
+    delivered: int = 0
+    failed: int = 0
+    ticks: int = 0
+    tick_failures: int = 0
+    errors: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, error: str = "") -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+            if error:
+                self.errors.append(error)
+                del self.errors[:-20]  # the last few are enough to diagnose
+
+
+class Dispatcher:
+    """Poll the run's ingest queue and the clock; call the handlers. `start()` / `stop()`; a context manager."""
+
+    def __init__(
+        self,
+        resources: LocalResources,
+        tick_interval: float = 1.0,
+        workers: int = 3,
+        visibility_timeout: int = 15,
+        poll_wait: int = 1,
+        ingest: Handler | None = None,
+        tick: Handler | None = None,
+    ) -> None:
+        if tick_interval <= 0:
+            raise ValueError("tick_interval must be positive")
+        self.resources = resources
+        self.tick_interval = tick_interval
+        self.workers = workers
+        self.visibility_timeout = visibility_timeout
+        self.poll_wait = poll_wait
+        self._ingest, self._tick = ingest, tick
+        self.stats = DispatchStats()
+        self._stop = threading.Event()
+        self._slots = threading.Semaphore(workers)
+        self._pool: ThreadPoolExecutor | None = None
+        self._threads: list[threading.Thread] = []
+        self._sqs = boto3.client(
+            "sqs",
+            endpoint_url=resources.endpoint,
+            region_name=resources.region,
+            config=Config(retries={"max_attempts": 4, "mode": "standard"}, read_timeout=poll_wait + 10),
+        )
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> Dispatcher:
+        if self._ingest is None or self._tick is None:
+            # Imported late: the handlers read their settings from the environment on first call,
+            # which the caller sets up before starting the dispatcher.
+            from functions import ingest, tick
+
+            self._ingest = self._ingest or ingest.handler
+            self._tick = self._tick or tick.handler
+        self._stop.clear()
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ingest")
+        self._threads = [
+            threading.Thread(target=self._poll_loop, name="dispatch-poll", daemon=True),
+            threading.Thread(target=self._tick_loop, name="dispatch-tick", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop polling and ticking; wait for deliveries in flight (undelivered messages stay queued)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._threads, self._pool = [], None
+
+    def __enter__(self) -> Dispatcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- ingest ------------------------------------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            free = self._acquire_slots()
+            if not free:
+                continue
+            try:
+                messages = self._receive(free)
+            except Exception as exc:  # the server going away at shutdown, or a transient error
+                self._release(free)
+                if not self._stop.is_set():
+                    log.warning("receiving from the ingest queue failed: %s", exc)
+                    self._stop.wait(0.5)
+                continue
+            self._release(free - len(messages))
+            for message in messages:
+                assert self._pool is not None
+                self._pool.submit(self._deliver, message)
+
+    def _acquire_slots(self) -> int:
+        """Wait for one free worker, then take every free one: never receive more than can run now."""
+        if not self._slots.acquire(timeout=0.2):
+            return 0
+        taken = 1
+        while taken < min(self.workers, 10) and self._slots.acquire(blocking=False):
+            taken += 1
+        return taken
+
+    def _release(self, n: int) -> None:
+        for _ in range(n):
+            self._slots.release()
+
+    def _receive(self, most: int) -> list[dict[str, Any]]:
+        resp = self._sqs.receive_message(
+            QueueUrl=self.resources.queue_url,
+            MaxNumberOfMessages=most,
+            WaitTimeSeconds=self.poll_wait,
+            VisibilityTimeout=self.visibility_timeout,
+        )
+        return list(resp.get("Messages", []))
+
+    def _deliver(self, message: dict[str, Any]) -> None:
+        try:
+            event = json.loads(message["Body"])
+            assert self._ingest is not None
+            self._ingest(event, LocalContext(function_name="fed-local-ingest"))
+        except Exception as exc:
+            # Left on the queue: redelivered after the visibility timeout, as Lambda retries.
+            self.stats.add("failed", f"ingest: {type(exc).__name__}: {exc}")
+            log.exception("ingest failed; the event will be delivered again")
+        else:
+            try:
+                self._sqs.delete_message(QueueUrl=self.resources.queue_url, ReceiptHandle=message["ReceiptHandle"])
+            except Exception as exc:  # a duplicate delivery later is harmless: ingest is idempotent
+                log.warning("could not delete a delivered message: %s", exc)
+            self.stats.add("delivered")
+        finally:
+            self._slots.release()
+
+    # --- ticks -------------------------------------------------------------------------------------------
+
+    def _tick_loop(self) -> None:
+        rule = f"fed-{self.resources.run_id}-tick"
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                assert self._tick is not None
+                self._tick(scheduled_event(self.resources.region, rule), LocalContext(function_name="fed-local-tick"))
+                self.stats.add("ticks")
+            except Exception as exc:
+                self.stats.add("tick_failures", f"tick: {type(exc).__name__}: {exc}")
+                log.exception("scheduled tick failed; the next one will try again")
+            next_at = max(next_at + self.tick_interval, time.monotonic())
+            self._stop.wait(max(0.0, next_at - time.monotonic()))

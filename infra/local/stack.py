@@ -1,0 +1,161 @@
+"""The whole local stack in one object: moto's server, the run's resources, and the dispatcher.
+
+What `cdk deploy` stands up on AWS, stood up in this process: the same bucket, table, rule and handler
+functions, with moto's server in place of the services and the dispatcher in place of Lambda's
+triggers. `fed local`, `fed demo` and the end-to-end tests all start it through this class.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from infra.local.dispatcher import Dispatcher
+from infra.local.resources import LocalResources, create_resources
+from infra.local.server import LocalServer
+from shared.config import RunConfig
+from shared.connection import Connection
+from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_ENDPOINT, ENV_RUN_ID, ENV_TABLE
+
+LOCAL_REGION = "us-east-1"
+
+# moto accepts any credentials; these keep boto3 from ever sending a real key to the local endpoint.
+LOCAL_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local"}
+_CLEARED = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE")
+
+
+def client_environment(region: str = LOCAL_REGION) -> dict[str, str]:
+    """Environment for any process talking to the local endpoint (participants, `fed status`)."""
+    return {**LOCAL_CREDENTIALS, "AWS_DEFAULT_REGION": region, "AWS_REGION": region,
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def function_environment(resources: LocalResources, config: RunConfig, log_level: str) -> dict[str, str]:
+    """What the Lambda functions find in their environment on AWS, pointing at the local endpoint."""
+    assert resources.endpoint is not None
+    return {
+        **client_environment(resources.region),
+        ENV_RUN_ID: config.run_id,
+        ENV_BUCKET: resources.bucket,
+        ENV_TABLE: resources.table,
+        ENV_CONFIG: config.model_dump_json(),
+        ENV_ENDPOINT: resources.endpoint,
+        "POWERTOOLS_TRACE_DISABLED": "true",
+        "POWERTOOLS_METRICS_DISABLED": "true",
+        "POWERTOOLS_SERVICE_NAME": "fed-coordinator",
+        "POWERTOOLS_LOG_LEVEL": log_level,
+    }
+
+
+def route_function_logs(level: str, stream: IO[str] | None) -> None:
+    """Send the functions' JSON logs to `stream` (a log file) at `level`; the functions' own module is
+    imported here, so its powertools Logger already exists and takes the change."""
+    from functions.observability import logger
+
+    # Metrics are disabled locally; powertools still warns, once per process, that none were published.
+    warnings.filterwarnings("ignore", message="No application metrics to publish")
+    logger.setLevel(level.upper())
+    if stream is not None:
+        handler = logger.registered_handler
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(stream)
+
+
+@dataclass
+class LocalStack:
+    """Start with `start()` (or `with`), stop with `stop()`; `connection` is what participants need."""
+
+    config: RunConfig
+    port: int = 0
+    tick_interval: float = 1.0
+    workers: int = 3
+    log_level: str = "INFO"
+    log_file: Path | None = None  # the functions' logs; None: this process's stdout
+    region: str = LOCAL_REGION
+    start_dispatcher: bool = True  # False: deliver nothing until `dispatcher.start()` (the demo holds events back)
+    server: LocalServer | None = field(default=None, init=False)
+    resources: LocalResources | None = field(default=None, init=False)
+    dispatcher: Dispatcher | None = field(default=None, init=False)
+    _saved_env: dict[str, str | None] = field(default_factory=dict, init=False, repr=False)
+    _log_stream: IO[str] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        if self.server is None:
+            raise RuntimeError("the local stack is not running")
+        return self.server.endpoint
+
+    @property
+    def connection(self) -> Connection:
+        if self.resources is None:
+            raise RuntimeError("the local stack is not running")
+        r = self.resources
+        return Connection(run_id=r.run_id, bucket=r.bucket, table=r.table, endpoint=r.endpoint, region=r.region)
+
+    def start(self) -> LocalStack:
+        try:
+            self._set_env({**client_environment(self.region), **{name: None for name in _CLEARED}})
+            self.server = LocalServer(self.port).start()
+            _reset_moto(self.server.endpoint)  # a fresh run, even if this process ran one before
+            self.resources = create_resources(self.config.run_id, self.server.endpoint, self.region)
+            self._set_env(function_environment(self.resources, self.config, self.log_level))
+            if self.log_file is not None:
+                self.log_file.parent.mkdir(parents=True, exist_ok=True)
+                self._log_stream = self.log_file.open("a", buffering=1)
+            route_function_logs(self.log_level, self._log_stream)
+            self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers)
+            if self.start_dispatcher:
+                self.dispatcher.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop delivering, stop the server, give the environment back. Safe to call twice."""
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
+            self.dispatcher = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self._log_stream is not None:
+            import sys
+
+            route_function_logs(self.log_level, sys.stdout)
+            self._log_stream.close()
+            self._log_stream = None
+        for name, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._saved_env = {}
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _set_env(self, values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            self._saved_env.setdefault(name, os.environ.get(name))
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _reset_moto(endpoint: str) -> None:
+    """moto's backends live in the process, not in the server object: clear what an earlier run left."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST", data=b"")
+    with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - loopback, our own server
+        resp.read()
+

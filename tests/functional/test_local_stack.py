@@ -1,0 +1,141 @@
+"""The local stack (moto's server, resources, dispatcher) delivering real S3 events to the real handlers.
+
+Participants are simulated here with numpy uploads, so these tests need no torch and take seconds; the
+end-to-end tests in tests/e2e run the real participant processes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import boto3
+import numpy as np
+import pytest
+
+from fed.localrun import wait_until
+from fed.status import collect
+from infra.local.dispatcher import Dispatcher
+from infra.local.stack import LocalStack
+from shared import keys, wire
+from shared.config import RunConfig
+from shared.selection import assigned_count
+from shared.state import Phase
+from shared.store import StateStore
+
+MODEL = {"w": np.ones((3, 2), np.float32), "b": np.zeros(2, np.float32)}
+
+
+def config(**overrides: Any) -> RunConfig:
+    values: dict[str, Any] = dict(
+        run_id="stack-test", min_clients=2, min_per_round=2, min_updates=1, total_rounds=3, warmup_time=0,
+        max_round_train_time=30, cooldown_time=0, liveness_timeout=60, dataset_size=100,
+    )
+    values.update(overrides)
+    return RunConfig(**values)
+
+
+@pytest.fixture()
+def stack() -> Iterator[LocalStack]:
+    with LocalStack(config(), tick_interval=0.2, log_level="WARNING") as s:
+        yield s
+
+
+class Sim:
+    def __init__(self, stack: LocalStack) -> None:
+        c = stack.connection
+        self.run_id, self.bucket = c.run_id, c.bucket
+        self.s3 = boto3.client("s3", endpoint_url=c.endpoint, region_name=c.region)
+        self.store = StateStore(c.table, c.run_id, c.endpoint, c.region)
+
+    def put(self, key: str, body: bytes) -> None:
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=body)
+
+    def join(self, pid: str) -> None:
+        self.put(keys.join_key(self.run_id, pid), json.dumps({"run_id": self.run_id, "participant": pid}).encode())
+
+    def upload(self, pid: str, round_no: int, selected: tuple[str, ...], value: float) -> None:
+        meta = wire.UpdateMeta(self.run_id, round_no, pid, assigned_count(100, selected, pid), {"loss": value})
+        arrays = {k: v + value for k, v in MODEL.items()}
+        self.put(keys.update_key(self.run_id, round_no, pid), wire.encode(arrays, meta.to_metadata()))
+
+
+def until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    assert wait_until(predicate, timeout, 0.05), "condition not reached in time"
+
+
+def test_a_run_finishes_through_queued_events_and_ticks(stack: LocalStack) -> None:
+    # Given two participants that join and offer a model through S3 uploads only
+    sim = Sim(stack)
+    for pid in ("alice", "bob"):
+        sim.join(pid)
+    until(lambda: len(sim.store.participants()) == 2)
+    sim.put(keys.init_key(sim.run_id, "alice"), wire.encode(MODEL))
+
+    # When each selected participant uploads an update every round
+    for round_no in range(3):
+        until(lambda r=round_no: (s := sim.store.read_state()).phase is Phase.TRAIN and s.round == r)
+        selected = sim.store.read_state().selected
+        for i, pid in enumerate(selected):
+            sim.upload(pid, round_no, selected, float(i + 1))
+
+    # Then the dispatcher delivered them all and the run finished with three aggregated rounds
+    until(lambda: sim.store.read_state().phase is Phase.FINISHED)
+    rounds = sorted(sim.store.rounds(), key=lambda r: r.round)
+    assert [r.round for r in rounds] == [0, 1, 2]
+    assert all(r.aggregated and len(r.counted) == 2 for r in rounds)
+    assert stack.dispatcher is not None and stack.dispatcher.stats.failed == 0
+    status = collect(stack.connection)
+    assert status.phase == "Finished" and status.aggregated == 3
+    assert {p.pid: p.state for p in status.participants} == {"alice": "active", "bob": "active"}
+
+
+def test_a_bad_upload_is_refused_and_shown_in_status(stack: LocalStack) -> None:
+    # Given a running round
+    sim = Sim(stack)
+    for pid in ("alice", "bob"):
+        sim.join(pid)
+    until(lambda: len(sim.store.participants()) == 2)
+    sim.put(keys.init_key(sim.run_id, "alice"), wire.encode(MODEL))
+    until(lambda: sim.store.read_state().phase is Phase.TRAIN)
+
+    # When a participant uploads something that is not a safetensors file
+    sim.put(keys.update_key(sim.run_id, 0, "bob"), b"not a model")
+
+    # Then fed status shows bob's refusal with its reason
+    def refused() -> bool:
+        lines = {p.pid: p for p in collect(stack.connection).participants}
+        return lines["bob"].round_status == "refused"
+
+    until(refused)
+    status = collect(stack.connection)
+    assert any(r.pid == "bob" and "safetensors" in r.reason for r in status.refusals)
+
+
+def test_a_failing_delivery_is_retried(stack: LocalStack) -> None:
+    # Given a dispatcher whose ingest fails the first time it sees an event
+    assert stack.dispatcher is not None and stack.resources is not None
+    stack.dispatcher.stop()
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def flaky(event: dict[str, Any], context: Any) -> None:
+        with lock:
+            seen.append(event["detail"]["object"]["key"])
+            if len(seen) == 1:
+                raise RuntimeError("transient")
+
+    ticks: list[float] = []
+    retrying = Dispatcher(stack.resources, tick_interval=0.1, visibility_timeout=1, ingest=flaky,
+                          tick=lambda e, c: ticks.append(time.time()))
+    with retrying:
+        # When one object is uploaded
+        Sim(stack).join("carol")
+        # Then it is delivered again after the failure, and scheduled ticks keep coming
+        until(lambda: len(seen) >= 2, timeout=10)
+        until(lambda: len(ticks) >= 3, timeout=5)
+    assert seen[0] == seen[1] == keys.join_key("stack-test", "carol")
+    assert retrying.stats.failed == 1 and retrying.stats.delivered == 1
