@@ -1,0 +1,159 @@
+"""How a run is deployed: sizes, retention and protection, from the `[deploy]` table of the run's TOML file.
+
+The `[run]` table of the same file is the run itself (`shared.config.RunConfig`), which the functions and
+participants read too; `[deploy]` only matters to `cdk deploy`, so it lives here and never reaches them.
+Every field has a default, so a file without `[deploy]` deploys as is.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from shared.config import ConfigError, RunConfig, load_config, parse_config
+
+# The retention periods CloudWatch Logs accepts (days).
+LOG_RETENTION_DAYS = (
+    1,
+    3,
+    5,
+    7,
+    14,
+    30,
+    60,
+    90,
+    120,
+    150,
+    180,
+    365,
+    400,
+    545,
+    731,
+    1096,
+    1827,
+    2192,
+    2557,
+    2922,
+    3288,
+    3653,
+)
+STACK_NAME_MAX = 128
+
+
+class FunctionSettings(BaseModel):
+    """One Lambda function's size and async-invocation handling."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    memory_mb: int = Field(1769, ge=128, le=10240, description="1769 MB is one full vCPU.")
+    timeout_seconds: int = Field(300, ge=10, le=900)
+    ephemeral_storage_mb: int = Field(1024, ge=512, le=10240, description="/tmp, for streamed aggregation.")
+    reserved_concurrency: int | None = Field(
+        None, ge=1, description="Unset: shared account pool. Reserving needs 10 unreserved left in the account."
+    )
+    retry_attempts: int = Field(2, ge=0, le=2, description="Lambda retries of a failed async invocation.")
+    max_event_age_seconds: int = Field(3600, ge=60, le=21600, description="Older async events go to the DLQ.")
+
+
+class DeploySettings(BaseModel):
+    """Everything `cdk deploy` needs beyond the run itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stack_name: str | None = Field(None, description="Default: fed-<run_id>. `-c stack=NAME` overrides both.")
+    tick: FunctionSettings = FunctionSettings()
+    ingest: FunctionSettings = FunctionSettings()
+    log_retention_days: int = Field(30, description="Function log retention; a CloudWatch Logs period.")
+    retain_data: bool = Field(True, description="Keep bucket, table and logs when the stack is deleted.")
+    table_deletion_protection: bool = Field(True, description="DynamoDB deletion protection.")
+    round_objects_expire_days: int = Field(
+        30, ge=0, description="Expire objects under runs/<run>/rounds/ (updates and past globals); 0: never."
+    )
+    noncurrent_versions_expire_days: int = Field(
+        7, ge=1, description="Expire overwritten object versions (heartbeats overwrite one key every few s)."
+    )
+    incomplete_upload_days: int = Field(1, ge=1, description="Abort multipart uploads left unfinished.")
+    access_log_expire_days: int = Field(90, ge=1, description="Expire the bucket's server access logs.")
+    stuck_round_multiple: float = Field(
+        3.0, ge=1.0, description="Stuck-run alarm: no new round within this multiple of max_round_train_time."
+    )
+    alarm_email: str | None = Field(None, description="Subscribe this address to the alarms' SNS topic.")
+    participant_principals: list[str] = Field(
+        default_factory=list,
+        description="IAM principal ARNs that may assume the participant role; empty: any principal of this "
+        "account that its own policy allows (recommended: each host's identity policy fixes its tag).",
+    )
+    participant_session_hours: int = Field(12, ge=1, le=12, description="Participant role max session length.")
+
+    @field_validator("log_retention_days")
+    @classmethod
+    def _log_days(cls, value: int) -> int:
+        if value not in LOG_RETENTION_DAYS:
+            raise ValueError(f"must be one of CloudWatch Logs' periods: {', '.join(map(str, LOG_RETENTION_DAYS))}")
+        return value
+
+    @field_validator("stack_name")
+    @classmethod
+    def _stack_name(cls, value: str | None) -> str | None:
+        if value is not None and not _valid_stack_name(value):
+            raise ValueError("a stack name is 1-128 letters, digits and '-', starting with a letter")
+        return value
+
+    @field_validator("participant_principals")
+    @classmethod
+    def _principals(cls, value: list[str]) -> list[str]:
+        for arn in value:
+            if not arn.startswith("arn:"):
+                raise ValueError(f"{arn!r} is not an ARN")
+        return value
+
+    def stuck_window_seconds(self, config: RunConfig) -> int:
+        """The stuck-run alarm's period: a whole number of minutes CloudWatch accepts (60 s to 1 day)."""
+        seconds = self.stuck_round_multiple * config.max_round_train_time
+        return int(min(86400, max(60, math.ceil(seconds / 60) * 60)))
+
+
+def _valid_stack_name(name: str) -> bool:
+    return (
+        0 < len(name) <= STACK_NAME_MAX
+        and name[0].isascii()
+        and name[0].isalpha()
+        and all(c.isascii() and (c.isalnum() or c == "-") for c in name)
+    )
+
+
+def parse_deploy(data: dict[str, Any], source: str = "config") -> DeploySettings:
+    """Validate the `[deploy]` table of a parsed run file; errors name every offending field."""
+    table = data.get("deploy", {})
+    try:
+        return DeploySettings.model_validate(table)
+    except ValidationError as exc:
+        lines = [f"{source}: invalid [deploy] settings"]
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(deploy)"
+            lines.append(f"  deploy.{where}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_deploy(path: str | Path) -> tuple[RunConfig, DeploySettings]:
+    """Read a run file: the run (`[run]`) and how to deploy it (`[deploy]`, optional)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        load_config(path)  # raises the run's own ConfigError for a missing or malformed file
+        raise
+    if "deploy" in data and "run" not in data:
+        raise ConfigError(f"{path}: with a [deploy] table, put the run's keys under [run]")
+    return parse_config(data, str(path)), parse_deploy(data, str(path))
+
+
+def stack_name_for(config: RunConfig, settings: DeploySettings, override: str | None = None) -> str:
+    name = override or settings.stack_name or f"fed-{config.run_id}"
+    if not _valid_stack_name(name):
+        raise ConfigError(f"stack name {name!r}: use 1-128 letters, digits and '-', starting with a letter")
+    return name

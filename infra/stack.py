@@ -1,0 +1,57 @@
+"""One stack per deployed run: it only composes the constructs, one per capability."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aws_cdk import CfnOutput, Stack, Tags
+from constructs import Construct
+
+from infra.coordinator import Coordinator
+from infra.lambdas import function_code
+from infra.observability import Observability
+from infra.participants import ParticipantAccess
+from infra.settings import DeploySettings
+from infra.storage import Storage
+from infra.table import StateTable
+from shared.config import RunConfig
+from shared.naming import OUTPUT_BUCKET, OUTPUT_PARTICIPANT_ROLE, OUTPUT_RUN_ID, OUTPUT_TABLE
+
+
+class FedRunStack(Stack):
+    """Bucket, table, coordinator functions and their triggers, participant role, dashboard and alarms."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        id: str,
+        *,
+        config: RunConfig,
+        settings: DeploySettings,
+        asset_dir: Path | None = None,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(scope, id, description=f"Federated training run {config.run_id} (fedcoord)", **kwargs)
+        Tags.of(self).add("fed:run", config.run_id)
+        self.storage = Storage(self, "Storage", config=config, settings=settings)
+        self.state = StateTable(self, "State", config=config, settings=settings)
+        bucket, table = self.storage.bucket, self.state.table
+        self.coordinator = Coordinator(
+            self, "Coordinator", config=config, settings=settings, bucket=bucket, table=table,
+            code=function_code(asset_dir),
+        )  # fmt: skip
+        self.participants = ParticipantAccess(
+            self, "Participants", config=config, settings=settings, bucket=bucket, table=table
+        )
+        self.observability = Observability(
+            self, "Observability", config=config, settings=settings, functions=self.coordinator.functions,
+            ingest=self.coordinator.ingest, dead_letters=self.coordinator.dead_letters,
+        )  # fmt: skip
+        # `fed-participant start --stack NAME` reads these four; a host needs nothing else.
+        CfnOutput(self, OUTPUT_BUCKET, value=bucket.bucket_name, description="The run's bucket")
+        CfnOutput(self, OUTPUT_TABLE, value=table.table_name, description="The run's state table")
+        CfnOutput(self, OUTPUT_RUN_ID, value=config.run_id, description="The run id")
+        CfnOutput(
+            self, OUTPUT_PARTICIPANT_ROLE, value=self.participants.role.role_arn,
+            description="Assume with the session tag participant=<id>",
+        )  # fmt: skip

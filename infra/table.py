@@ -1,0 +1,31 @@
+"""The run's DynamoDB table: one item per run, participant, update and round (see shared/records.py)."""
+
+from __future__ import annotations
+
+from aws_cdk import aws_dynamodb as dynamodb
+from constructs import Construct
+
+from infra.settings import DeploySettings
+from infra.storage import removal_policy
+from shared.config import RunConfig
+from shared.naming import TABLE_HASH_KEY, TABLE_RANGE_KEY, table_name
+
+
+class StateTable(Construct):
+    """On-demand (idle costs nothing), point-in-time recovery, deletion protection as configured."""
+
+    def __init__(self, scope: Construct, id: str, *, config: RunConfig, settings: DeploySettings) -> None:
+        super().__init__(scope, id)
+        self.table = dynamodb.Table(
+            self,
+            "Table",
+            table_name=table_name(config.run_id),  # the name the local run uses too
+            partition_key=dynamodb.Attribute(name=TABLE_HASH_KEY, type=dynamodb.AttributeType.STRING),
+            sort_key=dynamodb.Attribute(name=TABLE_RANGE_KEY, type=dynamodb.AttributeType.STRING),
+            billing_mode=dynamodb.BillingMode.PAY_PER_REQUEST,
+            point_in_time_recovery_specification=dynamodb.PointInTimeRecoverySpecification(
+                point_in_time_recovery_enabled=True
+            ),
+            deletion_protection=settings.table_deletion_protection,
+            removal_policy=removal_policy(settings),
+        )

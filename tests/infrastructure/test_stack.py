@@ -1,0 +1,365 @@
+"""The synthesized stack has each property issue 3 asks for (Template assertions, one stack per session)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from aws_cdk.assertions import Match
+from cdk_nag import AwsSolutionsChecks
+
+from infra.participants import FORBIDDEN_IN_ID
+from shared.keys import RESERVED_IDS
+from shared.naming import (
+    ENV_BUCKET,
+    ENV_CONFIG,
+    ENV_RUN_ID,
+    ENV_TABLE,
+    METRIC_AGGREGATION_SECONDS,
+    METRIC_PHASE_CHANGES,
+    METRIC_ROUND,
+    METRIC_ROUND_SECONDS,
+    METRIC_UPDATES_ACCEPTED,
+    METRIC_UPDATES_REFUSED,
+    METRICS_NAMESPACE,
+    OUTPUT_BUCKET,
+    OUTPUT_PARTICIPANT_ROLE,
+    OUTPUT_RUN_ID,
+    OUTPUT_TABLE,
+    PARTICIPANT_TAG,
+    TABLE_HASH_KEY,
+    TABLE_RANGE_KEY,
+    TICK_SCHEDULE_MINUTES,
+    ingest_rule_name,
+    object_created_pattern,
+    table_name,
+)
+from shared.records import run_pk
+
+if TYPE_CHECKING:
+    from tests.infrastructure.conftest import Synth
+
+SELF = f"${{aws:PrincipalTag/{PARTICIPANT_TAG}}}"
+
+
+def render(value: Any) -> Any:
+    """A CloudFormation value as a string to compare: `<Logical.Attr>` for GetAtt, `<Logical>` for Ref."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and "Fn::GetAtt" in value:
+        logical, attr = value["Fn::GetAtt"]
+        return f"<{logical}.{attr}>"
+    if isinstance(value, dict) and "Ref" in value:
+        return f"<{value['Ref']}>"
+    if isinstance(value, dict) and "Fn::Join" in value:
+        sep, parts = value["Fn::Join"]
+        return sep.join(render(p) for p in parts)
+    raise AssertionError(f"unexpected value {value!r}")
+
+
+def as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def role_statements(synth: Synth, role_id: str) -> list[dict[str, Any]]:
+    """Every statement granted to a role: its inline policies and the policies attached to it."""
+    role = synth.resources[role_id]["Properties"]
+    assert "ManagedPolicyArns" not in role, "no managed policies: each role holds only what it uses"
+    documents = [p["PolicyDocument"] for p in role.get("Policies", [])]
+    for policy in synth.of_type("AWS::IAM::Policy").values():
+        if {"Ref": role_id} in policy["Properties"]["Roles"]:
+            documents.append(policy["Properties"]["PolicyDocument"])
+    return [s for d in documents for s in d["Statement"]]
+
+
+def grants(statements: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """action -> the resources it is allowed on (rendered)."""
+    out: dict[str, set[str]] = {}
+    for s in statements:
+        assert s["Effect"] == "Allow"
+        for action in as_list(s["Action"]):
+            out.setdefault(action, set()).update(render(r) for r in as_list(s["Resource"]))
+    return out
+
+
+def function_id(synth: Synth, handler: str) -> str:
+    (fid,) = [k for k, v in synth.of_type("AWS::Lambda::Function").items() if v["Properties"]["Handler"] == handler]
+    return fid
+
+
+def test_bucket_notifies_eventbridge_without_a_custom_resource(synth: Synth) -> None:
+    # Given the synthesized stack
+    # When we look for custom resources and Lambda functions
+    types = {v["Type"] for v in synth.resources.values()}
+    functions = synth.of_type("AWS::Lambda::Function")
+    # Then there is no notification custom resource, no custom resource at all, only our two functions
+    assert "Custom::S3BucketNotifications" not in types
+    assert not [t for t in types if t.startswith("Custom::") or t == "AWS::CloudFormation::CustomResource"]
+    assert sorted(f["Properties"]["Handler"] for f in functions.values()) == [
+        "functions.ingest.handler",
+        "functions.tick.handler",
+    ]
+    # And the run bucket sends its events to EventBridge through its own property
+    synth.template.has_resource_properties(
+        "AWS::S3::Bucket",
+        {"NotificationConfiguration": {"EventBridgeConfiguration": {"EventBridgeEnabled": True}}},
+    )
+
+
+def test_run_bucket_is_private_encrypted_versioned_logged_and_expires_round_objects(synth: Synth) -> None:
+    # Given the run bucket and its access-log bucket
+    bucket_id = synth.logical_id(synth.stack.storage.bucket)
+    logs_id = synth.logical_id(synth.stack.storage.access_logs)
+    bucket = synth.resources[bucket_id]["Properties"]
+    # Then public access is blocked, objects are encrypted and versioned, access is logged
+    assert bucket["PublicAccessBlockConfiguration"] == dict.fromkeys(
+        ["BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls", "RestrictPublicBuckets"], True
+    )
+    assert bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]["ServerSideEncryptionByDefault"]
+    assert bucket["VersioningConfiguration"] == {"Status": "Enabled"}
+    assert bucket["LoggingConfiguration"]["DestinationBucketName"] == {"Ref": logs_id}
+    # And old round objects expire after the configured days, overwritten versions and stale uploads too
+    rules = {r["Id"]: r for r in bucket["LifecycleConfiguration"]["Rules"]}
+    assert rules["expire-round-objects"]["Prefix"] == f"runs/{synth.config.run_id}/rounds/"
+    assert rules["expire-round-objects"]["ExpirationInDays"] == synth.settings.round_objects_expire_days
+    assert rules["expire-overwritten-versions"]["NoncurrentVersionExpiration"]["NoncurrentDays"] >= 1
+    assert rules["abort-incomplete-uploads"]["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] >= 1
+    # And only TLS requests are allowed
+    synth.template.has_resource_properties(
+        "AWS::S3::BucketPolicy",
+        {
+            "Bucket": {"Ref": bucket_id},
+            "PolicyDocument": {
+                "Statement": Match.array_with(
+                    [Match.object_like({"Effect": "Deny", "Condition": {"Bool": {"aws:SecureTransport": "false"}}})]
+                )
+            },
+        },
+    )
+
+
+def test_table_is_on_demand_with_point_in_time_recovery(synth: Synth) -> None:
+    # Given the run's table
+    (table,) = synth.of_type("AWS::DynamoDB::Table").values()
+    props = table["Properties"]
+    # Then its name and keys are the ones the local run and the functions use
+    assert props["TableName"] == table_name(synth.config.run_id)
+    assert props["KeySchema"] == [
+        {"AttributeName": TABLE_HASH_KEY, "KeyType": "HASH"},
+        {"AttributeName": TABLE_RANGE_KEY, "KeyType": "RANGE"},
+    ]
+    assert {a["AttributeName"]: a["AttributeType"] for a in props["AttributeDefinitions"]} == {
+        TABLE_HASH_KEY: "S",
+        TABLE_RANGE_KEY: "S",
+    }
+    # And it is on demand, recoverable to a point in time, deletion protection as configured
+    assert props["BillingMode"] == "PAY_PER_REQUEST"
+    assert props["PointInTimeRecoverySpecification"] == {"PointInTimeRecoveryEnabled": True}
+    assert props["DeletionProtectionEnabled"] is synth.settings.table_deletion_protection
+
+
+def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> None:
+    # Given the two functions' roles
+    bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
+    table = f"<{synth.logical_id(synth.stack.state.table)}.Arn>"
+    dlq = f"<{synth.logical_id(synth.stack.coordinator.dead_letters)}.Arn>"
+    run = f"{bucket}/runs/{synth.config.run_id}/"
+    roles = {synth.resources[function_id(synth, f"functions.{n}.handler")]["Properties"]["Role"]["Fn::GetAtt"][0]
+             for n in ("tick", "ingest")}  # fmt: skip
+    assert len(roles) == 2, "each function has its own role"
+    for role_id in roles:
+        log_group = [k for k, v in synth.of_type("AWS::Logs::LogGroup").items()
+                     if k.startswith(role_id.split("Role")[0])]  # fmt: skip
+        # When we gather every statement granted to it
+        allowed = grants(role_statements(synth, role_id))
+        # Then it may do exactly this, on exactly these resources
+        assert allowed == {
+            "logs:CreateLogStream": {f"<{log_group[0]}.Arn>"},
+            "logs:PutLogEvents": {f"<{log_group[0]}.Arn>"},
+            "s3:GetObject": {f"{run}*"},
+            "s3:GetObjectVersion": {f"{run}*"},
+            "s3:ListBucket": {bucket},
+            "s3:PutObject": {f"{run}rounds/*/global", f"{run}manifest.json", f"{run}checkpoints/*"},
+            "dynamodb:GetItem": {table},
+            "dynamodb:Query": {table},
+            "dynamodb:PutItem": {table},
+            "dynamodb:UpdateItem": {table},
+            "dynamodb:ConditionCheckItem": {table},
+            "sqs:SendMessage": {dlq},
+        }
+        # And listing is limited to the run's prefix
+        (listing,) = [s for s in role_statements(synth, role_id) if s["Action"] == "s3:ListBucket"]
+        assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"runs/{synth.config.run_id}/*"]}}
+
+
+def test_functions_run_the_configured_sizes_with_the_run_config(synth: Synth) -> None:
+    for name, fn_settings in (("tick", synth.settings.tick), ("ingest", synth.settings.ingest)):
+        # Given a function
+        fn = synth.resources[function_id(synth, f"functions.{name}.handler")]["Properties"]
+        # Then it runs the latest Python runtime with the sizes of its [deploy] table
+        assert fn["Runtime"] == "python3.14"
+        assert fn["MemorySize"] == fn_settings.memory_mb
+        assert fn["Timeout"] == fn_settings.timeout_seconds
+        assert fn["EphemeralStorage"] == {"Size": fn_settings.ephemeral_storage_mb}
+        # And it reads the whole run config, the run id, bucket and table from its environment
+        env = fn["Environment"]["Variables"]
+        assert json.loads(env[ENV_CONFIG]) == json.loads(synth.config.model_dump_json())
+        assert env[ENV_RUN_ID] == synth.config.run_id
+        assert env[ENV_BUCKET] == {"Ref": synth.logical_id(synth.stack.storage.bucket)}
+        assert env[ENV_TABLE] == {"Ref": synth.logical_id(synth.stack.state.table)}
+        assert env["POWERTOOLS_METRICS_NAMESPACE"] == METRICS_NAMESPACE
+        # And failed async events go to the dead-letter queue, logs are kept for the configured days
+        dlq = synth.logical_id(synth.stack.coordinator.dead_letters)
+        assert render(fn["DeadLetterConfig"]["TargetArn"]) == f"<{dlq}.Arn>"
+        log_group = synth.resources[fn["LoggingConfig"]["LogGroup"]["Ref"]]["Properties"]
+        assert log_group["RetentionInDays"] == synth.settings.log_retention_days
+    synth.template.resource_count_is("AWS::Lambda::EventInvokeConfig", 2)
+    synth.template.has_resource_properties(
+        "AWS::Lambda::EventInvokeConfig",
+        {"MaximumRetryAttempts": synth.settings.ingest.retry_attempts,
+         "MaximumEventAgeInSeconds": synth.settings.ingest.max_event_age_seconds},
+    )  # fmt: skip
+
+
+def participant_role(synth: Synth) -> dict[str, Any]:
+    return synth.resources[synth.logical_id(synth.stack.participants.role)]["Properties"]
+
+
+def test_participants_assume_the_role_only_with_their_id_as_session_tag(synth: Synth) -> None:
+    # Given the participant role's trust policy
+    trust = participant_role(synth)["AssumeRolePolicyDocument"]["Statement"]
+    allow = [s for s in trust if s["Effect"] == "Allow"]
+    deny = [s for s in trust if s["Effect"] == "Deny"]
+    # Then assuming it needs exactly one session tag, the participant id, and sts:TagSession is allowed
+    assert len(allow) == 1
+    assert sorted(allow[0]["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
+    assert allow[0]["Condition"] == {
+        "StringLike": {f"aws:RequestTag/{PARTICIPANT_TAG}": "?*"},
+        "ForAllValues:StringEquals": {"aws:TagKeys": [PARTICIPANT_TAG]},
+    }
+    # And reserved names and characters no participant id has are refused as the tag's value
+    refused = {json.dumps(s["Condition"], sort_keys=True) for s in deny}
+    assert json.dumps({"StringEqualsIgnoreCase": {f"aws:RequestTag/{PARTICIPANT_TAG}": sorted(RESERVED_IDS)}},
+                      sort_keys=True) in refused  # fmt: skip
+    assert json.dumps({"StringLike": {f"aws:RequestTag/{PARTICIPANT_TAG}": list(FORBIDDEN_IN_ID)}},
+                      sort_keys=True) in refused  # fmt: skip
+    assert all(sorted(s["Action"]) == ["sts:AssumeRole", "sts:TagSession"] for s in deny)
+
+
+def test_participant_policy_writes_only_keys_carrying_its_own_id(synth: Synth) -> None:
+    # Given the participant role's permissions
+    role_id = synth.logical_id(synth.stack.participants.role)
+    statements = role_statements(synth, role_id)
+    bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
+    run = f"{bucket}/runs/{synth.config.run_id}/"
+    table = f"<{synth.logical_id(synth.stack.state.table)}.Arn>"
+    # Then it may write only its own join, init, heartbeat and update keys, read global models and the
+    # manifest, read the run's items of the table, and nothing else
+    assert grants(statements) == {
+        "s3:PutObject": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}", f"{run}rounds/*/{SELF}"},
+        "s3:AbortMultipartUpload": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}",
+                                    f"{run}rounds/*/{SELF}"},
+        "s3:GetObject": {f"{run}rounds/*/global", f"{run}manifest.json"},
+        "dynamodb:GetItem": {table},
+    }  # fmt: skip
+    # And the writes hold only for a session tagged with a usable id
+    (write,) = [s for s in statements if "s3:PutObject" in as_list(s["Action"])]
+    tag = f"aws:PrincipalTag/{PARTICIPANT_TAG}"
+    assert write["Condition"] == {
+        "Null": {tag: "false"},
+        "StringNotEqualsIgnoreCase": {tag: sorted(RESERVED_IDS)},
+        "StringNotLike": {tag: list(FORBIDDEN_IN_ID)},
+    }
+    # And reads of the table are limited to the run's partition
+    (read_state,) = [s for s in statements if s["Action"] == "dynamodb:GetItem"]
+    assert read_state["Condition"] == {
+        "ForAllValues:StringEquals": {"dynamodb:LeadingKeys": [run_pk(synth.config.run_id)]}
+    }
+
+
+def test_object_created_rule_uses_the_local_runs_pattern_and_targets_ingest(synth: Synth) -> None:
+    # Given the run bucket's logical id
+    bucket = {"Ref": synth.logical_id(synth.stack.storage.bucket)}
+    # When we find the rule routing S3 events
+    rules = synth.of_type("AWS::Events::Rule").values()
+    (rule,) = [r["Properties"] for r in rules if "EventPattern" in r["Properties"]]
+    # Then its pattern is exactly the one the local run registers, for this bucket and run
+    assert rule["EventPattern"] == object_created_pattern(bucket, synth.config.run_id)  # type: ignore[arg-type]
+    assert rule["Name"] == ingest_rule_name(synth.config.run_id)
+    # And it invokes the ingest function, with undeliverable events kept in the dead-letter queue
+    (target,) = rule["Targets"]
+    assert target["Arn"] == {"Fn::GetAtt": [function_id(synth, "functions.ingest.handler"), "Arn"]}
+    assert "DeadLetterConfig" in target
+
+
+def test_a_schedule_invokes_the_tick_function(synth: Synth) -> None:
+    # When we find the scheduled rule
+    (rule,) = [r["Properties"] for r in synth.of_type("AWS::Events::Rule").values()
+               if "ScheduleExpression" in r["Properties"]]  # fmt: skip
+    # Then it fires every TICK_SCHEDULE_MINUTES and invokes the tick function
+    unit = "minute" if TICK_SCHEDULE_MINUTES == 1 else "minutes"
+    assert rule["ScheduleExpression"] == f"rate({TICK_SCHEDULE_MINUTES} {unit})"
+    (target,) = rule["Targets"]
+    assert target["Arn"] == {"Fn::GetAtt": [function_id(synth, "functions.tick.handler"), "Arn"]}
+    # And EventBridge may invoke each function only from its own rule
+    permissions = synth.of_type("AWS::Lambda::Permission").values()
+    assert sorted(p["Properties"]["Principal"] for p in permissions) == ["events.amazonaws.com"] * 2
+    assert all("SourceArn" in p["Properties"] for p in permissions)
+
+
+def test_outputs_name_what_a_participant_host_needs(synth: Synth) -> None:
+    # Given the stack outputs
+    outputs = synth.template.to_json()["Outputs"]
+    # Then bucket, table, run id and participant role are there under the shared names
+    assert outputs[OUTPUT_BUCKET]["Value"] == {"Ref": synth.logical_id(synth.stack.storage.bucket)}
+    assert outputs[OUTPUT_TABLE]["Value"] == {"Ref": synth.logical_id(synth.stack.state.table)}
+    assert outputs[OUTPUT_RUN_ID]["Value"] == synth.config.run_id
+    assert outputs[OUTPUT_PARTICIPANT_ROLE]["Value"] == {
+        "Fn::GetAtt": [synth.logical_id(synth.stack.participants.role), "Arn"]
+    }
+
+
+def test_dashboard_and_alarms_watch_the_run(synth: Synth) -> None:
+    # Given the dashboard body
+    (dashboard,) = synth.of_type("AWS::CloudWatch::Dashboard").values()
+    body = json.dumps(dashboard["Properties"]["DashboardBody"])
+    # Then it plots every coordinator metric of this run and the functions' errors
+    for metric in (METRIC_ROUND, METRIC_PHASE_CHANGES, METRIC_UPDATES_ACCEPTED, METRIC_UPDATES_REFUSED,
+                   METRIC_ROUND_SECONDS, METRIC_AGGREGATION_SECONDS):  # fmt: skip
+        assert f'\\"{metric}\\"' in body, metric
+    assert METRICS_NAMESPACE in body and synth.config.run_id in body and "Errors" in body
+    # And the stuck-run alarm looks one configured multiple of the round deadline back
+    alarms = synth.of_type("AWS::CloudWatch::Alarm")
+    stuck = synth.resources[synth.logical_id(synth.stack.observability.stuck)]["Properties"]
+    window = synth.settings.stuck_window_seconds(synth.config)
+    assert window == 300  # 2.5 x 120 s
+    (round_metric,) = [m for m in stuck["Metrics"] if m.get("MetricStat", {}).get("Metric", {}).get("MetricName")
+                       == METRIC_ROUND]  # fmt: skip
+    assert round_metric["MetricStat"]["Period"] == window
+    assert {"Name": "run", "Value": synth.config.run_id} in round_metric["MetricStat"]["Metric"]["Dimensions"]
+    # And every function's errors and the dead-letter queue raise alarms, all sent to the e-mail topic
+    error_alarms = [a for a in alarms.values() if a["Properties"].get("MetricName") == "Errors"]
+    assert len(error_alarms) == 2
+    topic = synth.logical_id(synth.stack.observability.topic)
+    assert all(a["Properties"]["AlarmActions"] == [{"Ref": topic}] for a in alarms.values())
+    synth.template.has_resource_properties(
+        "AWS::SNS::Subscription", {"Protocol": "email", "Endpoint": synth.settings.alarm_email}
+    )
+
+
+def test_cdk_nag_aws_solutions_finds_nothing_unacknowledged(synth: Synth) -> None:
+    # When the AwsSolutions pack checks the app
+    report = AwsSolutionsChecks().validate_scope(synth.app)
+    # Then nothing is left unacknowledged
+    assert report.success, [(v.rule_name, [r.construct_path for r in v.violating_resources])
+                            for v in report.violations]  # fmt: skip
+    # And every acknowledgement gives a specific reason
+    reasons = [
+        (rule, reason)
+        for construct in synth.app.node.find_all()
+        for entry in construct.node.metadata
+        if entry.type == "aws:cdk:acknowledged-rules"
+        for rule, reason in entry.data.items()
+    ]
+    assert reasons, "the stack needs some acknowledgements (IAM5 for prefix wildcards at least)"
+    assert all(len(reason) >= 80 for _, reason in reasons), reasons
