@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from functions.settings import Deps
 from shared import keys
 from shared.aggregate import WeightedInput, aggregate_file
@@ -114,4 +116,8 @@ def aggregate_round(deps: Deps, effect: Aggregate) -> bytes:
         WeightedInput(i.participant, i.samples, i.digest, loader(i.participant, i.version_id, i.digest))
         for i in effect.inputs
     ]
-    return aggregate_file(manifest, run_id, effect.round + 1, deps.config.strategy.value, inputs)
+    def load_reference() -> dict[str, np.ndarray]:  # the round's global model (for clipped_fedavg)
+        arrays, _ = decode(deps.bucket.get(keys.global_key(run_id, effect.round)).data)
+        return arrays
+
+    return aggregate_file(deps.config, manifest, effect.round + 1, inputs, load_reference)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared.config import RunConfig, Strategy
 from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, encode
 
 Loader = Callable[[], dict[str, np.ndarray]]
@@ -61,6 +62,57 @@ def fedavg(manifest: Manifest, inputs: Iterable[WeightedInput]) -> dict[str, np.
     return acc.result()
 
 
+# --- robust strategies: they ignore claimed sample counts and hold every update of the round ----------
+
+
+def _stacked(manifest: Manifest, inputs: list[WeightedInput]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Float tensors stacked along a new first axis (one row per update), and the other tensors."""
+    loaded = [i.load() for i in sorted(inputs, key=lambda i: i.participant)]
+    floats = {n for n, spec in manifest.tensors.items() if spec.dtype in FLOAT_TAGS}
+    stacks = {n: np.stack([np.asarray(a[n], np.float64) for a in loaded]) for n in floats}
+    others = {n: np.array(loaded[0][n]) for n in manifest.tensors if n not in floats}
+    return stacks, others
+
+
+def _cast(manifest: Manifest, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {n: v.astype(DTYPES[manifest.tensors[n].dtype][0]) for n, v in values.items()}
+
+
+def median(manifest: Manifest, inputs: list[WeightedInput]) -> dict[str, np.ndarray]:
+    """Coordinate-wise median of the updates."""
+    stacks, others = _stacked(manifest, inputs)
+    return _cast(manifest, {**others, **{n: np.median(s, axis=0) for n, s in stacks.items()}})
+
+
+def trimmed_mean(manifest: Manifest, inputs: list[WeightedInput], trim_fraction: float) -> dict[str, np.ndarray]:
+    """Coordinate-wise mean after dropping the floor(trim_fraction * n) largest and smallest values."""
+    stacks, others = _stacked(manifest, inputs)
+    n = len(inputs)
+    k = min(int(trim_fraction * n), (n - 1) // 2)
+    out = {name: np.sort(s, axis=0)[k : n - k].mean(axis=0) for name, s in stacks.items()}
+    return _cast(manifest, {**others, **out})
+
+
+def clipped_fedavg(
+    manifest: Manifest, inputs: list[WeightedInput], reference: dict[str, np.ndarray], clip_norm: float
+) -> dict[str, np.ndarray]:
+    """Mean of the updates' deltas from the round's global model, each clipped to an L2 norm bound.
+
+    The bound is `clip_norm`, or the median of the round's delta norms when it is 0; the mean is
+    unweighted, so an inflated sample count buys nothing.
+    """
+    stacks, others = _stacked(manifest, inputs)
+    deltas = {n: s - np.asarray(reference[n], np.float64) for n, s in stacks.items()}
+    norms = np.sqrt(sum((d.reshape(len(inputs), -1) ** 2).sum(axis=1) for d in deltas.values()))
+    bound = clip_norm or float(np.median(norms))
+    scale = np.minimum(1.0, bound / np.maximum(norms, 1e-12))
+    out = {}
+    for name, d in deltas.items():
+        shape = (len(inputs),) + (1,) * (d.ndim - 1)
+        out[name] = np.asarray(reference[name], np.float64) + (d * scale.reshape(shape)).mean(axis=0)
+    return _cast(manifest, {**others, **out})
+
+
 def global_metadata(run_id: str, round_no: int, inputs: Iterable[WeightedInput], strategy: str) -> dict[str, str]:
     """Provenance in the global file's header: which updates, with what weights, made it."""
     listed = [[i.participant, i.samples, i.digest] for i in sorted(inputs, key=lambda i: i.participant)]
@@ -74,10 +126,24 @@ def global_metadata(run_id: str, round_no: int, inputs: Iterable[WeightedInput],
     }
 
 
+def combine(
+    config: RunConfig, manifest: Manifest, inputs: list[WeightedInput], reference: Loader
+) -> dict[str, np.ndarray]:
+    """The run's configured strategy applied to a round's counted updates."""
+    if not inputs:
+        raise ValueError("nothing to aggregate")
+    if config.strategy is Strategy.FEDAVG:
+        return fedavg(manifest, inputs)
+    if config.strategy is Strategy.MEDIAN:
+        return median(manifest, inputs)
+    if config.strategy is Strategy.TRIMMED_MEAN:
+        return trimmed_mean(manifest, inputs, config.trim_fraction)
+    return clipped_fedavg(manifest, inputs, reference(), config.clip_norm)
+
+
 def aggregate_file(
-    manifest: Manifest, run_id: str, out_round: int, strategy: str, inputs: list[WeightedInput]
+    config: RunConfig, manifest: Manifest, out_round: int, inputs: list[WeightedInput], reference: Loader
 ) -> bytes:
     """The bytes of the global model of `out_round` made from `inputs` (deterministic)."""
-    if strategy != "fedavg":
-        raise NotImplementedError(f"strategy {strategy!r} is not available yet")
-    return encode(fedavg(manifest, inputs), global_metadata(run_id, out_round, inputs, strategy))
+    arrays = combine(config, manifest, inputs, reference)
+    return encode(arrays, global_metadata(config.run_id, out_round, inputs, config.strategy.value))

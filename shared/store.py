@@ -150,7 +150,23 @@ class StateStore:
         except UpdateError as exc:
             if exc.cause_response_code not in CONDITION_FAILED:
                 raise
+        if ready_epoch is not None and self._raise_ready_epoch(pid, ready_epoch):
+            return True
         return self.participant(pid) is not None
+
+    def _raise_ready_epoch(self, pid: str, ready_epoch: int) -> bool:
+        """Record readiness even when the heartbeat is not newer than last_seen: event times are whole
+        seconds, so a participant's "ready" often lands in the same second as its join or previous beat."""
+        p = self.m.participant
+        try:
+            self.m.participant(self.pk, participant_sk(pid)).update(
+                actions=[p.ready_epoch.set(ready_epoch)], condition=p.pk.exists() & (p.ready_epoch < ready_epoch)
+            )
+            return True
+        except UpdateError as exc:
+            if exc.cause_response_code not in CONDITION_FAILED:
+                raise
+        return False
 
     def set_init_offer(self, pid: str, digest: str) -> None:
         p = self.m.participant

@@ -165,4 +165,6 @@ def test_fedavg_weights_by_samples_in_float64() -> None:
 def test_aggregate_bytes_do_not_depend_on_input_order() -> None:
     manifest = Manifest.of(parse_header(encode(ARRAYS)))
     ins = [WeightedInput(p, i + 1, p, lambda i=i: {k: v + i for k, v in ARRAYS.items()}) for i, p in enumerate("abc")]
-    assert aggregate_file(manifest, "r1x", 1, "fedavg", ins) == aggregate_file(manifest, "r1x", 1, "fedavg", ins[::-1])
+    config = parse_config({"run_id": "r1x"})
+    ref = lambda: ARRAYS  # noqa: E731
+    assert aggregate_file(config, manifest, 1, ins, ref) == aggregate_file(config, manifest, 1, ins[::-1], ref)
