@@ -1,0 +1,204 @@
+"""`fed-participant`: the command a GPU host runs to take part in a run."""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import socket
+import threading
+from pathlib import Path
+from types import FrameType
+
+import typer
+
+from shared.connection import DEFAULT_LOCAL_FILE, Connection, ConnectionError_
+from shared.keys import KeyError_, validate_participant_id
+
+log = logging.getLogger("participant")
+
+app = typer.Typer(
+    name="fed-participant",
+    help=(
+        "Take part in a federated training run coordinated through S3 and DynamoDB.\n\n"
+        "A participant is a long-running daemon: it joins the run, polls the coordinator's state, downloads "
+        "the global model, trains the samples assigned to it each round, uploads its update, and repeats "
+        "until the run is finished. It survives its own restarts and transient network or AWS faults.\n\n"
+        "Run `fed-participant start --help` for every option."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+EXAMPLES = """
+[bold]Examples[/bold]
+
+  [dim]# against the local stack of `fed local` (another terminal; reads .fed/local.json)[/dim]
+  fed-participant start --id alice
+
+  [dim]# a second participant on the same machine needs its own id[/dim]
+  fed-participant start --id bob --device cpu --threads 1
+
+  [dim]# on AWS: read bucket, table and run id from the deployed stack's outputs[/dim]
+  fed-participant start --stack FedRun-digits --run digits --id gpu-host-7 --device cuda
+
+  [dim]# your own training code (build_model, train, evaluate, train_size)[/dim]
+  fed-participant start --id alice --task mypkg.tasks:resnet_cifar
+
+"""
+EXAMPLES += (
+    "[bold]Exit status[/bold]: 0 when the run finished (the final model's test accuracy is printed on stdout), "
+    "when --max-rounds was reached, or after SIGTERM; 1 on an error it cannot work around (wrong task or run, "
+    "bad credentials); 2 on bad usage; 130 after Ctrl-C.\n\n"
+    "[bold]Restarts[/bold]: progress is kept in --state-dir, so starting it again with the same --id resumes "
+    "where it stopped: an uploaded round is never redone, a round interrupted mid-training is retrained "
+    "identically."
+)
+
+
+def default_participant_id() -> str:
+    """This host's name, reduced to the characters a participant id allows."""
+    host = socket.gethostname().split(".")[0]
+    pid = re.sub(r"[^A-Za-z0-9_-]+", "-", host).strip("-_")[:63]
+    try:
+        return validate_participant_id(pid)
+    except KeyError_:
+        return "participant"
+
+
+@app.callback()
+def main() -> None:
+    """Take part in a federated training run coordinated through S3 and DynamoDB."""
+
+
+START_HELP = (
+    "Join a run and train until it is finished.\n\n"
+    "Joins (offering the task's initial model if the run has none yet) and heartbeats so the coordinator "
+    "knows it is alive. In each round it is selected for, it downloads the global model (cached by digest), "
+    "trains exactly the samples the round assigns it, and uploads its update with the sample count and metrics "
+    "(loss, test accuracy). Late joiners and dropped participants wait and are admitted at the next epoch. "
+    "When the run is finished it prints the final model's test accuracy and exits."
+)
+
+
+@app.command(help=START_HELP, epilog=EXAMPLES, short_help="Join a run and train until it is finished.")
+def start(
+    participant_id: str = typer.Option(
+        None, "--id", metavar="PID", show_default="this host's name",
+        help="Participant id: 1-63 letters, digits, '_' or '-', unique within the run. It names your keys in "
+             "the bucket and your state directory; reuse it after a restart to resume.",
+    ),
+    connection: Path = typer.Option(
+        DEFAULT_LOCAL_FILE, "--connection", metavar="FILE",
+        help="Connection file naming the run's bucket, table and endpoint. `fed local` writes .fed/local.json. "
+             "Ignored with --stack.",
+    ),
+    stack: str = typer.Option(
+        None, "--stack", metavar="NAME",
+        help="A deployed run stack on AWS: its CloudFormation outputs name the bucket, table and run id. "
+             "Credentials come from the standard AWS chain (environment, profile, instance role).",
+    ),
+    region: str = typer.Option(
+        None, "--region", metavar="REGION", help="AWS region of --stack (default: your AWS configuration).",
+    ),
+    run: str = typer.Option(
+        None, "--run", metavar="RUN",
+        help="Run id you expect to join; the participant refuses to start if the connection is for another run.",
+    ),
+    task: str = typer.Option(
+        None, "--task", metavar="MODULE:OBJECT", show_default="the run config's task",
+        help="Python object providing model, data, training and evaluation (see participant.task.Task), e.g. "
+             "participant.tasks.digits:task. Every participant of a run must use the same model and data.",
+    ),
+    state_dir: Path = typer.Option(
+        None, "--state-dir", metavar="DIR", show_default="~/.fed/<run>/<id>",
+        help="Where progress (rounds uploaded, the round in training) and the global-model cache are kept.",
+    ),
+    device: str = typer.Option(
+        "auto", "--device", metavar="auto|cpu|cuda[:N]", help="Training device; auto picks CUDA when available.",
+    ),
+    threads: int = typer.Option(
+        0, "--threads", min=0, metavar="N", show_default="torch's default",
+        help="CPU threads torch may use. With several participants on one machine, 1 each avoids contention.",
+    ),
+    max_rounds: int = typer.Option(
+        0, "--max-rounds", min=0, metavar="N", rich_help_panel="Testing",
+        help="Leave after uploading N updates (0: stay until the run is finished). The coordinator drops the "
+             "participant once it goes silent, as if the host had died.",
+    ),
+    poll_max: float = typer.Option(
+        2.0, "--poll-max", min=0.05, metavar="SECONDS", rich_help_panel="Testing",
+        help="Longest pause between two reads of the run state while waiting (polls start at 0.2s and back off).",
+    ),
+    log_level: str = typer.Option(
+        "INFO", "--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR.", case_sensitive=False,
+    ),
+) -> None:
+    """Join a run and train until it is finished (see START_HELP)."""
+    from participant.ui import setup_logging
+
+    if log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise typer.BadParameter(f"{log_level!r}: use DEBUG, INFO, WARNING or ERROR", param_hint="--log-level")
+    pid = participant_id or default_participant_id()
+    try:
+        validate_participant_id(pid)
+    except KeyError_ as exc:
+        raise typer.BadParameter(str(exc), param_hint="--id") from None
+    reporter = setup_logging(log_level, pid)
+    try:
+        conn = Connection.from_stack(stack, region) if stack else Connection.load(connection)
+    except ConnectionError_ as exc:
+        _fail(str(exc))
+    except Exception as exc:  # botocore: no credentials, no such stack, ...
+        _fail(f"cannot read stack {stack}: {exc}")
+    if run and run != conn.run_id:
+        _fail(f"--run {run}: the connection ({stack or connection}) is for run {conn.run_id!r}")
+
+    from participant.daemon import Daemon, Options, ParticipantError, default_state_dir
+    from participant.remote import FatalRemoteError
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        received.append(signum)
+        log.info("%s received: stopping after the current step", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    options = Options(
+        pid=pid, state_dir=state_dir or default_state_dir(conn.run_id, pid), task=task, device=device,
+        threads=threads, max_rounds=max_rounds, poll_max=poll_max,
+    )
+    endpoint = conn.endpoint or f"AWS {conn.region}"
+    log.info("participant %s, run %s (bucket %s, table %s, %s); state in %s", pid, conn.run_id, conn.bucket,
+             conn.table, endpoint, options.state_dir)
+    try:
+        outcome = Daemon(conn, options, stop, reporter).run()
+    except (ParticipantError, FatalRemoteError) as exc:
+        _fail(str(exc))
+    if outcome.finished:
+        if outcome.final:
+            metrics = ", ".join(f"{k} {v:.4f}" for k, v in sorted(outcome.final.items()))
+            acc = outcome.final.get("test_accuracy")
+            headline = f"final test accuracy: {acc:.4f}" if acc is not None else "final model evaluated"
+            typer.echo(f"{headline} ({metrics}; run {conn.run_id}, participant {pid}, "
+                       f"{outcome.rounds} round(s) trained by this process)")
+        else:
+            typer.echo(f"run {conn.run_id} finished: {outcome.reason}")
+        raise typer.Exit(0)
+    if received and received[-1] == signal.SIGINT:
+        raise typer.Exit(130)
+    raise typer.Exit(0)
+
+
+def _fail(message: str) -> None:
+    log.error(message)
+    typer.echo(f"fed-participant: error: {message}", err=True)
+    raise typer.Exit(1)

@@ -1,0 +1,137 @@
+"""What a participant does next: a pure function of the coordinator's state and what it knows locally.
+
+`decide(state, local)` returns one action; the daemon carries it out and asks again. Keeping the
+protocol's rules here, free of I/O, lets every case (selected or not, already uploaded, dropped,
+late joiner, warmup, finished) be unit-tested without AWS or torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.state import MemberStatus, Phase, RunState
+
+JOIN_RETRY_SECONDS = 15.0  # re-send the join request if it has not been recorded after this long
+READY_RETRY_SECONDS = 2.0  # re-send "ready" if the coordinator has not recorded it after this long
+
+
+@dataclass(frozen=True)
+class Local:
+    """What the participant knows about itself, gathered by the daemon before each decision."""
+
+    pid: str
+    joined: bool = True  # the coordinator has recorded our join request
+    join_age: float = 0.0  # seconds since we last sent the join request
+    offered: bool = False  # we sent an initial-model offer in this process
+    held: str = ""  # digest of the global model we hold (downloaded and verified)
+    reported_ready: int = 0  # last epoch we reported ready for in a heartbeat
+    ready_age: float = 0.0  # seconds since that report
+    ready_recorded: int = 0  # the ready epoch the coordinator has recorded for us (read during warmup)
+    uploaded: frozenset[int] = field(default_factory=frozenset)  # rounds whose update we uploaded
+    recorded: bool = False  # an update of ours is recorded (or stored) for state.round
+
+
+# --- actions -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do until the state changes; `reason` is what the participant is waiting for."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Join:
+    """(Re-)send the join request."""
+
+
+@dataclass(frozen=True)
+class OfferModel:
+    """The run has no model yet: offer the task's freshly initialised model (seeded by the run's seed)."""
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Download the global model the state points to (cached by digest) and verify its digest."""
+
+    round: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class ReportReady:
+    """Tell the coordinator, with an immediate heartbeat, that we hold the model for `epoch`."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Train:
+    """Train the assigned samples of `round` from the global model `digest` and upload the update."""
+
+    round: int
+    epoch: int
+    seed: str
+    selected: tuple[str, ...]
+    digest: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run is over: evaluate the final global model (if any) and exit."""
+
+    round: int
+    digest: str
+
+
+Action = Wait | Join | OfferModel | Fetch | ReportReady | Train | Finish
+
+
+def decide(state: RunState, local: Local) -> Action:
+    pid = local.pid
+    if state.phase is Phase.FINISHED:
+        if state.has_model and local.held != state.global_digest:
+            return Fetch(state.round, state.global_digest)
+        return Finish(state.round, state.global_digest)
+    if not local.joined:
+        if local.join_age >= JOIN_RETRY_SECONDS:
+            return Join()
+        return Wait("waiting for the join request to be recorded")
+    if not state.has_model:
+        if not local.offered:
+            return OfferModel()
+        if state.phase is Phase.WAITING:
+            return Wait(f"waiting for members (the run needs its first epoch; {len(state.members)} admitted)")
+        return Wait(f"waiting for the run's initial model ({state.phase})")
+    member = state.members.get(pid)
+    if member is None:
+        if state.phase is Phase.WAITING:
+            return Wait("waiting for enough members to start an epoch")
+        return Wait(f"not a member of epoch {state.epoch}: admitted at the next epoch")
+    if member.status is MemberStatus.DROPPED:
+        why = f" ({member.reason})" if member.reason else ""
+        return Wait(f"dropped from epoch {state.epoch}{why}: admitted again at the next epoch")
+    if state.phase is Phase.WARMUP:
+        if local.held != state.global_digest:
+            return Fetch(state.round, state.global_digest)
+        if local.reported_ready < state.epoch:
+            return ReportReady(state.epoch)
+        if local.ready_recorded < state.epoch and local.ready_age >= READY_RETRY_SECONDS:
+            return ReportReady(state.epoch)  # the heartbeat was lost or not yet processed: say it again
+        return Wait(f"ready for epoch {state.epoch}; warmup ends when every member is ready")
+    if state.phase is Phase.TRAIN:
+        if pid not in state.selected:
+            return Wait(f"not selected for round {state.round}")
+        if state.round in local.uploaded:
+            return Wait(f"update for round {state.round} uploaded; waiting for the round to close")
+        if local.recorded:
+            return Wait(f"an update for round {state.round} is already stored; waiting for the round to close")
+        if local.held != state.global_digest:
+            return Fetch(state.round, state.global_digest)
+        return Train(state.round, state.epoch, state.seed, tuple(state.selected), state.global_digest)
+    if state.phase is Phase.WITNESS:
+        return Wait(f"round {state.round} closed; waiting for its aggregation")
+    if state.phase is Phase.COOLDOWN:
+        return Wait(f"epoch {state.epoch} ended; cooldown")
+    return Wait(f"phase {state.phase}")

@@ -1,0 +1,95 @@
+"""The training plug-in: what `--task module:object` must provide, and how it is loaded.
+
+A task owns the model, the data and the training loop; the daemon owns everything else (the run's
+protocol, downloads, uploads, restarts). Training is deterministic given the torch seed the daemon
+sets before each round, so a participant that dies mid-round retrains the same update after restart.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from shared.config import RunConfig
+
+# progress(done, total): called by `train` as it goes (e.g. once per batch); cheap, may raise to abort.
+Progress = Callable[[int, int], None]
+
+
+class TaskError(RuntimeError):
+    """A task that cannot be loaded or does not fit the run."""
+
+
+@runtime_checkable
+class Task(Protocol):
+    """Model, data and training of one federated workload.
+
+    - `train_size`: number of samples in the shared training set; the coordinator's data assignment
+      hands out indices in `range(train_size)`.
+    - `build_model(seed)`: a freshly initialised model; the same seed gives the same weights on every
+      host (every participant offers the same initial model).
+    - `train(model, indices, config, device, progress)`: train `model` in place on exactly the samples
+      `indices`, for `config.local_epochs` passes with `config.batch_size` and `config.learning_rate`;
+      return metrics, at least `loss` (mean training loss). Use torch's global RNG for shuffling so
+      the daemon's seeding makes the round reproducible.
+    - `evaluate(model, device)`: `{"test_accuracy": ..., "test_loss": ...}` on the task's held-out set.
+    """
+
+    train_size: int
+
+    def build_model(self, seed: int) -> nn.Module: ...
+
+    def train(
+        self,
+        model: nn.Module,
+        indices: Sequence[int],
+        config: RunConfig,
+        device: torch.device,
+        progress: Progress | None = None,
+    ) -> dict[str, float]: ...
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]: ...
+
+
+REQUIRED = ("train_size", "build_model", "train", "evaluate")
+
+
+def load_task(spec: str) -> Task:
+    """Import `module:object` (object may be dotted, e.g. `pkg.mod:Factory.task`) and check its shape.
+
+    A class or a zero-argument factory function is called to obtain the task.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise TaskError(f"task {spec!r}: expected 'module:object', e.g. 'participant.tasks.digits:task'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise TaskError(f"task {spec!r}: cannot import module {module_name!r} ({exc})") from None
+    except Exception as exc:  # a task module that fails at import: show why
+        raise TaskError(f"task {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise TaskError(f"task {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if isinstance(obj, type) or (callable(obj) and not all(hasattr(obj, name) for name in REQUIRED)):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise TaskError(f"task {spec!r}: calling {attr} failed: {type(exc).__name__}: {exc}") from exc
+    missing = [name for name in REQUIRED if not hasattr(obj, name)]
+    if missing:
+        raise TaskError(f"task {spec!r}: {type(obj).__name__} lacks {', '.join(missing)} (see participant.task.Task)")
+    try:
+        size = int(obj.train_size)
+    except Exception as exc:
+        raise TaskError(f"task {spec!r}: train_size is not an integer ({exc})") from None
+    if size <= 0:
+        raise TaskError(f"task {spec!r}: train_size must be positive, got {size}")
+    return obj  # type: ignore[no-any-return]
