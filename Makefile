@@ -24,6 +24,12 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m chaos tests
 
+# Synthesize the stack (offline, no AWS credentials) with cdk-nag's AwsSolutions checks; a finding fails it.
+# `make synth CONFIG=runs/<name>.toml` for another run file (default: cdk.json's runs/example.toml).
+synth: $(STAMP)
+	@[ -x node_modules/.bin/cdk ] || npm ci --no-audit --no-fund
+	JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 npx --no-install cdk synth --quiet $(if $(CONFIG),-c config=$(CONFIG))
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
