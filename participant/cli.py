@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import socket
 import threading
 from pathlib import Path
 from types import FrameType
+from urllib.parse import urlparse
 
 import typer
 
@@ -56,6 +58,20 @@ EXAMPLES += (
     "where it stopped: an uploaded round is never redone, a round interrupted mid-training is retrained "
     "identically."
 )
+
+
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def use_local_credentials(endpoint: str | None) -> bool:
+    """Against a loopback endpoint (moto, `fed local`) use throwaway credentials: moto accepts any, and
+    real keys from the environment or a profile are never sent to it. Returns whether it did."""
+    if not endpoint or urlparse(endpoint).hostname not in LOCAL_HOSTS:
+        return False
+    os.environ.update(AWS_ACCESS_KEY_ID="local", AWS_SECRET_ACCESS_KEY="local", AWS_EC2_METADATA_DISABLED="true")
+    for name in ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE"):
+        os.environ.pop(name, None)
+    return True
 
 
 def default_participant_id() -> str:
@@ -153,6 +169,7 @@ def start(
         _fail(str(exc))
     except Exception as exc:  # botocore: no credentials, no such stack, ...
         _fail(f"cannot read stack {stack}: {exc}")
+    use_local_credentials(conn.endpoint)
     if run and run != conn.run_id:
         _fail(f"--run {run}: the connection ({stack or connection}) is for run {conn.run_id!r}")
 

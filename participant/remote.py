@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
 from pynamodb.exceptions import PynamoDBException
 
 from shared import keys
@@ -59,10 +59,17 @@ def _error_code(exc: BaseException) -> str:
     return str(getattr(exc, "cause_response_code", "") or "")
 
 
+def is_fatal(exc: BaseException) -> bool:
+    """Errors retrying cannot fix: no or bad credentials, no permission."""
+    root = exc.cause if isinstance(exc, PynamoDBException) and exc.cause is not None else exc
+    return isinstance(root, NoCredentialsError | PartialCredentialsError) or _error_code(exc) in FATAL_CODES
+
+
 def is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, ClientError | PynamoDBException):
-        return _error_code(exc) not in FATAL_CODES
-    return isinstance(exc, BotoCoreError | ConnectionError | TimeoutError | OSError)
+    """Network faults, throttling, 5xx and the like: worth retrying."""
+    if is_fatal(exc):
+        return False
+    return isinstance(exc, ClientError | PynamoDBException | BotoCoreError | OSError)
 
 
 class Retrier:
@@ -80,9 +87,9 @@ class Retrier:
             except (NotFound, Stopped):
                 raise
             except Exception as exc:
+                if is_fatal(exc):
+                    raise FatalRemoteError(f"{what}: {exc}") from exc
                 if not is_transient(exc):
-                    if _error_code(exc) in FATAL_CODES:
-                        raise FatalRemoteError(f"{what}: {exc}") from exc
                     raise
                 failures += 1
                 pause = delay * random.uniform(0.8, 1.2)
