@@ -19,6 +19,7 @@ from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_sqs as sqs
 from constructs import Construct
 
+from infra import layout
 from infra.lambdas import FunctionSpec, coordinator_function
 from infra.nag import acknowledge, arn_ref
 from infra.settings import DeploySettings, FunctionSettings
@@ -45,8 +46,6 @@ STATE_ACTIONS = (
     "dynamodb:UpdateItem",
     "dynamodb:ConditionCheckItem",
 )
-# Objects only the coordinator writes (participants never can): global models, manifest, checkpoints.
-COORDINATOR_WRITES = ("rounds/*/global", "manifest.json", "checkpoints/*")
 
 
 def coordinator_statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: str) -> list[iam.PolicyStatement]:
@@ -69,7 +68,7 @@ def coordinator_statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: s
         iam.PolicyStatement(
             sid="WriteCoordinatorObjects",
             actions=["s3:PutObject"],
-            resources=[bucket.arn_for_objects(f"{prefix}{suffix}") for suffix in COORDINATOR_WRITES],
+            resources=[bucket.arn_for_objects(key) for key in layout.coordinator_writes(run_id)],
         ),
         iam.PolicyStatement(sid="RunState", actions=list(STATE_ACTIONS), resources=[table.table_arn]),
     ]
@@ -148,13 +147,13 @@ class Coordinator(Construct):
         )
 
     def _acknowledge(self, bucket: s3.Bucket, run_id: str) -> None:
-        prefix = f"Resource::{arn_ref(bucket)}/{run_prefix(run_id)}"
+        wildcards = [f"{run_prefix(run_id)}*", *(k for k in layout.coordinator_writes(run_id) if "*" in k)]
         for fn in self.functions:
             acknowledge(
                 fn.role,  # type: ignore[arg-type]
                 "IAM5",
                 "Object ARNs end in a wildcard only below this run's prefix: the function reads any object "
                 "of its run (uploads, join requests, heartbeats, models) and writes only global models of "
-                "any round, the manifest and checkpoints, whose keys are not known at deploy time.",
-                findings=[f"{prefix}*", *(f"{prefix}{suffix}" for suffix in COORDINATOR_WRITES if "*" in suffix)],
+                "any round and checkpoints (besides manifest and config), whose keys are not known at deploy time.",
+                findings=[f"Resource::{arn_ref(bucket)}/{key}" for key in wildcards],
             )

@@ -18,21 +18,25 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
+from infra import layout
 from infra.nag import acknowledge, arn_ref
 from infra.settings import DeploySettings
 from shared.config import RunConfig
-from shared.keys import RESERVED_IDS, run_prefix
+from shared.keys import RESERVED_IDS
 from shared.naming import PARTICIPANT_TAG
 from shared.records import run_pk
 
 TAG = f"aws:PrincipalTag/{PARTICIPANT_TAG}"
 REQUEST_TAG = f"aws:RequestTag/{PARTICIPANT_TAG}"
-SELF = f"${{{TAG}}}"  # the IAM policy variable: this session's own participant id
 # Participant ids are letters, digits, '_' and '-' (shared.keys); session tag values may also hold these.
 FORBIDDEN_IN_ID = ("*/*", "*.*", "*:*", "*=*", "*+*", "*@*", "* *")
-# Keys a participant writes, each ending in its own id.
-PARTICIPANT_WRITES = ("join/", "init/", "heartbeat/", "rounds/*/")
-PARTICIPANT_READS = ("rounds/*/global", "manifest.json")
+
+
+# Assuming the role takes exactly one session tag, the participant id; checked on AssumeRole and TagSession.
+TRUST_CONDITIONS = {
+    "StringLike": {REQUEST_TAG: "?*"},
+    "ForAllValues:StringEquals": {"aws:TagKeys": [PARTICIPANT_TAG]},
+}
 
 
 def _reserved() -> list[str]:
@@ -63,7 +67,6 @@ class ParticipantAccess(Construct):
     ) -> None:
         super().__init__(scope, id)
         run_id = config.run_id
-        prefix = run_prefix(run_id)
         trusted: list[iam.IPrincipal] = (
             [iam.ArnPrincipal(arn) for arn in settings.participant_principals]
             if settings.participant_principals
@@ -73,18 +76,9 @@ class ParticipantAccess(Construct):
             self,
             "Role",
             description=f"Participants of run {run_id}, assumed with the session tag {PARTICIPANT_TAG}=<id>.",
-            assumed_by=iam.PrincipalWithConditions(
-                trusted[0],
-                {
-                    # Exactly one tag, the participant's id; checked on sts:AssumeRole and sts:TagSession.
-                    "StringLike": {REQUEST_TAG: "?*"},
-                    "ForAllValues:StringEquals": {"aws:TagKeys": [PARTICIPANT_TAG]},
-                },
-            ).with_session_tags(),
+            assumed_by=iam.PrincipalWithConditions(trusted[0], TRUST_CONDITIONS).with_session_tags(),
             max_session_duration=Duration.hours(settings.participant_session_hours),
-            inline_policies={
-                "participant": iam.PolicyDocument(statements=self._statements(prefix, bucket, table, run_id))
-            },
+            inline_policies={"participant": iam.PolicyDocument(statements=self._statements(bucket, table, run_id))},
         )
         trust = self.role.assume_role_policy
         assert trust is not None
@@ -93,10 +87,7 @@ class ParticipantAccess(Construct):
                 iam.PolicyStatement(
                     actions=["sts:AssumeRole", "sts:TagSession"],
                     principals=[other],
-                    conditions={
-                        "StringLike": {REQUEST_TAG: "?*"},
-                        "ForAllValues:StringEquals": {"aws:TagKeys": [PARTICIPANT_TAG]},
-                    },
+                    conditions=TRUST_CONDITIONS,
                 )
             )
         for sid, operator, values in (
@@ -115,29 +106,30 @@ class ParticipantAccess(Construct):
         acknowledge(
             self.role,
             "IAM5",
-            "Wildcards stand only for the round number, below this run's prefix: a participant writes its "
-            "update for any round at rounds/<round>/<its own id> (the id is the session tag, substituted by "
-            "IAM) and reads the global model of any round; rounds are not known at deploy time.",
+            "Wildcards stand only for the round number, below this run's prefix: a participant writes (and "
+            "checks) its update for any round at rounds/<round>/<its own id> (the id is the session tag, "
+            "substituted by IAM) and reads the global model of any round; rounds are not known at deploy time.",
             findings=[
-                f"Resource::{arn_ref(bucket)}/{prefix}rounds/*/<{TAG}>",  # how cdk-nag prints ${...}
-                f"Resource::{arn_ref(bucket)}/{prefix}rounds/*/global",
+                # cdk-nag prints the policy variable ${aws:PrincipalTag/participant} as <aws:PrincipalTag/...>
+                f"Resource::{arn_ref(bucket)}/{layout.own_updates(run_id).replace('${', '<').replace('}', '>')}",
+                f"Resource::{arn_ref(bucket)}/{layout.global_models(run_id)}",
             ],
         )
 
     @staticmethod
-    def _statements(prefix: str, bucket: s3.IBucket, table: dynamodb.ITable, run_id: str) -> list[iam.PolicyStatement]:
+    def _statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: str) -> list[iam.PolicyStatement]:
         return [
             iam.PolicyStatement(
                 sid="WriteOwnKeys",
                 # AbortMultipartUpload: a participant retrying a large upload cleans up after itself.
                 actions=["s3:PutObject", "s3:AbortMultipartUpload"],
-                resources=[bucket.arn_for_objects(f"{prefix}{kind}{SELF}") for kind in PARTICIPANT_WRITES],
+                resources=[bucket.arn_for_objects(key) for key in layout.participant_writes(run_id)],
                 conditions=id_conditions(TAG),
             ),
             iam.PolicyStatement(
-                sid="ReadGlobalModels",
+                sid="ReadModelsAndConfig",
                 actions=["s3:GetObject"],
-                resources=[bucket.arn_for_objects(f"{prefix}{key}") for key in PARTICIPANT_READS],
+                resources=[bucket.arn_for_objects(key) for key in layout.participant_reads(run_id)],
             ),
             iam.PolicyStatement(
                 sid="ReadRunState",

@@ -179,7 +179,12 @@ def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> N
             "s3:GetObject": {f"{run}*"},
             "s3:GetObjectVersion": {f"{run}*"},
             "s3:ListBucket": {bucket},
-            "s3:PutObject": {f"{run}rounds/*/global", f"{run}manifest.json", f"{run}checkpoints/*"},
+            "s3:PutObject": {
+                f"{run}rounds/*/global",
+                f"{run}manifest.json",
+                f"{run}config.json",
+                f"{run}checkpoints/*",
+            },
             "dynamodb:GetItem": {table},
             "dynamodb:Query": {table},
             "dynamodb:PutItem": {table},
@@ -253,13 +258,13 @@ def test_participant_policy_writes_only_keys_carrying_its_own_id(synth: Synth) -
     bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
     run = f"{bucket}/runs/{synth.config.run_id}/"
     table = f"<{synth.logical_id(synth.stack.state.table)}.Arn>"
-    # Then it may write only its own join, init, heartbeat and update keys, read global models and the
-    # manifest, read the run's items of the table, and nothing else
+    # Then it may write only its own join, init, heartbeat and update keys, read global models, manifest,
+    # the published config and its own updates, read the run's items of the table, and nothing else
     assert grants(statements) == {
         "s3:PutObject": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}", f"{run}rounds/*/{SELF}"},
         "s3:AbortMultipartUpload": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}",
                                     f"{run}rounds/*/{SELF}"},
-        "s3:GetObject": {f"{run}rounds/*/global", f"{run}manifest.json"},
+        "s3:GetObject": {f"{run}rounds/*/global", f"{run}manifest.json", f"{run}config.json", f"{run}rounds/*/{SELF}"},
         "dynamodb:GetItem": {table},
     }  # fmt: skip
     # And the writes hold only for a session tagged with a usable id

@@ -1,0 +1,58 @@
+"""The S3 key layout as IAM resource patterns, derived from `shared.keys` so policies follow the layout.
+
+A key function is called with a placeholder participant id and round 0, and the placeholder becomes the
+IAM policy variable holding the session's participant id, the round a `*`.
+"""
+
+from __future__ import annotations
+
+from shared import keys
+from shared.naming import PARTICIPANT_TAG
+
+SELF = f"${{aws:PrincipalTag/{PARTICIPANT_TAG}}}"  # the session's own participant id, substituted by IAM
+_PID = "pidplaceholder0"
+_ROUND = 0
+# Not in shared.keys yet: where the coordinator may write checkpoints.
+CHECKPOINTS = "checkpoints/*"
+
+
+def _any_round(run_id: str, key: str) -> str:
+    return key.replace(keys.round_prefix(run_id, _ROUND), f"{keys.run_prefix(run_id)}rounds/*/")
+
+
+def _as_self(key: str) -> str:
+    assert key.count(_PID) == 1, key
+    return key.replace(_PID, SELF)
+
+
+def participant_writes(run_id: str) -> list[str]:
+    """Keys ending in the participant's own id: join request, initial-model offer, heartbeat, updates."""
+    return [
+        _as_self(keys.join_key(run_id, _PID)),
+        _as_self(keys.init_key(run_id, _PID)),
+        _as_self(keys.heartbeat_key(run_id, _PID)),
+        own_updates(run_id),
+    ]
+
+
+def own_updates(run_id: str) -> str:
+    return _as_self(_any_round(run_id, keys.update_key(run_id, _ROUND, _PID)))
+
+
+def global_models(run_id: str) -> str:
+    return _any_round(run_id, keys.global_key(run_id, _ROUND))
+
+
+def participant_reads(run_id: str) -> list[str]:
+    """Global models, manifest, published config, and its own updates (to resume: did my upload land?)."""
+    return [global_models(run_id), keys.manifest_key(run_id), keys.config_key(run_id), own_updates(run_id)]
+
+
+def coordinator_writes(run_id: str) -> list[str]:
+    """Objects only the coordinator writes: global models, manifest, published config, checkpoints."""
+    return [
+        global_models(run_id),
+        keys.manifest_key(run_id),
+        keys.config_key(run_id),
+        f"{keys.run_prefix(run_id)}{CHECKPOINTS}",
+    ]

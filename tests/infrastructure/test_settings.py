@@ -1,0 +1,67 @@
+"""The [deploy] table: defaults, validation with clear messages, and the example run file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.settings import DeploySettings, load_deploy, stack_name_for
+from shared.config import ConfigError, RunConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_example_run_file_deploys_as_fed_example() -> None:
+    # Given the example run file `make synth` uses
+    config, settings = load_deploy(REPO / "runs" / "example.toml")
+    # Then it names its run and deploys as fed-<run_id>
+    assert config.run_id == "example"
+    assert stack_name_for(config, settings) == "fed-example"
+    assert stack_name_for(config, settings, "Other-Name") == "Other-Name"
+
+
+def test_a_run_file_without_deploy_table_uses_the_defaults(tmp_path: Path) -> None:
+    # Given a run file with only the run's keys at top level
+    config, settings = load_deploy(write(tmp_path, 'run_id = "plain"\n'))
+    # Then the deploy settings are the defaults: data kept, protected, logs for a month
+    assert config.run_id == "plain"
+    assert settings == DeploySettings()
+    assert settings.retain_data and settings.table_deletion_protection and settings.log_retention_days == 30
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[run]\nrun_id = "r1x"\n[deploy]\nlog_retention_days = 10\n', "deploy.log_retention_days"),
+        ('[run]\nrun_id = "r1x"\n[deploy]\nbogus = 1\n', "deploy.bogus"),
+        ('[run]\nrun_id = "r1x"\n[deploy.tick]\nmemory_mb = 64\n', "deploy.tick.memory_mb"),
+        ('[run]\nrun_id = "r1x"\n[deploy]\nstack_name = "1bad_name"\n', "deploy.stack_name"),
+        ('[run]\nrun_id = "r1x"\n[deploy]\nparticipant_principals = ["role/x"]\n', "deploy.participant_principals"),
+        ('run_id = "r1x"\n[deploy]\nretain_data = false\n', "under [run]"),
+    ],
+)
+def test_bad_deploy_settings_are_refused_naming_the_field(tmp_path: Path, text: str, message: str) -> None:
+    # Given a run file with one bad [deploy] setting
+    path = write(tmp_path, text)
+    # When it is loaded, Then the error names the field
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
+        load_deploy(path)
+
+
+def test_stuck_window_is_whole_minutes_between_one_minute_and_one_day() -> None:
+    # Given round deadlines short and long
+    short = RunConfig(run_id="abc", max_round_train_time=5)
+    usual = RunConfig(run_id="abc", max_round_train_time=100)
+    long = RunConfig(run_id="abc", max_round_train_time=60_000)
+    settings = DeploySettings(stuck_round_multiple=3)
+    # Then the alarm window is the multiple rounded up to minutes, within CloudWatch's bounds
+    assert settings.stuck_window_seconds(short) == 60
+    assert settings.stuck_window_seconds(usual) == 300
+    assert settings.stuck_window_seconds(long) == 86400
