@@ -46,7 +46,10 @@ class Digits:
         """PyTorch's default Linear initialisation, drawn from a generator of its own (thread-safe, and
         the same weights for the same seed on every host)."""
         generator = torch.Generator().manual_seed(seed)
-        model = nn.Sequential(nn.Linear(64, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 10))
+        meta = torch.device("meta")  # no storage and no draws from the global RNG until initialised below
+        model = nn.Sequential(
+            nn.Linear(64, self.hidden, device=meta), nn.ReLU(), nn.Linear(self.hidden, 10, device=meta)
+        ).to_empty(device="cpu")
         with torch.no_grad():
             for layer in model:
                 if isinstance(layer, nn.Linear):
