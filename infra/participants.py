@@ -1,8 +1,9 @@
 """Participant identity: one role, assumed with a session tag naming the participant.
 
 A host assumes the role with the tag `participant=<id>`; IAM substitutes `${aws:PrincipalTag/participant}`
-into the resource ARNs, so the session can write only keys ending in its own id, read the global models
-and the manifest, and read the run's items in the table. Nothing else.
+into the resource ARNs, so the session can write only keys ending in its own id, read the global models,
+the manifest, the published config and its own updates, read the run's items in the table and this
+stack's outputs. Nothing else.
 
 Who may assume it with which tag is decided by the host's own identity policy (see docs/deploy.md): the
 trust policy admits principals of this account (or `[deploy] participant_principals`) only with exactly
@@ -12,7 +13,7 @@ that one tag, and refuses tag values that are not usable participant ids (reserv
 
 from __future__ import annotations
 
-from aws_cdk import Duration
+from aws_cdk import Aws, Duration
 from aws_cdk import aws_dynamodb as dynamodb
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
@@ -130,6 +131,13 @@ class ParticipantAccess(Construct):
                 sid="ReadModelsAndConfig",
                 actions=["s3:GetObject"],
                 resources=[bucket.arn_for_objects(key) for key in layout.participant_reads(run_id)],
+            ),
+            iam.PolicyStatement(
+                sid="ReadStackOutputs",
+                # `fed-participant start --stack NAME` finds bucket, table and run id in this stack's outputs,
+                # so a host holding only a participant session can still start from the stack name.
+                actions=["cloudformation:DescribeStacks"],
+                resources=[Aws.STACK_ID],
             ),
             iam.PolicyStatement(
                 sid="ReadRunState",

@@ -259,13 +259,15 @@ def test_participant_policy_writes_only_keys_carrying_its_own_id(synth: Synth) -
     run = f"{bucket}/runs/{synth.config.run_id}/"
     table = f"<{synth.logical_id(synth.stack.state.table)}.Arn>"
     # Then it may write only its own join, init, heartbeat and update keys, read global models, manifest,
-    # the published config and its own updates, read the run's items of the table, and nothing else
+    # the published config and its own updates, read the run's items of the table and this stack's
+    # outputs, and nothing else
     assert grants(statements) == {
         "s3:PutObject": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}", f"{run}rounds/*/{SELF}"},
         "s3:AbortMultipartUpload": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}",
                                     f"{run}rounds/*/{SELF}"},
         "s3:GetObject": {f"{run}rounds/*/global", f"{run}manifest.json", f"{run}config.json", f"{run}rounds/*/{SELF}"},
         "dynamodb:GetItem": {table},
+        "cloudformation:DescribeStacks": {"<AWS::StackId>"},
     }  # fmt: skip
     # And the writes hold only for a session tagged with a usable id
     (write,) = [s for s in statements if "s3:PutObject" in as_list(s["Action"])]
