@@ -46,6 +46,11 @@ class RunConfig(BaseModel):
     cooldown_time: float = Field(5.0, ge=0, description="Seconds between epochs.")
     liveness_timeout: float = Field(60.0, gt=0, description="Silence after which a participant is dropped.")
     heartbeat_interval: float = Field(0.0, ge=0, description="Seconds between heartbeats; 0: timeout/4.")
+    epoch_time: float = Field(0.0, ge=0, description="Seconds after which an epoch ends at its next round; 0: off.")
+    witness_nodes: int = Field(0, ge=0, description="Witnesses elected per round; 0 turns witnessing off.")
+    witness_tolerance: float = Field(
+        0.1, ge=0, description="A witness attests an update whose loss is at most (1 + this) x the global's."
+    )
     strategy: Strategy = Strategy.FEDAVG
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
     clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")

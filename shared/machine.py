@@ -30,7 +30,9 @@ from shared.state import (
     RunState,
     Snapshot,
     UpdateView,
+    WriteCheckpoint,
 )
+from shared.witness import Proof, elect, health_scores, quorum
 
 MAX_STEPS = 16
 LIVE_PHASES = frozenset({Phase.WARMUP, Phase.TRAIN, Phase.WITNESS})
@@ -57,6 +59,11 @@ class Ctx:
     def updates(self) -> dict[str, UpdateView]:
         """Updates recorded for the round the state is in now (a tick can move past the snapshot's)."""
         return {pid: u for pid, u in self.snap.updates.items() if u.round == self.state.round}
+
+    def proofs(self) -> dict[str, Proof]:
+        """Proofs of the current round from its elected witnesses (ingest admits no others)."""
+        s = self.state
+        return {w: p for w, p in self.snap.proofs.items() if p.round == s.round and w in s.witnesses}
 
     def drop(self, pid: str, reason: str) -> None:
         members = dict(self.state.members)
@@ -113,16 +120,51 @@ def _warmup_over(c: Ctx) -> bool:
 def _round_closed(c: Ctx) -> bool:
     updates = c.updates()
     recorded = all(pid in updates for pid in c.state.selected)
+    if c.state.witnesses:  # opportunistic witnessing: a quorum has checked everything recorded
+        complete = sum(1 for p in c.proofs().values() if p.complete)
+        recorded = recorded and complete >= quorum(len(c.state.witnesses))
     return recorded or _deadline_passed(c)
 
 
+def _witness_over(c: Ctx) -> bool:
+    every_proof_in = bool(c.state.witnesses) and len(c.proofs()) == len(c.state.witnesses)
+    return every_proof_in or _deadline_passed(c)
+
+
+def _health(c: Ctx) -> dict[str, int]:
+    """Each counted update's health score: the proofs that attest exactly its bytes."""
+    updates = c.updates()
+    return health_scores(c.proofs().values(), {pid: updates[pid].digest for pid in c.state.counted})
+
+
+def _attested(c: Ctx) -> tuple[str, ...]:
+    """The counted updates that will be aggregated: all of them, or those a witness quorum attested."""
+    if not c.state.witnesses:
+        return c.state.counted
+    need = quorum(len(c.state.witnesses))
+    return tuple(pid for pid, score in sorted(_health(c).items()) if score >= need)
+
+
+def _quorum_missed(c: Ctx) -> bool:
+    return bool(c.state.witnesses) and len(c.proofs()) < quorum(len(c.state.witnesses))
+
+
 def _enough_updates(c: Ctx) -> bool:
-    return len(c.state.counted) >= c.config.min_updates
+    return not _quorum_missed(c) and len(_attested(c)) >= c.config.min_updates
 
 
 def _epoch_ends_after_this_round(c: Ctx) -> bool:
-    s = c.state
-    return s.aggregated + 1 >= c.config.total_rounds or s.rounds_in_epoch + 1 >= c.config.epoch_rounds
+    s, cfg = c.state, c.config
+    timed_out = cfg.epoch_time > 0 and c.now - s.epoch_started >= cfg.epoch_time
+    return s.aggregated + 1 >= cfg.total_rounds or s.rounds_in_epoch + 1 >= cfg.epoch_rounds or timed_out
+
+
+def _pause_requested(c: Ctx) -> bool:
+    return c.state.pause_requested
+
+
+def _resume_requested(c: Ctx) -> bool:
+    return not c.state.pause_requested
 
 
 def _run_complete(c: Ctx) -> bool:
@@ -140,6 +182,7 @@ def _start_epoch(c: Ctx) -> None:
         selected=(),
         counted=(),
         rounds_in_epoch=0,
+        epoch_started=c.now,
         deadline=c.now + c.config.warmup_time,
     )
     if not s.has_model:
@@ -151,10 +194,23 @@ def _start_epoch(c: Ctx) -> None:
 
 
 def _back_to_waiting(c: Ctx) -> None:
-    if c.state.phase is Phase.TRAIN:  # the round was started: close it unaggregated
-        _close_round(c, aggregated=False)
-    c.state = c.state.evolve(members={}, selected=(), counted=(), deadline=0.0)
+    _leave_epoch(c)
     c.effects.append(Note(f"fewer than {c.config.min_clients} members: waiting for members"))
+
+
+def _leave_epoch(c: Ctx) -> None:
+    if c.state.phase in (Phase.TRAIN, Phase.WITNESS):  # the round was started: close it unaggregated
+        _close_round(c, aggregated=False)
+    c.state = c.state.evolve(members={}, selected=(), counted=(), witnesses=(), deadline=0.0)
+
+
+def _pause(c: Ctx) -> None:
+    _leave_epoch(c)
+    c.effects.append(Note("paused by the operator"))
+
+
+def _resume(c: Ctx) -> None:
+    c.effects.append(Note("resumed by the operator: waiting for members"))
 
 
 def _begin_round(c: Ctx) -> None:
@@ -164,6 +220,7 @@ def _begin_round(c: Ctx) -> None:
     c.state = s.evolve(
         seed=seed,
         selected=chosen,
+        witnesses=elect(seed, chosen, c.config.witness_nodes),
         counted=(),
         round_started=c.now,
         deadline=c.now + c.config.max_round_train_time,
@@ -172,8 +229,8 @@ def _begin_round(c: Ctx) -> None:
 
 def _freeze_round(c: Ctx) -> None:
     updates = c.updates()
-    for pid in c.state.selected:
-        if pid not in updates:
+    for pid in c.state.selected:  # with witnesses, the health checks deal with those who did not deliver
+        if pid not in updates and not c.state.witnesses:
             c.drop(pid, f"missed the deadline of round {c.state.round}")
     counted = tuple(
         sorted(pid for pid in c.state.selected if (u := updates.get(pid)) is not None and u.accepted)
@@ -185,7 +242,7 @@ def _weighted_metric(c: Ctx, name: str) -> float | None:
     updates = c.updates()
     pairs = [
         (u.samples, u.metrics[name])
-        for pid in c.state.counted
+        for pid in _attested(c)
         if (u := updates.get(pid)) is not None and name in u.metrics
     ]
     total = sum(w for w, _ in pairs)
@@ -195,7 +252,9 @@ def _weighted_metric(c: Ctx, name: str) -> float | None:
 def _close_round(c: Ctx, aggregated: bool) -> None:
     s = c.state
     updates = c.updates()
-    counted = s.counted if aggregated else ()
+    counted = _attested(c) if aggregated else ()
+    health = {pid: 0 for pid in s.selected} | _health(c) if s.witnesses else {}
+    proofs = len(c.proofs())
     dropped = {
         pid: m.reason
         for pid, m in s.members.items()
@@ -214,6 +273,10 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         started=s.round_started,
         ended=c.now,
         aggregated=aggregated,
+        witnesses=s.witnesses,
+        proofs=proofs,
+        quorum=quorum(len(s.witnesses)),
+        health=health,
     )
     if aggregated:
         inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest, updates[p].version_id) for p in counted)
@@ -227,6 +290,10 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         rounds_in_epoch=s.rounds_in_epoch + (1 if aggregated else 0),
         selected=(),
         counted=(),
+        witnesses=(),
+        health_round=s.round,
+        health=health,
+        health_quorum=quorum(len(s.witnesses)),
         # The aggregate's digest is known only once it is written: Decision.resolve fills it in.
         global_digest="" if aggregated else s.global_digest,
     )
@@ -239,7 +306,19 @@ def _aggregate_and_continue(c: Ctx) -> None:
 
 def _aggregate_and_cool_down(c: Ctx) -> None:
     _close_round(c, aggregated=True)
+    _cool_down(c)
+
+
+def _cool_down(c: Ctx) -> None:
     c.state = c.state.evolve(deadline=c.now + c.config.cooldown_time)
+    c.effects.append(WriteCheckpoint(c.state.epoch, c.state.round))
+
+
+def _quorum_missed_cool_down(c: Ctx) -> None:
+    n = len(c.state.witnesses)
+    c.effects.append(Note(f"round {c.state.round}: {len(c.proofs())} of {n} witness proofs, quorum {quorum(n)}"))
+    _close_round(c, aggregated=False)
+    _cool_down(c)
 
 
 def _retry_round(c: Ctx) -> None:
@@ -274,6 +353,13 @@ W, WU, T, RW, CD, F = Phase.WAITING, Phase.WARMUP, Phase.TRAIN, Phase.WITNESS, P
 
 # Order matters within a source phase: the first row whose guard holds fires.
 TRANSITIONS: tuple[Transition, ...] = (
+    *(
+        Transition(source, Phase.PAUSED, f"pause_{source.name.lower()}", _pause_requested, _pause,
+                   "the operator paused the run (`fed run pause`): an open round closes unaggregated")
+        for source in (Phase.WAITING, Phase.WARMUP, Phase.TRAIN, Phase.WITNESS, Phase.COOLDOWN)
+    ),
+    Transition(Phase.PAUSED, Phase.WAITING, "resume", _resume_requested, _resume,
+               "the operator resumed the run (`fed run resume`)"),
     Transition(W, WU, "epoch_start", _can_start_epoch, _start_epoch,
                "min_clients live participants (and a model or an offer of one): admit them"),
     Transition(WU, W, "warmup_too_few", _too_few_members, _back_to_waiting,
@@ -284,14 +370,16 @@ TRANSITIONS: tuple[Transition, ...] = (
                "members dropped below min_clients: the round closes unaggregated"),
     Transition(T, RW, "round_closed", _round_closed, _freeze_round,
                "every selected participant uploaded, or max_round_train_time passed: freeze the count"),
+    Transition(RW, CD, "witness_quorum_missed", _all(_witness_over, _quorum_missed), _quorum_missed_cool_down,
+               "fewer witness proofs than the quorum: no aggregation, the epoch ends"),
     Transition(RW, CD, "aggregate_epoch_end",
-               _all(_deadline_passed, _enough_updates, _epoch_ends_after_this_round), _aggregate_and_cool_down,
+               _all(_witness_over, _enough_updates, _epoch_ends_after_this_round), _aggregate_and_cool_down,
                "aggregate; the epoch (or the run) has had its rounds"),
-    Transition(RW, W, "witness_too_few", _all(_deadline_passed, _too_few_members), _close_and_wait,
+    Transition(RW, W, "witness_too_few", _all(_witness_over, _too_few_members), _close_and_wait,
                "aggregate if enough updates arrived, then wait: members dropped below min_clients"),
-    Transition(RW, T, "aggregate_next_round", _all(_deadline_passed, _enough_updates), _aggregate_and_continue,
+    Transition(RW, T, "aggregate_next_round", _all(_witness_over, _enough_updates), _aggregate_and_continue,
                "aggregate and start the next round"),
-    Transition(RW, T, "round_retry", _all(_deadline_passed, _not(_enough_updates)), _retry_round,
+    Transition(RW, T, "round_retry", _all(_witness_over, _not(_enough_updates)), _retry_round,
                "fewer than min_updates accepted: carry the model over and train a new round"),
     Transition(CD, F, "run_complete", _all(_deadline_passed, _run_complete), _finish,
                "total_rounds aggregated"),
@@ -300,6 +388,23 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(CD, W, "next_epoch_waiting", _deadline_passed, _back_to_waiting,
                "cooldown over but too few live participants"),
 )
+
+
+def _apply_health_reports(c: Ctx) -> None:
+    """Drop a participant named by a member's health report only if the witness records agree."""
+    s = c.state
+    if s.phase not in LIVE_PHASES or not s.health:
+        return
+    reporters = set(s.active())
+    named = sorted({pid for reporter, pids in c.snap.health_reports.items() if reporter in reporters for pid in pids})
+    for pid in named:
+        score = s.health.get(pid)
+        member = c.state.members.get(pid)
+        if score is None or member is None or member.status is not MemberStatus.ACTIVE:
+            continue
+        if score < s.health_quorum:
+            needed = f"{s.health_quorum} witnesses needed"
+            c.drop(pid, f"health check: round {s.health_round} attested by {score} of {needed}")
 
 
 def _drop_silent(c: Ctx) -> None:
@@ -317,6 +422,7 @@ def tick(snap: Snapshot, config: RunConfig, now: float) -> Decision:
     """Advance the run as far as `now` allows. Pure: the same inputs always give the same decision."""
     c = Ctx(snap, config, now, snap.state)
     _drop_silent(c)
+    _apply_health_reports(c)
     for _ in range(MAX_STEPS):
         row = next((t for t in TRANSITIONS if t.source is c.state.phase and t.guard(c)), None)
         if row is None:

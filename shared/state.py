@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from shared.witness import Proof
+
 
 class Phase(StrEnum):
     WAITING = "WaitingForMembers"
@@ -21,6 +23,7 @@ class Phase(StrEnum):
     WITNESS = "RoundWitness"
     COOLDOWN = "Cooldown"
     FINISHED = "Finished"
+    PAUSED = "Paused"
 
 
 class MemberStatus(StrEnum):
@@ -55,6 +58,12 @@ class RunState:
     counted: tuple[str, ...] = ()  # accepted updates frozen for aggregation when RoundTrain ends
     global_digest: str = ""  # digest of rounds/<round>/global; "" before the run has a model
     model_source: str = ""  # participant whose initial-model offer became round 0's model
+    witnesses: tuple[str, ...] = ()  # elected for the current round, in position order
+    epoch_started: float = 0.0
+    health_round: int = -1  # the last closed round with witness records
+    health: Mapping[str, int] = field(default_factory=dict)  # its health scores (proofs attesting each)
+    health_quorum: int = 0
+    pause_requested: bool = False  # set by the operator; the next tick pauses (and clearing it resumes)
 
     @property
     def has_model(self) -> bool:
@@ -100,6 +109,8 @@ class Snapshot:
     state: RunState
     participants: Mapping[str, ParticipantView] = field(default_factory=dict)
     updates: Mapping[str, UpdateView] = field(default_factory=dict)  # current round only
+    proofs: Mapping[str, Proof] = field(default_factory=dict)  # current round only, by witness
+    health_reports: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # about state.health_round
 
 
 # --- effects: what a tick asks its handler to do -----------------------------------------------------
@@ -154,10 +165,22 @@ class RoundSummary:
     ended: float
     aggregated: bool
     global_digest: str = ""  # filled in once the aggregate is written
+    witnesses: tuple[str, ...] = ()
+    proofs: int = 0  # valid witness proofs received
+    quorum: int = 0
+    health: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
         return self.ended - self.started
+
+
+@dataclass(frozen=True)
+class WriteCheckpoint:
+    """At the end of an epoch: keep the global model and the state under checkpoints/<epoch>/."""
+
+    epoch: int
+    round: int
 
 
 @dataclass(frozen=True)
@@ -172,4 +195,4 @@ class Note:
     message: str
 
 
-Effect = AdoptInitialModel | Aggregate | CarryGlobal | RecordRound | Note
+Effect = AdoptInitialModel | Aggregate | CarryGlobal | RecordRound | WriteCheckpoint | Note

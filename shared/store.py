@@ -62,6 +62,7 @@ class StateStore:
         self.pk = run_pk(run_id)
         self.m: Models = models(table, endpoint, region)
         self._table, self._endpoint, self._region = table, endpoint, region
+        self._tx_connection: Connection | None = None
 
     # --- the coordinator state ---------------------------------------------------------------------
 
@@ -104,7 +105,10 @@ class StateStore:
         return expected_version + 1
 
     def _connection(self) -> Connection:
-        return Connection(region=self._region, host=self._endpoint)
+        # One per store: building a pynamodb Connection builds a botocore client, which costs 50-300 ms.
+        if self._tx_connection is None:
+            self._tx_connection = Connection(region=self._region, host=self._endpoint)
+        return self._tx_connection
 
     # --- what ingest records -----------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ from shared.state import (
     RunState,
     Snapshot,
     UpdateView,
+    WriteCheckpoint,
 )
+from shared.witness import Proof
 
 CFG = RunConfig(
     run_id="unit-run",
@@ -114,6 +116,24 @@ SCENARIOS = {
         ),
         T0,
     ),
+    "witness_quorum_missed": (
+        Snapshot(
+            state(Phase.WITNESS, members=members("a", "b", "c"), selected=("a", "b", "c"), counted=("a", "b", "c"),
+                  witnesses=("a", "b", "c"), deadline=T0),
+            {p: pv(p) for p in "abc"},
+            {p: upd(p) for p in "abc"},
+            {"a": Proof.build("unit-run", 0, "a", 0, {p: f"d-{p}" for p in "abc"}, 3, True)},
+        ),
+        T0,
+    ),
+    "resume": (Snapshot(state(Phase.PAUSED, members={}), {"a": pv("a"), "b": pv("b")}), T0),
+    **{
+        f"pause_{phase.name.lower()}": (
+            Snapshot(state(phase, members=members("a", "b"), pause_requested=True), {"a": pv("a"), "b": pv("b")}),
+            T0,
+        )
+        for phase in (Phase.WAITING, Phase.WARMUP, Phase.TRAIN, Phase.WITNESS, Phase.COOLDOWN)
+    },
     "run_complete": (
         Snapshot(state(Phase.COOLDOWN, members=members("a", "b"), aggregated=3, round=3, deadline=T0)),
         T0,
@@ -147,7 +167,7 @@ def test_transition_fires(row) -> None:  # type: ignore[no-untyped-def]
     # When the coordinator ticks
     decision = tick(snap, CFG, now)
     # Then this row fires first and the run moves to its target
-    assert decision.fired[0] == row.name
+    assert decision.fired[0] == row.name, decision.fired
     assert decision.changed
     first_target = row.target
     if len(decision.fired) == 1:
@@ -253,3 +273,91 @@ def test_nothing_to_do_changes_nothing() -> None:
     )
     d = tick(snap, CFG, T0)
     assert not d.changed and d.fired == () and d.effects == ()
+
+
+# --- witnesses, health checks, epochs, pause ----------------------------------------------------------
+
+CFG_W = CFG.model_copy(update={"witness_nodes": 3, "min_clients": 3, "min_per_round": 3, "round_witness_time": 5})
+
+
+def witness_round(proofs: dict[str, dict[str, str]], complete: bool = True, **kw: object) -> Snapshot:
+    pids = ("a", "b", "c", "d")
+    updates = {p: upd(p) for p in pids}
+    built = {w: Proof.build("unit-run", 0, w, i, att, 4, complete) for i, (w, att) in enumerate(proofs.items())}
+    base: dict[str, object] = dict(members=members(*pids), selected=pids, witnesses=("a", "b", "c"), deadline=T0 + 100)
+    base.update(kw)
+    phase = base.pop("phase", Phase.TRAIN)
+    return Snapshot(state(phase, **base), {p: pv(p) for p in pids}, updates, built)  # type: ignore[arg-type]
+
+
+def test_opportunistic_witnessing_closes_the_round_once_a_quorum_checked_everything() -> None:
+    honest = {p: f"d-{p}" for p in "abc"}  # nobody attests d
+    one = witness_round({"a": honest})
+    assert not tick(one, CFG_W, T0).changed, "one proof of three is not a quorum"
+    two = witness_round({"a": honest, "b": honest})
+    d = tick(two, CFG_W, T0)
+    assert d.fired == ("round_closed",)  # RoundWitness then waits for the third proof or its deadline
+    three = witness_round({"a": honest, "b": honest, "c": honest}, phase=Phase.WITNESS, counted=tuple("abcd"))
+    d = tick(three, CFG_W, T0)
+    assert d.fired[0] == "aggregate_next_round"
+    (agg,) = [e for e in d.effects if isinstance(e, Aggregate)]
+    assert [i.participant for i in agg.inputs] == ["a", "b", "c"], "the unattested update is not aggregated"
+    (rec,) = [e for e in d.effects if isinstance(e, RecordRound)]
+    assert rec.summary.health == {"a": 3, "b": 3, "c": 3, "d": 0} and rec.summary.proofs == 3
+    assert d.state.health == rec.summary.health and d.state.health_quorum == 2
+
+
+def test_an_attestation_of_other_bytes_does_not_count() -> None:
+    wrong = {"a": "d-a", "b": "d-b", "c": "d-c", "d": "not-its-digest"}
+    snap = witness_round({w: wrong for w in "abc"}, phase=Phase.WITNESS, counted=tuple("abcd"), deadline=T0)
+    (rec,) = [e for e in tick(snap, CFG_W, T0).effects if isinstance(e, RecordRound)]
+    assert rec.summary.health["d"] == 0 and "d" not in rec.summary.counted
+
+
+def test_without_witnesses_missing_uploaders_are_not_dropped_at_the_deadline_but_by_health_reports() -> None:
+    snap = witness_round({"a": {p: f"d-{p}" for p in "abc"}}, deadline=T0)
+    snap = Snapshot(snap.state, snap.participants, {p: upd(p) for p in "abc"}, snap.proofs)
+    d = tick(snap, CFG_W, T0)
+    assert d.state.members["d"].status is MemberStatus.ACTIVE
+    # Given the round closed with d unattested, a health report naming d (and a healthy a) arrives
+    after = Snapshot(
+        state(Phase.TRAIN, members=members(*"abcd"), selected=tuple("abcd"), witnesses=("a", "b", "c"),
+              health_round=0, health={"a": 3, "b": 3, "c": 3, "d": 0}, health_quorum=2, round=1),
+        {p: pv(p) for p in "abcd"},
+        health_reports={"b": ("d", "a")},
+    )
+    d = tick(after, CFG_W, T0)
+    assert d.state.members["d"].status is MemberStatus.DROPPED and "health check" in d.state.members["d"].reason
+    assert d.state.members["a"].status is MemberStatus.ACTIVE, "a report the records contradict drops nobody"
+    # A report from a non-member changes nothing
+    outsider = Snapshot(after.state, after.participants, health_reports={"zed": ("d",)})
+    assert not tick(outsider, CFG_W, T0).changed
+
+
+def test_witnesses_are_elected_at_round_start() -> None:
+    snap = SCENARIOS["warmup_done"][0]
+    snap = Snapshot(snap.state.evolve(members=members(*"abcd")), {p: pv(p, ready=1) for p in "abcd"})
+    d = tick(snap, CFG_W, T0)
+    assert len(d.state.witnesses) == 3 and set(d.state.witnesses) <= set(d.state.selected)
+
+
+def test_cooldown_writes_a_checkpoint() -> None:
+    snap = SCENARIOS["aggregate_epoch_end"][0]
+    d = tick(snap, CFG, T0)
+    assert WriteCheckpoint(1, 3) in d.effects
+
+
+def test_epoch_time_ends_the_epoch() -> None:
+    cfg = CFG.model_copy(update={"epoch_time": 30, "total_rounds": 50})
+    snap = SCENARIOS["aggregate_next_round"][0]
+    snap = Snapshot(snap.state.evolve(epoch_started=T0 - 31), snap.participants, snap.updates)
+    assert tick(snap, cfg, T0).fired[0] == "aggregate_epoch_end"
+
+
+def test_pause_closes_an_open_round_and_resume_waits_for_members() -> None:
+    snap = SCENARIOS["pause_train"][0]
+    d = tick(snap, CFG, T0)
+    assert d.state.phase is Phase.PAUSED and CarryGlobal(0) in d.effects and d.state.members == {}
+    assert not tick(Snapshot(d.state, snap.participants), CFG, T0 + 999).changed, "a paused run stays paused"
+    resumed = tick(Snapshot(d.state.evolve(pause_requested=False), snap.participants), CFG, T0)
+    assert resumed.fired[:2] == ("resume", "epoch_start")

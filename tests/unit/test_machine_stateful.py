@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from shared.config import RunConfig
 from shared.machine import resolve, tick
 from shared.state import Aggregate, MemberStatus, ParticipantView, Phase, RunState, Snapshot, UpdateView
+from shared.witness import Proof, quorum
 
 PIDS = [f"p{i}" for i in range(6)]
 CFG = RunConfig(
@@ -28,12 +29,16 @@ CFG = RunConfig(
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
+    config = CFG
+
     @initialize()
     def start(self) -> None:
         self.now = 0.0
         self.state = RunState("prop-run")
         self.participants: dict[str, ParticipantView] = {}
         self.updates: dict[tuple[int, str], UpdateView] = {}
+        self.proofs: dict[tuple[int, str], Proof] = {}
+        self.reports: dict[tuple[int, str], tuple[str, ...]] = {}
         self.counted: set[tuple[int, str]] = set()
         self.max_round = 0
         self.finished = False
@@ -77,6 +82,27 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for pid in list(self.participants):
             self.heartbeat(pid, ready=True)
 
+    @rule(pick=st.integers(0, 5), skip=st.integers(0, 6), complete=st.booleans())
+    def witness_proof(self, pick: int, skip: int, complete: bool) -> None:
+        s = self.state
+        if not s.witnesses or s.phase not in (Phase.TRAIN, Phase.WITNESS):
+            return
+        witness = s.witnesses[pick % len(s.witnesses)]
+        if (s.round, witness) in self.proofs:
+            return
+        seen = {p: u.digest for (r, p), u in sorted(self.updates.items()) if r == s.round and u.accepted}
+        attested = {p: d for i, (p, d) in enumerate(seen.items()) if i != skip}
+        proof = Proof.build("prop-run", s.round, witness, s.witnesses.index(witness), attested, 6, complete)
+        self.proofs[(s.round, witness)] = proof
+
+    @rule(reporter=st.sampled_from(PIDS), named=st.lists(st.sampled_from(PIDS), max_size=3))
+    def health_report(self, reporter: str, named: list[str]) -> None:
+        self.reports[(self.state.health_round, reporter)] = tuple(named)
+
+    @rule(paused=st.booleans())
+    def operator(self, paused: bool) -> None:
+        self.state = self.state.evolve(pause_requested=paused)
+
     @rule(dt=st.floats(0.1, 6.0))
     def busy_round(self, dt: float) -> None:
         """Everyone alive and every selected participant uploads: the path that makes progress."""
@@ -85,24 +111,34 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.everyone_alive()
         for i in range(len(self.state.selected)):
             self.upload(i, ok=True, samples=10, anyone=False)
+        for i in range(len(self.state.witnesses)):
+            self.witness_proof(i, skip=99, complete=True)
         self.now += dt
         self.do_tick()
 
     @rule()
     def do_tick(self) -> None:
-        current = {pid: u for (rnd, pid), u in self.updates.items() if rnd == self.state.round}
-        snap = Snapshot(self.state, dict(self.participants), current)
-        decision = tick(snap, CFG, self.now)
+        s = self.state
+        current = {pid: u for (rnd, pid), u in self.updates.items() if rnd == s.round}
+        proofs = {w: p for (rnd, w), p in self.proofs.items() if rnd == s.round}
+        reports = {r: named for (rnd, r), named in self.reports.items() if rnd == s.health_round}
+        snap = Snapshot(s, dict(self.participants), current, proofs, reports)
+        decision = tick(snap, self.config, self.now)
         for effect in decision.effects:
             if isinstance(effect, Aggregate):
-                assert len(effect.inputs) >= CFG.min_updates, "aggregated with too few updates"
+                assert len(effect.inputs) >= self.config.min_updates, "aggregated with too few updates"
+                if s.witnesses:
+                    need = quorum(len(s.witnesses))
+                    for item in effect.inputs:
+                        votes = sum(1 for p in proofs.values() if p.attests(item.participant, item.digest))
+                        assert votes >= need, "aggregated an update a witness quorum did not attest"
                 for item in effect.inputs:
                     slot = (effect.round, item.participant)
                     assert slot not in self.counted, f"update {slot} counted twice"
                     assert self.updates[slot].accepted, "a refused update was counted"
                     self.counted.add(slot)
                 decision = resolve(decision, f"g{effect.round + 1}")
-        assert decision.state.round >= self.state.round, "round number decreased"
+        assert decision.state.round >= s.round, "round number decreased"
         if self.finished:
             assert decision.state.phase is Phase.FINISHED
         self.state = decision.state.evolve(version=self.state.version + (1 if decision.changed else 0))
@@ -124,7 +160,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def counts_stay_in_bounds(self) -> None:
         if not hasattr(self, "state"):
             return
-        assert self.state.aggregated <= CFG.total_rounds
+        assert self.state.aggregated <= self.config.total_rounds
         assert self.state.aggregated <= self.state.round
 
     @invariant()
@@ -133,7 +169,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert self.state.has_model
 
 
-CoordinatorMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+class WitnessedCoordinatorMachine(CoordinatorMachine):
+    config = CFG.model_copy(update={"witness_nodes": 3, "min_clients": 3, "min_per_round": 3, "min_updates": 2})
+
+
+SETTINGS = settings(
+    max_examples=150, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+CoordinatorMachine.TestCase.settings = SETTINGS
+WitnessedCoordinatorMachine.TestCase.settings = SETTINGS
 TestCoordinatorMachine = CoordinatorMachine.TestCase
+TestWitnessedCoordinatorMachine = WitnessedCoordinatorMachine.TestCase

@@ -1,0 +1,185 @@
+"""Witnesses: who checks a round's updates, how many must agree, and the proofs they upload.
+
+Witnesses are elected per round from the round's seed by the same SHA-256 shuffle every process
+computes. A witness evaluates every recorded update of the round and uploads a proof: two bloom
+filters, one over the participants it attests and one over the update digests it attests. The
+coordinator counts, for each update, the proofs containing both its participant and its digest —
+that count is the update's health score — and aggregates only updates a quorum attested.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.keys import KeyError_, validate_participant_id
+from shared.selection import shuffled
+
+PROOF_SCHEMA = 1
+MAX_BLOOM_BITS = 1 << 20
+MAX_HASHES = 32
+MAX_PROOF_BYTES = 512 * 1024
+
+
+class ProofError(ValueError):
+    """A witness proof that is not well-formed; the message is the recorded refusal reason."""
+
+
+def quorum(witnesses: int) -> int:
+    """Psyche's rule: 1 of 1, 2 of 2 or 3, otherwise two thirds (at least 1)."""
+    if witnesses <= 0:
+        return 0
+    if witnesses == 1:
+        return 1
+    if witnesses <= 3:
+        return 2
+    return max(1, (2 * witnesses) // 3)
+
+
+def elect(seed_hex: str, candidates: Sequence[str], count: int) -> tuple[str, ...]:
+    """The round's witnesses, in position order."""
+    if count <= 0:
+        return ()
+    return tuple(shuffled(f"{seed_hex}:witness", sorted(candidates))[:count])
+
+
+@dataclass
+class BloomFilter:
+    bits: int
+    hashes: int
+    data: bytearray = field(default_factory=bytearray)
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = bytearray((self.bits + 7) // 8)
+
+    @classmethod
+    def for_capacity(cls, items: int, false_positive_rate: float = 0.01) -> BloomFilter:
+        """Sized so that `items` entries give about `false_positive_rate` false positives."""
+        n = max(1, items)
+        bits = max(64, math.ceil(-n * math.log(false_positive_rate) / math.log(2) ** 2))
+        hashes = max(1, round(bits / n * math.log(2)))
+        return cls(bits, min(hashes, MAX_HASHES))
+
+    def _positions(self, item: str) -> Iterable[int]:
+        digest = hashlib.sha256(item.encode()).digest()
+        h1, h2 = int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:16], "little") | 1
+        return ((h1 + i * h2) % self.bits for i in range(self.hashes))
+
+    def add(self, item: str) -> None:
+        for p in self._positions(item):
+            self.data[p // 8] |= 1 << (p % 8)
+
+    def __contains__(self, item: str) -> bool:
+        return all(self.data[p // 8] & (1 << (p % 8)) for p in self._positions(item))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bits": self.bits, "hashes": self.hashes, "hex": self.data.hex()}
+
+    @classmethod
+    def from_json(cls, body: Any) -> BloomFilter:
+        if not isinstance(body, dict):
+            raise ProofError("bloom filter is not an object")
+        bits, hashes, text = body.get("bits"), body.get("hashes"), body.get("hex")
+        if not (isinstance(bits, int) and 8 <= bits <= MAX_BLOOM_BITS):
+            raise ProofError(f"bloom filter size must be 8..{MAX_BLOOM_BITS} bits")
+        if not (isinstance(hashes, int) and 1 <= hashes <= MAX_HASHES):
+            raise ProofError(f"bloom filter hash count must be 1..{MAX_HASHES}")
+        if not isinstance(text, str) or len(text) != 2 * ((bits + 7) // 8):
+            raise ProofError("bloom filter data does not match its size")
+        try:
+            return cls(bits, hashes, bytearray.fromhex(text))
+        except ValueError:
+            raise ProofError("bloom filter data is not hex") from None
+
+
+def attestation(participant: str, digest: str) -> str:
+    """The digest filter's entry: an update is attested by its participant and its exact bytes."""
+    return f"{participant}:{digest}"
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What a witness uploads at rounds/<round>/witness/<id>."""
+
+    run_id: str
+    round: int
+    witness: str
+    position: int
+    participants: BloomFilter
+    digests: BloomFilter
+    complete: bool  # it evaluated every update recorded when it wrote the proof
+    loss: float = 0.0
+    throughput: float = 0.0
+    evaluations: dict[str, float] = field(default_factory=dict)
+
+    def attests(self, participant: str, digest: str) -> bool:
+        return participant in self.participants and attestation(participant, digest) in self.digests
+
+    @classmethod
+    def build(
+        cls, run_id: str, round_no: int, witness: str, position: int, attested: dict[str, str], expected: int,
+        complete: bool, loss: float = 0.0, throughput: float = 0.0, evaluations: dict[str, float] | None = None,
+    ) -> Proof:
+        participants = BloomFilter.for_capacity(expected)
+        digests = BloomFilter.for_capacity(expected)
+        for pid, dig in attested.items():
+            participants.add(pid)
+            digests.add(attestation(pid, dig))
+        return cls(run_id, round_no, witness, position, participants, digests, complete, loss, throughput,
+                   dict(evaluations or {}))
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "schema": PROOF_SCHEMA, "run_id": self.run_id, "round": self.round, "witness": self.witness,
+            "position": self.position, "participants": self.participants.to_json(),
+            "digests": self.digests.to_json(), "complete": self.complete, "loss": self.loss,
+            "throughput": self.throughput, "evaluations": self.evaluations,
+        }, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> Proof:
+        """Parse a proof; raise ProofError naming what is malformed."""
+        try:
+            body = json.loads(text)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ProofError("witness proof is not JSON") from None
+        if not isinstance(body, dict) or body.get("schema") != PROOF_SCHEMA:
+            raise ProofError(f"witness proof must be a JSON object with schema {PROOF_SCHEMA}")
+        try:
+            witness = validate_participant_id(body["witness"])
+            round_no, position = body["round"], body["position"]
+            if not (isinstance(round_no, int) and isinstance(position, int) and round_no >= 0 and position >= 0):
+                raise ProofError("witness proof round and position must be non-negative integers")
+            evaluations = body.get("evaluations", {})
+            if not isinstance(evaluations, dict) or len(evaluations) > 10_000 or not all(
+                isinstance(v, int | float) and math.isfinite(v) for v in evaluations.values()
+            ):
+                raise ProofError("witness proof evaluations must map participants to finite numbers")
+            return cls(
+                run_id=str(body["run_id"]), round=round_no, witness=witness, position=position,
+                participants=BloomFilter.from_json(body["participants"]),
+                digests=BloomFilter.from_json(body["digests"]), complete=bool(body["complete"]),
+                loss=_finite(body.get("loss", 0.0)), throughput=_finite(body.get("throughput", 0.0)),
+                evaluations={str(k): float(v) for k, v in evaluations.items()},
+            )
+        except KeyError as exc:
+            raise ProofError(f"witness proof lacks {exc}") from None
+        except KeyError_ as exc:
+            raise ProofError(str(exc)) from None
+
+
+def _finite(value: Any) -> float:
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        raise ProofError("witness proof metrics must be finite numbers")
+    return float(value)
+
+
+def health_scores(proofs: Iterable[Proof], updates: dict[str, str]) -> dict[str, int]:
+    """For each participant with an update (digest), how many proofs attest exactly that update."""
+    proofs = list(proofs)
+    return {pid: sum(1 for p in proofs if p.attests(pid, dig)) for pid, dig in updates.items()}
