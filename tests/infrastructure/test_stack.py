@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from aws_cdk.assertions import Match
 from cdk_nag import AwsSolutionsChecks
 
+from functions.observability import metrics as function_metrics
+from infra.observability import METRICS_SERVICE
 from infra.participants import FORBIDDEN_IN_ID
 from shared.keys import RESERVED_IDS
 from shared.naming import (
@@ -370,3 +372,10 @@ def test_cdk_nag_aws_solutions_finds_nothing_unacknowledged(synth: Synth) -> Non
     ]
     assert reasons, "the stack needs some acknowledgements (IAM5 for prefix wildcards at least)"
     assert all(len(reason) >= 80 for _, reason in reasons), reasons
+
+
+def test_dashboard_reads_the_dimensions_the_functions_emit() -> None:
+    # Given the powertools Metrics object the handlers emit with
+    # Then its namespace and service dimension are the ones the dashboard and alarms query
+    assert function_metrics.namespace == METRICS_NAMESPACE
+    assert function_metrics.service == METRICS_SERVICE
