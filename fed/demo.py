@@ -37,7 +37,8 @@ DEMO_RUN_ID = "demo"
 DEFAULT_ROUNDS = 20
 DEFAULT_TIMEOUT = 600.0
 JOIN_TIMEOUT = 120.0  # participants import torch first: seconds on a loaded 2-core machine
-EXIT_GRACE = 20.0  # after the run finished, how long participants get to notice and exit
+EXIT_GRACE = 20.0
+POLL_MAX = 0.5  # participants re-read the state at least this often: rounds follow each other quickly  # after the run finished, how long participants get to notice and exit
 
 
 class DemoFailed(RuntimeError):
@@ -180,7 +181,7 @@ class Participants:
             log = logs / f"{name}.log"
             state_dir = self.workdir / "participants" / name
             cmd = [*participant_command(), "start", "--connection", str(self.connection_file), "--id", name,
-                   "--state-dir", str(state_dir), *self.extra_args]
+                   "--state-dir", str(state_dir), "--threads", "1", "--poll-max", str(POLL_MAX), *self.extra_args]
             with log.open("wb") as out:
                 proc = subprocess.Popen(
                     cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -46,6 +47,25 @@ def scheduled_event(region: str, rule: str, at: float | None = None) -> dict[str
         "resources": [f"arn:aws:events:{region}:123456789012:rule/{rule}"],
         "detail": {},
     }
+
+
+def _local_invocation(handler: Handler) -> Handler:
+    """Call a handler as one Lambda invocation would, in a process that serves many at once.
+
+    With POWERTOOLS_METRICS_DISABLED, powertools neither prints nor clears the metric set at the end of an
+    invocation, so it grows across invocations until, at 100 values, it prints them to stdout anyway.
+    Each Lambda process starts empty; clearing after each call keeps it that way here.
+    """
+    from functions.observability import metrics
+
+    def invoke(event: dict[str, Any], context: Any) -> Any:
+        try:
+            return handler(event, context)
+        finally:
+            if os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() == "true":
+                metrics.clear_metrics()
+
+    return invoke
 
 
 @dataclass
@@ -108,8 +128,8 @@ class Dispatcher:
             # which the caller sets up before starting the dispatcher.
             from functions import ingest, tick
 
-            self._ingest = self._ingest or ingest.handler
-            self._tick = self._tick or tick.handler
+            self._ingest = self._ingest or _local_invocation(ingest.handler)
+            self._tick = self._tick or _local_invocation(tick.handler)
         self._stop.clear()
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ingest")
         self._threads = [
