@@ -16,9 +16,11 @@ from pynamodb.transactions import TransactWrite
 from shared.records import (
     STATE_SK,
     Models,
+    health_sk,
     models,
     participant_sk,
     participant_view,
+    proof_sk,
     refusal_sk,
     round_sk,
     run_pk,
@@ -30,6 +32,7 @@ from shared.records import (
     update_view,
 )
 from shared.state import ParticipantView, RoundSummary, RunState, Snapshot, UpdateView
+from shared.witness import Proof
 
 CONDITION_FAILED = {"ConditionalCheckFailedException", "TransactionCanceledException"}
 
@@ -76,7 +79,9 @@ class StateStore:
 
     def load_snapshot(self) -> Snapshot:
         state = self.read_state()
-        return Snapshot(state, self.participants(), self.updates(state.round))
+        proofs = self.proofs(state.round) if state.witnesses else {}
+        reports = self.health_reports(state.health_round) if state.health else {}
+        return Snapshot(state, self.participants(), self.updates(state.round), proofs, reports)
 
     def commit(self, state: RunState, expected_version: int, summaries: tuple[RoundSummary, ...] = ()) -> int:
         """Write `state` if the stored version is still `expected_version`; return the new version."""
@@ -224,6 +229,39 @@ class StateStore:
         item = self.m.refusal(self.pk, refusal_sk(key, etag), key=key, etag=etag, reason=reason, at=at, pid=pid)
         try:
             item.save(condition=self.m.refusal.pk.does_not_exist())
+            return True
+        except PutError as exc:
+            if exc.cause_response_code in CONDITION_FAILED:
+                return False
+            raise
+
+    def record_proof(self, round_no: int, pid: str, body: str, etag: str, at: float) -> bool:
+        """Record a witness's proof once; False if this witness's proof for the round is already in."""
+        item = self.m.proof(self.pk, proof_sk(round_no, pid), round=round_no, pid=pid, etag=etag, body=body,
+                            received_at=at)
+        return self._create(item)
+
+    def proof_record(self, round_no: int, pid: str) -> Any | None:
+        try:
+            return self.m.proof.get(self.pk, proof_sk(round_no, pid), consistent_read=True)
+        except DoesNotExist:
+            return None
+
+    def proofs(self, round_no: int) -> dict[str, Proof]:
+        items = self.m.proof.query(self.pk, self.m.proof.sk.startswith(proof_sk(round_no)), consistent_read=True)
+        return {i.pid: Proof.from_json(i.body) for i in items}
+
+    def record_health_report(self, round_no: int, pid: str, named: list[str], at: float) -> bool:
+        item = self.m.health(self.pk, health_sk(round_no, pid), round=round_no, pid=pid, named=named, received_at=at)
+        return self._create(item)
+
+    def health_reports(self, round_no: int) -> dict[str, tuple[str, ...]]:
+        items = self.m.health.query(self.pk, self.m.health.sk.startswith(health_sk(round_no)), consistent_read=True)
+        return {i.pid: tuple(i.named) for i in items}
+
+    def _create(self, item: Any) -> bool:
+        try:
+            item.save(condition=type(item).pk.does_not_exist())
             return True
         except PutError as exc:
             if exc.cause_response_code in CONDITION_FAILED:
