@@ -36,6 +36,7 @@ def participant_writes(run_id: str) -> list[str]:
 
 
 def own_updates(run_id: str) -> str:
+    """rounds/*/<own id>: its updates; the `*` also spans rounds/<round>/witness/ and health/ reports."""
     return _as_self(_any_round(run_id, keys.update_key(run_id, _ROUND, _PID)))
 
 

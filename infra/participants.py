@@ -107,9 +107,10 @@ class ParticipantAccess(Construct):
         acknowledge(
             self.role,
             "IAM5",
-            "Wildcards stand only for the round number, below this run's prefix: a participant writes (and "
-            "checks) its update for any round at rounds/<round>/<its own id> (the id is the session tag, "
-            "substituted by IAM) and reads the global model of any round; rounds are not known at deploy time.",
+            "Wildcards stand only for the round (and, under it, the kind of report) below this run's prefix: a "
+            "participant writes and checks its update, witness proof or health report for any round at "
+            "rounds/<round>/[witness/|health/]<its own id> (the id is the session tag, substituted by IAM) and "
+            "reads the global model of any round; rounds are not known at deploy time.",
             findings=[
                 # cdk-nag prints the policy variable ${aws:PrincipalTag/participant} as <aws:PrincipalTag/...>
                 f"Resource::{arn_ref(bucket)}/{layout.own_updates(run_id).replace('${', '<').replace('}', '>')}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ from cdk_nag import AwsSolutionsChecks
 from functions.observability import metrics as function_metrics
 from infra.observability import METRICS_SERVICE
 from infra.participants import FORBIDDEN_IN_ID
+from shared import keys
 from shared.keys import RESERVED_IDS
 from shared.naming import (
     ENV_BUCKET,
@@ -379,3 +381,37 @@ def test_dashboard_reads_the_dimensions_the_functions_emit() -> None:
     # Then its namespace and service dimension are the ones the dashboard and alarms query
     assert function_metrics.namespace == METRICS_NAMESPACE
     assert function_metrics.service == METRICS_SERVICE
+
+
+def iam_allows(patterns: set[str], bucket: str, key: str, participant: str) -> bool:
+    """IAM's matching of an object ARN: the policy variable becomes the session's tag, `*` spans '/'."""
+    arn = f"{bucket}/{key}"
+    return any(fnmatch.fnmatchcase(arn, p.replace(SELF, participant)) for p in patterns)
+
+
+def test_participant_write_patterns_admit_exactly_its_own_keys_of_the_layout(synth: Synth) -> None:
+    # Given the participant role's write and read patterns, and keys of the layout for alice, bob and the
+    # coordinator
+    allowed = grants(role_statements(synth, synth.logical_id(synth.stack.participants.role)))
+    bucket, run = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>", synth.config.run_id
+
+    def own(pid: str) -> list[str]:
+        found = [keys.join_key(run, pid), keys.init_key(run, pid), keys.heartbeat_key(run, pid),
+                 keys.update_key(run, 3, pid)]  # fmt: skip
+        for name in ("witness_key", "health_key"):  # reports about a round, where the layout has them
+            if hasattr(keys, name):
+                found.append(getattr(keys, name)(run, 3, pid))
+        return found
+
+    coordinators = [keys.global_key(run, 3), keys.manifest_key(run), keys.config_key(run)]
+    # When alice's session asks to write them
+    # Then it may write each of its own keys, none of bob's and none of the coordinator's
+    assert all(iam_allows(allowed["s3:PutObject"], bucket, k, "alice") for k in own("alice"))
+    assert not any(
+        iam_allows(allowed["s3:PutObject"], bucket, k, "alice") for k in own("bob") + own("xalice") + coordinators
+    )
+    # And it may read global models, manifest, config and its own update, but not bob's update
+    readable = [*coordinators, keys.update_key(run, 3, "alice")]
+    assert all(iam_allows(allowed["s3:GetObject"], bucket, k, "alice") for k in readable)
+    assert not iam_allows(allowed["s3:GetObject"], bucket, keys.update_key(run, 3, "bob"), "alice")
+    assert not iam_allows(allowed["s3:GetObject"], bucket, keys.join_key(run, "bob"), "alice")
