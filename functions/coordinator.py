@@ -6,6 +6,7 @@ normal: the loser's conditional commit fails with `Conflict`, it re-reads, and f
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -15,7 +16,17 @@ from functions.settings import Deps
 from shared import keys
 from shared.aggregate import WeightedInput, aggregate_file
 from shared.machine import Decision, resolve, tick
-from shared.state import AdoptInitialModel, Aggregate, CarryGlobal, Note, RecordRound, RoundSummary, RunState
+from shared.records import state_to_body
+from shared.state import (
+    AdoptInitialModel,
+    Aggregate,
+    CarryGlobal,
+    Note,
+    RecordRound,
+    RoundSummary,
+    RunState,
+    WriteCheckpoint,
+)
 from shared.store import Conflict
 from shared.wire import Manifest, WireError, decode, digest, parse_header
 
@@ -77,7 +88,27 @@ def carry_out_before_commit(deps: Deps, decision: Decision) -> Decision:
             decision = resolve(decision, digest(data))
         elif isinstance(effect, CarryGlobal):
             deps.bucket.copy(keys.global_key(run_id, effect.round), keys.global_key(run_id, effect.round + 1))
+        elif isinstance(effect, WriteCheckpoint):
+            write_checkpoint(deps, effect, decision.state)
     return decision
+
+
+def write_checkpoint(deps: Deps, effect: WriteCheckpoint, state: RunState) -> None:
+    """Global weights and the run's state at the end of an epoch, and a pointer to them."""
+    run_id = deps.config.run_id
+    deps.bucket.copy(keys.global_key(run_id, effect.round), keys.checkpoint_global_key(run_id, effect.epoch))
+    body = {
+        "schema": 1,
+        "epoch": effect.epoch,
+        "round": effect.round,
+        "global_key": keys.checkpoint_global_key(run_id, effect.epoch),
+        "global_digest": state.global_digest,
+        "state": state_to_body(state),
+        "config": deps.config.to_json_dict(),
+    }
+    deps.bucket.put(keys.checkpoint_state_key(run_id, effect.epoch), json.dumps(body, indent=1).encode())
+    pointer = {"epoch": effect.epoch, "state_key": keys.checkpoint_state_key(run_id, effect.epoch)}
+    deps.bucket.put(keys.latest_checkpoint_key(run_id), json.dumps(pointer).encode())
 
 
 def adopt_initial_model(deps: Deps, effect: AdoptInitialModel) -> None:

@@ -21,8 +21,9 @@ from shared.selection import assigned_count
 from shared.state import Phase, RunState
 from shared.store import UpdateRecord
 from shared.wire import UpdateMeta, WireError, decode, digest, non_finite, parse_header
+from shared.witness import MAX_PROOF_BYTES, Proof, ProofError
 
-MAX_CONTROL_BYTES = 16 * 1024  # join requests and heartbeats are small JSON documents
+MAX_CONTROL_BYTES = 64 * 1024  # join requests, heartbeats and health reports are small JSON documents
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ def ingest_object(deps: Deps, obj: ObjectCreated) -> Outcome:
     if parsed.kind is ObjectKind.UPDATE:
         assert parsed.round is not None
         return _update(deps, obj, pid, parsed.round)
+    if parsed.kind is ObjectKind.WITNESS:
+        assert parsed.round is not None
+        return _proof(deps, obj, pid, parsed.round)
+    if parsed.kind is ObjectKind.HEALTH:
+        assert parsed.round is not None
+        return _health_report(deps, obj, pid, parsed.round)
     return Outcome(parsed.kind.value, obj.key, True, "written by the coordinator", recorded=False)
 
 
@@ -160,6 +167,52 @@ def _update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
     if not deps.store.record_update(record):  # a racing delivery of the same object got there first
         return Outcome("update", obj.key, record.accepted, record.reason, pid, recorded=False)
     return Outcome("update", obj.key, record.accepted, record.reason, pid)
+
+
+def _proof(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
+    existing = deps.store.proof_record(round_no, pid)
+    if existing is not None:
+        if existing.etag == obj.etag:
+            return Outcome("witness", obj.key, True, participant=pid, recorded=False)
+        return _refuse(deps, obj, "witness", f"duplicate: {pid} already sent its proof for round {round_no}", pid)
+    state = deps.store.read_state()
+    if round_no != state.round or state.phase not in (Phase.TRAIN, Phase.WITNESS):
+        return _refuse(deps, obj, "witness", f"proof for round {round_no}, which is not being witnessed", pid)
+    if pid not in state.witnesses:
+        return _refuse(deps, obj, "witness", f"{pid} is not an elected witness of round {round_no}", pid)
+    try:
+        if obj.size > MAX_PROOF_BYTES:
+            raise ProofError(f"{obj.size} bytes is over the {MAX_PROOF_BYTES}-byte limit for proofs")
+        proof = Proof.from_json(deps.bucket.get(obj.key, max_bytes=MAX_PROOF_BYTES, version_id=obj.version_id).data)
+    except (ProofError, ValueError, NotFound) as exc:
+        return _refuse(deps, obj, "witness", f"witness proof refused: {exc}", pid)
+    position = state.witnesses.index(pid)
+    if (proof.run_id, proof.round, proof.witness) != (deps.config.run_id, round_no, pid):
+        return _refuse(deps, obj, "witness", "witness proof names another run, round or witness than its key", pid)
+    if proof.position != position:
+        return _refuse(deps, obj, "witness", f"spoofed position: {proof.position}, {pid} is witness {position}", pid)
+    if not deps.store.record_proof(round_no, pid, proof.to_json(), obj.etag, obj.time):
+        return Outcome("witness", obj.key, True, participant=pid, recorded=False)
+    return Outcome("witness", obj.key, True, participant=pid)
+
+
+def _health_report(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
+    try:
+        body = _read_json(deps, obj)
+        named = body.get("unhealthy")
+        if not isinstance(named, list) or len(named) > 1000:
+            raise ValueError("'unhealthy' must be a list of at most 1000 participant ids")
+        named = [keys.validate_participant_id(p) for p in named]
+    except (ValueError, NotFound) as exc:
+        return _refuse(deps, obj, "health", f"health report refused: {exc}", pid)
+    state = deps.store.read_state()
+    if round_no != state.health_round:
+        return _refuse(deps, obj, "health", f"health report about round {round_no}; the last witnessed round is "
+                       f"{state.health_round}", pid)
+    if pid not in state.members:
+        return _refuse(deps, obj, "health", f"{pid} is not a member of epoch {state.epoch}", pid)
+    recorded = deps.store.record_health_report(round_no, pid, sorted(set(named)), obj.time)
+    return Outcome("health", obj.key, True, participant=pid, recorded=recorded)
 
 
 def _slot_problem(state: RunState, round_no: int, pid: str) -> str:

@@ -5,6 +5,11 @@
     runs/<run>/heartbeat/<participant>         liveness and readiness (JSON)
     runs/<run>/rounds/<round>/global           global model that round <round> trains from
     runs/<run>/rounds/<round>/<participant>    participant's trained model for round <round>
+    runs/<run>/rounds/<round>/witness/<participant>   a witness's proof for round <round> (JSON)
+    runs/<run>/rounds/<round>/health/<participant>    a health report about round <round> (JSON)
+    runs/<run>/checkpoints/<epoch>/global      the global model at the end of an epoch
+    runs/<run>/checkpoints/<epoch>/state.json  the run's state at the end of that epoch
+    runs/<run>/checkpoints/latest.json         which checkpoint is the latest
     runs/<run>/manifest.json                   tensor names, shapes and dtypes of the model
     runs/<run>/config.json                     the run configuration, published by the first tick
 
@@ -35,6 +40,9 @@ class ObjectKind(StrEnum):
     UPDATE = "update"
     MANIFEST = "manifest"
     CONFIG = "config"
+    WITNESS = "witness"
+    HEALTH = "health"
+    CHECKPOINT = "checkpoint"
 
 
 def validate_participant_id(pid: str) -> str:
@@ -79,6 +87,30 @@ def update_key(run_id: str, round_no: int, pid: str) -> str:
     return f"{round_prefix(run_id, round_no)}{validate_participant_id(pid)}"
 
 
+def witness_key(run_id: str, round_no: int, pid: str) -> str:
+    return f"{round_prefix(run_id, round_no)}witness/{validate_participant_id(pid)}"
+
+
+def health_key(run_id: str, round_no: int, pid: str) -> str:
+    return f"{round_prefix(run_id, round_no)}health/{validate_participant_id(pid)}"
+
+
+def checkpoint_prefix(run_id: str, epoch: int) -> str:
+    return f"{run_prefix(run_id)}checkpoints/{epoch:0{ROUND_DIGITS}d}/"
+
+
+def checkpoint_global_key(run_id: str, epoch: int) -> str:
+    return f"{checkpoint_prefix(run_id, epoch)}global"
+
+
+def checkpoint_state_key(run_id: str, epoch: int) -> str:
+    return f"{checkpoint_prefix(run_id, epoch)}state.json"
+
+
+def latest_checkpoint_key(run_id: str) -> str:
+    return f"{run_prefix(run_id)}checkpoints/latest.json"
+
+
 def manifest_key(run_id: str) -> str:
     return f"{run_prefix(run_id)}manifest.json"
 
@@ -111,6 +143,13 @@ def parse_key(key: str) -> ParsedKey:
     simple = {"join": ObjectKind.JOIN, "init": ObjectKind.INIT, "heartbeat": ObjectKind.HEARTBEAT}
     if len(rest) == 2 and rest[0] in simple:
         return ParsedKey(simple[rest[0]], run_id, participant=validate_participant_id(rest[1]))
+    if rest[0] == "checkpoints" and len(rest) in (2, 3):
+        return ParsedKey(ObjectKind.CHECKPOINT, run_id)
+    if len(rest) == 4 and rest[0] == "rounds" and rest[2] in ("witness", "health"):
+        if not _ROUND_RE.match(rest[1]):
+            raise KeyError_(f"key {key!r}: round {rest[1]!r} is not {ROUND_DIGITS} digits")
+        kind = ObjectKind.WITNESS if rest[2] == "witness" else ObjectKind.HEALTH
+        return ParsedKey(kind, run_id, participant=validate_participant_id(rest[3]), round=int(rest[1]))
     if len(rest) == 3 and rest[0] == "rounds":
         if not _ROUND_RE.match(rest[1]):
             raise KeyError_(f"key {key!r}: round {rest[1]!r} is not {ROUND_DIGITS} digits")

@@ -329,7 +329,8 @@ def _retry_round(c: Ctx) -> None:
 
 def _close_and_wait(c: Ctx) -> None:
     _close_round(c, aggregated=_enough_updates(c))
-    _back_to_waiting(c)
+    c.state = c.state.evolve(members={}, selected=(), counted=(), witnesses=(), deadline=0.0)
+    c.effects.append(Note(f"fewer than {c.config.min_clients} members: waiting for members"))
 
 
 def _finish(c: Ctx) -> None:

@@ -5,6 +5,8 @@ One table per run, keys `pk` / `sk`:
     RUN#<run>  P#<participant>          join and liveness facts (owned by ingest)
     RUN#<run>  U#<round>#<participant>  one update: accepted with its weight, or refused with a reason
     RUN#<run>  R#<round>                a finished round's summary (metrics history)
+    RUN#<run>  W#<round>#<witness>      a witness proof (validated)
+    RUN#<run>  H#<round>#<reporter>     a health report naming peers believed unhealthy
     RUN#<run>  X#<hash of key, etag>    an object refused outside any round slot, with the reason
 Every stored document carries `schema`.
 """
@@ -47,6 +49,14 @@ def update_sk(round_no: int, pid: str = "") -> str:
 
 def round_sk(round_no: int) -> str:
     return f"R#{round_no:0{ROUND_DIGITS}d}"
+
+
+def proof_sk(round_no: int, pid: str = "") -> str:
+    return f"W#{round_no:0{ROUND_DIGITS}d}#{pid}"
+
+
+def health_sk(round_no: int, pid: str = "") -> str:
+    return f"H#{round_no:0{ROUND_DIGITS}d}#{pid}"
 
 
 def refusal_sk(key: str, etag: str) -> str:
@@ -97,6 +107,21 @@ class RoundItem(_Item):
     body = JSONAttribute()
 
 
+class ProofItem(_Item):
+    round = NumberAttribute()
+    pid = UnicodeAttribute()
+    etag = UnicodeAttribute(default="")
+    body = UnicodeAttribute()  # the proof's JSON, as uploaded and validated
+    received_at = NumberAttribute()
+
+
+class HealthItem(_Item):
+    round = NumberAttribute()
+    pid = UnicodeAttribute()
+    named = JSONAttribute()
+    received_at = NumberAttribute()
+
+
 class RefusalItem(_Item):
     key = UnicodeAttribute()
     etag = UnicodeAttribute(default="")
@@ -114,6 +139,8 @@ class Models:
         self.update = _bind(UpdateItem, table, host, region)
         self.round = _bind(RoundItem, table, host, region)
         self.refusal = _bind(RefusalItem, table, host, region)
+        self.proof = _bind(ProofItem, table, host, region)
+        self.health = _bind(HealthItem, table, host, region)
 
 
 @cache
@@ -150,6 +177,12 @@ def state_to_body(state: RunState) -> dict[str, Any]:
         "counted": list(state.counted),
         "global_digest": state.global_digest,
         "model_source": state.model_source,
+        "witnesses": list(state.witnesses),
+        "epoch_started": state.epoch_started,
+        "health_round": state.health_round,
+        "health": dict(state.health),
+        "health_quorum": state.health_quorum,
+        "pause_requested": state.pause_requested,
     }
 
 
@@ -173,6 +206,12 @@ def state_from_body(body: dict[str, Any], version: int) -> RunState:
         counted=tuple(body["counted"]),
         global_digest=body["global_digest"],
         model_source=body["model_source"],
+        witnesses=tuple(body.get("witnesses", ())),
+        epoch_started=float(body.get("epoch_started", 0.0)),
+        health_round=int(body.get("health_round", -1)),
+        health={k: int(v) for k, v in body.get("health", {}).items()},
+        health_quorum=int(body.get("health_quorum", 0)),
+        pause_requested=bool(body.get("pause_requested", False)),
     )
 
 
@@ -215,6 +254,10 @@ def summary_to_body(s: RoundSummary) -> dict[str, Any]:
         "ended": s.ended,
         "aggregated": s.aggregated,
         "global_digest": s.global_digest,
+        "witnesses": list(s.witnesses),
+        "proofs": s.proofs,
+        "quorum": s.quorum,
+        "health": dict(s.health),
     }
 
 
@@ -233,4 +276,8 @@ def summary_from_body(b: dict[str, Any]) -> RoundSummary:
         ended=float(b["ended"]),
         aggregated=bool(b["aggregated"]),
         global_digest=b.get("global_digest", ""),
+        witnesses=tuple(b.get("witnesses", ())),
+        proofs=int(b.get("proofs", 0)),
+        quorum=int(b.get("quorum", 0)),
+        health={k: int(v) for k, v in b.get("health", {}).items()},
     )

@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from shared.config import RunConfig
 from shared.machine import resolve, tick
-from shared.state import Aggregate, MemberStatus, ParticipantView, Phase, RunState, Snapshot, UpdateView
+from shared.state import Aggregate, MemberStatus, ParticipantView, Phase, RecordRound, RunState, Snapshot, UpdateView
 from shared.witness import Proof, quorum
 
 PIDS = [f"p{i}" for i in range(6)]
@@ -40,7 +40,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.proofs: dict[tuple[int, str], Proof] = {}
         self.reports: dict[tuple[int, str], tuple[str, ...]] = {}
         self.counted: set[tuple[int, str]] = set()
-        self.max_round = 0
+        self.recorded_rounds: set[int] = set()
         self.finished = False
 
     # --- the world -----------------------------------------------------------------------------------
@@ -125,6 +125,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         snap = Snapshot(s, dict(self.participants), current, proofs, reports)
         decision = tick(snap, self.config, self.now)
         for effect in decision.effects:
+            if isinstance(effect, RecordRound):
+                assert effect.summary.round not in self.recorded_rounds, "a round was closed twice"
+                self.recorded_rounds.add(effect.summary.round)
             if isinstance(effect, Aggregate):
                 assert len(effect.inputs) >= self.config.min_updates, "aggregated with too few updates"
                 if s.witnesses:

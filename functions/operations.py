@@ -1,0 +1,89 @@
+"""What an operator does to a run: pause, resume, and restore from the latest checkpoint.
+
+Pause and resume set a flag on the state with the same conditional write a tick uses, then tick, so
+the change shows at once; the transition itself is a row of the state machine's table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from functions.coordinator import TickResult, run_tick
+from functions.settings import Deps
+from shared import keys
+from shared.blobs import NotFound
+from shared.records import state_from_body
+from shared.state import Phase, RunState
+from shared.store import Conflict
+from shared.wire import digest
+
+MAX_ATTEMPTS = 6
+
+
+class OperationError(RuntimeError):
+    pass
+
+
+def set_paused(deps: Deps, paused: bool) -> TickResult:
+    for _ in range(MAX_ATTEMPTS):
+        state = deps.store.read_state()
+        if state.version == 0:
+            raise OperationError("the run has no state yet: nothing to pause or resume")
+        if state.phase is Phase.FINISHED:
+            raise OperationError("the run is finished")
+        if state.pause_requested == paused:
+            break
+        try:
+            deps.store.commit(state.evolve(pause_requested=paused), state.version)
+            break
+        except Conflict:
+            continue
+    else:
+        raise OperationError("the state kept changing; try again")
+    return run_tick(deps)
+
+
+@dataclass(frozen=True)
+class Restored:
+    epoch: int
+    round: int
+    aggregated: int
+    global_digest: str
+
+
+def restore(deps: Deps, force: bool = False) -> Restored:
+    """Rebuild the run's state from its latest checkpoint (after the table's items were lost).
+
+    The run restarts in WaitingForMembers at the checkpoint's round with its global model; the
+    participants, still polling, join again and the next epoch admits them.
+    """
+    run_id = deps.config.run_id
+    current = deps.store.read_state()
+    if current.version and not force:
+        raise OperationError(
+            f"the run has state (phase {current.phase}, round {current.round}); use --force to replace it"
+        )
+    try:
+        pointer = json.loads(deps.bucket.get(keys.latest_checkpoint_key(run_id)).data)
+        body = json.loads(deps.bucket.get(pointer["state_key"]).data)
+    except NotFound:
+        raise OperationError("the run has no checkpoint yet (one is written at the end of each epoch)") from None
+    saved = state_from_body(body["state"], 0)
+    model = deps.bucket.get(body["global_key"]).data
+    if digest(model) != body["global_digest"]:
+        raise OperationError("the checkpoint's global model does not match its recorded digest")
+    deps.bucket.put(keys.global_key(run_id, saved.round), model)
+    state = RunState(
+        run_id,
+        phase=Phase.WAITING,
+        epoch=saved.epoch,
+        round=saved.round,
+        aggregated=saved.aggregated,
+        global_digest=body["global_digest"],
+        model_source=saved.model_source,
+        phase_started=time.time(),
+    )
+    deps.store.commit(state, current.version)
+    return Restored(saved.epoch, saved.round, saved.aggregated, body["global_digest"])
