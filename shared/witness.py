@@ -66,9 +66,10 @@ class BloomFilter:
         return cls(bits, min(hashes, MAX_HASHES))
 
     def _positions(self, item: str) -> Iterable[int]:
-        digest = hashlib.sha256(item.encode()).digest()
-        h1, h2 = int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:16], "little") | 1
-        return ((h1 + i * h2) % self.bits for i in range(self.hashes))
+        data = item.encode()
+        for i in range(self.hashes):  # one independent hash per position: exact design error rates
+            h = hashlib.blake2b(data, digest_size=8, salt=i.to_bytes(16, "little")).digest()
+            yield int.from_bytes(h, "little") % self.bits
 
     def add(self, item: str) -> None:
         for p in self._positions(item):
