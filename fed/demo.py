@@ -37,8 +37,8 @@ DEMO_RUN_ID = "demo"
 DEFAULT_ROUNDS = 20
 DEFAULT_TIMEOUT = 600.0
 JOIN_TIMEOUT = 120.0  # participants import torch first: seconds on a loaded 2-core machine
-EXIT_GRACE = 20.0
-POLL_MAX = 0.5  # participants re-read the state at least this often: rounds follow each other quickly  # after the run finished, how long participants get to notice and exit
+EXIT_GRACE = 20.0  # after the run finished, how long participants get to notice and exit
+POLL_MAX = 0.5  # participants re-read the state at least this often: rounds follow each other quickly
 
 
 class DemoFailed(RuntimeError):
@@ -301,7 +301,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None,
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="fed-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stack = LocalStack(config, tick_interval=opts.tick_interval, log_file=workdir / "functions.log",
-                       log_level="INFO", start_dispatcher=False)
+                       log_level="INFO", hold_events=True)
     procs: Participants | None = None
     ok = False
     try:
@@ -317,9 +317,9 @@ def run_demo(opts: DemoOptions, console: Console | None = None,
         evaluator = Evaluator(config, stack.connection)
         if on_ready is not None:
             on_ready(stack, procs)
-        _await_joins(stack, config, names, procs, console)
-        assert stack.dispatcher is not None
-        stack.dispatcher.start()  # every participant has asked to join: the first epoch admits them all
+        with console.status(f"starting {len(names)} participant processes"):
+            await_joins(stack, names, procs)
+        stack.release_events()  # every participant has asked to join: the first epoch admits them all
         rows = _follow(stack, config, opts, procs, evaluator, console, started)
         final = store_for(stack.connection).read_state()
         final_accuracy = evaluator.accuracy(final.round, final.global_digest)
@@ -352,26 +352,25 @@ def run_demo(opts: DemoOptions, console: Console | None = None,
             console.print(f"logs kept in {workdir}")
 
 
-def _await_joins(stack: LocalStack, config: RunConfig, names: list[str], procs: Participants,
-                 console: Console) -> None:
-    """Hold event delivery until every participant's join request is in the bucket."""
+def await_joins(stack: LocalStack, names: list[str], procs: Participants, timeout: float = JOIN_TIMEOUT) -> None:
+    """Wait until every participant's join request is in the bucket (delivery is held back meanwhile, so the
+    first epoch admits them all); raise DemoFailed if one dies first or they take longer than `timeout`."""
     assert stack.resources is not None
     bucket = Bucket(stack.resources.bucket, s3_client(stack.endpoint, stack.resources.region))
-    prefix = keys.run_prefix(config.run_id) + "join/"
-    deadline = time.monotonic() + JOIN_TIMEOUT
-    with console.status(f"starting {len(names)} participant processes"):
-        while True:
-            _check_processes(procs)
-            joined = {k.rsplit("/", 1)[-1] for k in bucket.keys(prefix)}
-            if joined >= set(names):
-                return
-            if time.monotonic() > deadline:
-                missing = ", ".join(sorted(set(names) - joined))
-                raise DemoFailed(f"participants {missing} did not ask to join within {JOIN_TIMEOUT:.0f}s")
-            time.sleep(0.2)
+    prefix = keys.run_prefix(stack.config.run_id) + "join/"
+    deadline = time.monotonic() + timeout
+    while True:
+        check_processes(procs)
+        joined = {k.rsplit("/", 1)[-1] for k in bucket.keys(prefix)}
+        if joined >= set(names):
+            return
+        if time.monotonic() > deadline:
+            missing = ", ".join(sorted(set(names) - joined))
+            raise DemoFailed(f"participants {missing} did not ask to join within {timeout:.0f}s")
+        time.sleep(0.2)
 
 
-def _check_processes(procs: Participants) -> None:
+def check_processes(procs: Participants) -> None:
     failed = procs.failed()
     if failed:
         p = failed[0]
@@ -390,7 +389,7 @@ def _follow(stack: LocalStack, config: RunConfig, opts: DemoOptions, procs: Part
     console.print(HEADER)
     deadline = started + opts.timeout
     while True:
-        _check_processes(procs)
+        check_processes(procs)
         state = store.read_state()
         for summary in follower.new():
             row = _row(summary, evaluator)

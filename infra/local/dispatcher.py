@@ -110,6 +110,7 @@ class Dispatcher:
         self._ingest, self._tick = ingest, tick
         self.stats = DispatchStats()
         self._stop = threading.Event()
+        self._delivering = threading.Event()
         self._slots = threading.Semaphore(workers)
         self._pool: ThreadPoolExecutor | None = None
         self._threads: list[threading.Thread] = []
@@ -122,7 +123,8 @@ class Dispatcher:
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
-    def start(self) -> Dispatcher:
+    def start(self, deliver: bool = True) -> Dispatcher:
+        """Start ticking, and delivering queued events unless `deliver` is False (then: `release()`)."""
         if self._ingest is None or self._tick is None:
             # Imported late: the handlers read their settings from the environment on first call,
             # which the caller sets up before starting the dispatcher.
@@ -131,6 +133,8 @@ class Dispatcher:
             self._ingest = self._ingest or _local_invocation(ingest.handler)
             self._tick = self._tick or _local_invocation(tick.handler)
         self._stop.clear()
+        if deliver:
+            self._delivering.set()
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ingest")
         self._threads = [
             threading.Thread(target=self._poll_loop, name="dispatch-poll", daemon=True),
@@ -139,6 +143,10 @@ class Dispatcher:
         for t in self._threads:
             t.start()
         return self
+
+    def release(self) -> None:
+        """Begin delivering the events held back by `start(deliver=False)`; they wait in the queue till then."""
+        self._delivering.set()
 
     def stop(self, timeout: float = 15.0) -> None:
         """Stop polling and ticking; wait for deliveries in flight (undelivered messages stay queued)."""
@@ -159,6 +167,8 @@ class Dispatcher:
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
+            if not self._delivering.wait(0.2):
+                continue
             free = self._acquire_slots()
             if not free:
                 continue

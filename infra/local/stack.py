@@ -76,7 +76,7 @@ class LocalStack:
     log_level: str = "INFO"
     log_file: Path | None = None  # the functions' logs; None: this process's stdout
     region: str = LOCAL_REGION
-    start_dispatcher: bool = True  # False: deliver nothing until `dispatcher.start()` (the demo holds events back)
+    hold_events: bool = False  # True: tick, but deliver no S3 event until `release_events()`
     server: LocalServer | None = field(default=None, init=False)
     resources: LocalResources | None = field(default=None, init=False)
     dispatcher: Dispatcher | None = field(default=None, init=False)
@@ -108,12 +108,17 @@ class LocalStack:
                 self._log_stream = self.log_file.open("a", buffering=1)
             route_function_logs(self.log_level, self._log_stream)
             self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers)
-            if self.start_dispatcher:
-                self.dispatcher.start()
+            self.dispatcher.start(deliver=not self.hold_events)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def release_events(self) -> None:
+        """Deliver the S3 events held back since `start()` (with `hold_events`), and every one after them."""
+        if self.dispatcher is None:
+            raise RuntimeError("the local stack is not running")
+        self.dispatcher.release()
 
     def stop(self) -> None:
         """Stop delivering, stop the server, give the environment back. Safe to call twice."""
