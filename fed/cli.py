@@ -149,6 +149,9 @@ def status(
         from infra.local.stack import client_environment
 
         os.environ.update(client_environment(conn.region))
+        if not _reachable(conn.endpoint):
+            err.print(f"[red]nothing answers at {conn.endpoint}[/]: is `fed local` (or `fed demo`) still running?")
+            raise typer.Exit(1)
     try:
         if as_json:
             console.print_json(render_json(collect(conn)))
@@ -169,6 +172,19 @@ def status(
         if conn.endpoint:
             err.print(f"is `fed local` still running on {conn.endpoint}?")
         raise typer.Exit(1) from None
+
+
+def _reachable(endpoint: str, timeout: float = 1.0) -> bool:
+    """A TCP connect to a local endpoint: fails fast where the AWS clients would retry for seconds."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    try:
+        with socket.create_connection((url.hostname or "127.0.0.1", url.port or 80), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":
