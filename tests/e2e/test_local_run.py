@@ -14,7 +14,7 @@ from shared import keys
 from shared.blobs import Bucket, s3_client
 from shared.state import MemberStatus, Phase
 from shared.wire import digest
-from tests.e2e.conftest import Run, e2e_config
+from tests.e2e.harness import Run, e2e_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
