@@ -74,6 +74,7 @@ class DispatchStats:
 
     delivered: int = 0
     failed: int = 0
+    dropped: int = 0  # events given up on after max_attempts failed deliveries
     ticks: int = 0
     tick_failures: int = 0
     errors: list[str] = field(default_factory=list)
@@ -96,6 +97,7 @@ class Dispatcher:
         tick_interval: float = 1.0,
         workers: int = 3,
         visibility_timeout: int = 15,
+        max_attempts: int = 3,
         poll_wait: int = 1,
         ingest: Handler | None = None,
         tick: Handler | None = None,
@@ -106,6 +108,7 @@ class Dispatcher:
         self.tick_interval = tick_interval
         self.workers = workers
         self.visibility_timeout = visibility_timeout
+        self.max_attempts = max_attempts
         self.poll_wait = poll_wait
         self._ingest, self._tick = ingest, tick
         self.stats = DispatchStats()
@@ -204,26 +207,38 @@ class Dispatcher:
             MaxNumberOfMessages=most,
             WaitTimeSeconds=self.poll_wait,
             VisibilityTimeout=self.visibility_timeout,
+            AttributeNames=["ApproximateReceiveCount"],
         )
         return list(resp.get("Messages", []))
 
     def _deliver(self, message: dict[str, Any]) -> None:
+        attempt = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
         try:
             event = json.loads(message["Body"])
             assert self._ingest is not None
             self._ingest(event, LocalContext(function_name="fed-local-ingest"))
         except Exception as exc:
-            # Left on the queue: redelivered after the visibility timeout, as Lambda retries.
             self.stats.add("failed", f"ingest: {type(exc).__name__}: {exc}")
-            log.exception("ingest failed; the event will be delivered again")
+            if attempt < self.max_attempts:
+                # Left on the queue: delivered again after the visibility timeout, as Lambda retries.
+                log.exception("ingest failed (attempt %d of %d); the event will be delivered again",
+                              attempt, self.max_attempts)
+            else:
+                # Lambda gives up on an async event after its retries (to a dead-letter queue, if any).
+                log.exception("ingest failed %d times; the event is dropped: %s", attempt, message["Body"][:500])
+                self.stats.add("dropped")
+                self._delete(message)
         else:
-            try:
-                self._sqs.delete_message(QueueUrl=self.resources.queue_url, ReceiptHandle=message["ReceiptHandle"])
-            except Exception as exc:  # a duplicate delivery later is harmless: ingest is idempotent
-                log.warning("could not delete a delivered message: %s", exc)
+            self._delete(message)
             self.stats.add("delivered")
         finally:
             self._slots.release()
+
+    def _delete(self, message: dict[str, Any]) -> None:
+        try:
+            self._sqs.delete_message(QueueUrl=self.resources.queue_url, ReceiptHandle=message["ReceiptHandle"])
+        except Exception as exc:  # a duplicate delivery later is harmless: ingest is idempotent
+            log.warning("could not delete a delivered message: %s", exc)
 
     # --- ticks -------------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fed.cli import app
+from fed.status import collect
 from shared import keys
 from shared.blobs import Bucket, s3_client
 from shared.state import MemberStatus, Phase
@@ -72,6 +73,10 @@ def test_a_participant_killed_mid_round_is_dropped_and_the_run_finishes(local_ru
     assert dropped_in[0].dropped["p3"] == reason
     assert all("p3" not in r.counted for r in rounds if r.round > dropped_in[0].round)
     assert all(r.aggregated for r in rounds)  # two updates were still enough for every round
+    # and `fed status` shows it dropped, with the reason
+    lines = {p.pid: p for p in collect(run.stack.connection).participants}
+    assert (lines["p3"].state, lines["p3"].reason) == ("dropped", reason)
+    assert lines["p1"].state == lines["p2"].state == "active"
     # and the survivors finish normally
     assert run.procs.wait_exit(30)
     assert run.procs.procs["p1"].process.returncode == 0 and run.procs.procs["p2"].process.returncode == 0

@@ -144,3 +144,28 @@ def test_a_failing_delivery_is_retried(stack: LocalStack) -> None:
         until(lambda: len(ticks) >= 3, timeout=5)
     assert seen[:2] == [carol, carol]
     assert retrying.stats.failed == 1
+
+
+def test_an_event_that_keeps_failing_is_dropped_after_its_retries(stack: LocalStack) -> None:
+    # Given a dispatcher whose ingest always fails for one object, and at most 2 attempts
+    assert stack.dispatcher is not None and stack.resources is not None
+    stack.dispatcher.stop()
+    poison = keys.join_key("stack-test", "mallory")
+    attempts: list[str] = []
+
+    def failing(event: dict[str, Any], context: Any) -> None:
+        if event["detail"]["object"]["key"] == poison:
+            attempts.append(poison)
+            raise RuntimeError("always")
+
+    retrying = Dispatcher(stack.resources, tick_interval=5, visibility_timeout=1, max_attempts=2, ingest=failing,
+                          tick=lambda e, c: None)
+    with retrying:
+        # When the object is uploaded
+        Sim(stack).join("mallory")
+        # Then it is tried twice, then removed from the queue
+        until(lambda: retrying.stats.dropped == 1, timeout=10)
+    assert attempts == [poison, poison]
+    sqs = boto3.client("sqs", endpoint_url=stack.endpoint, region_name="us-east-1")
+    attrs = sqs.get_queue_attributes(QueueUrl=stack.resources.queue_url, AttributeNames=["All"])["Attributes"]
+    assert attrs["ApproximateNumberOfMessages"] == "0" and attrs["ApproximateNumberOfMessagesNotVisible"] == "0"
