@@ -53,10 +53,10 @@ def demo_config(participants: int, rounds: int = DEFAULT_ROUNDS, kill_one: bool 
     `kill_one`, one participant will die mid-run, so the run must keep going with N-1 members.
     """
     if participants < 1:
-        raise ValueError("a demo needs at least one participant")
+        raise DemoFailed("a demo needs at least one participant")
     survivors = participants - 1 if kill_one else participants
     if survivors < 1:
-        raise ValueError("--kill-one needs at least two participants")
+        raise DemoFailed("--kill-one needs at least two participants")
     values: dict[str, Any] = dict(
         run_id=run_id,
         min_clients=survivors,
@@ -292,6 +292,9 @@ def run_demo(opts: DemoOptions, console: Console | None = None,
     """Run the demo to the end; return the report (also written to `opts.report`). Raises DemoFailed."""
     console = console or Console()
     config = resolve_config(opts)
+    if config.min_clients > opts.participants:
+        raise DemoFailed(f"the config needs {config.min_clients} participants to start (min_clients), but the demo "
+                         f"starts {opts.participants}: pass --participants {config.min_clients} or more")
     if opts.kill_one and opts.participants - 1 < config.min_clients:
         raise DemoFailed(
             f"--kill-one with {opts.participants} participants leaves {opts.participants - 1}, fewer than the "
