@@ -169,9 +169,9 @@ def start(
         _fail(str(exc))
     except Exception as exc:  # botocore: no credentials, no such stack, ...
         _fail(f"cannot read stack {stack}: {exc}")
-    use_local_credentials(conn.endpoint)
     if run and run != conn.run_id:
         _fail(f"--run {run}: the connection ({stack or connection}) is for run {conn.run_id!r}")
+    use_local_credentials(conn.endpoint)
 
     from participant.daemon import Daemon, Options, ParticipantError, default_state_dir
     from participant.remote import FatalRemoteError

@@ -433,7 +433,8 @@ class Daemon:
 
         model = load_into(task.build_model(config.seed), self.held_bytes)
         global_eval = task.evaluate(model, self.device)
-        torch.manual_seed(train_seed(a.seed, self.pid))
+        seed = train_seed(a.seed, self.pid)
+        torch.manual_seed(seed)
         self.activity = f"training round {a.round}"
         started = time.perf_counter()
 
@@ -445,7 +446,7 @@ class Daemon:
 
         log.info("round %d: training %d samples for %d local epoch(s)", a.round, len(indices), config.local_epochs)
         with self.ui.track(f"train round {a.round}", 0) as bar:
-            metrics = dict(task.train(model, indices, config, self.device, progress_cb))
+            metrics = dict(task.train(model, indices, config, self.device, progress_cb, seed=seed))
         seconds = time.perf_counter() - started
         local_eval = task.evaluate(model, self.device)
         metrics.update(

@@ -1,8 +1,8 @@
 """The training plug-in: what `--task module:object` must provide, and how it is loaded.
 
 A task owns the model, the data and the training loop; the daemon owns everything else (the run's
-protocol, downloads, uploads, restarts). Training is deterministic given the torch seed the daemon
-sets before each round, so a participant that dies mid-round retrains the same update after restart.
+protocol, downloads, uploads, restarts). Training is deterministic given the seed the daemon passes
+for each round, so a participant that dies mid-round retrains the same update after a restart.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ class Task(Protocol):
       hands out indices in `range(train_size)`.
     - `build_model(seed)`: a freshly initialised model; the same seed gives the same weights on every
       host (every participant offers the same initial model).
-    - `train(model, indices, config, device, progress)`: train `model` in place on exactly the samples
-      `indices`, for `config.local_epochs` passes with `config.batch_size` and `config.learning_rate`;
-      return metrics, at least `loss` (mean training loss). Use torch's global RNG for shuffling so
-      the daemon's seeding makes the round reproducible.
+    - `train(model, indices, config, device, progress, seed)`: train `model` in place on exactly the
+      samples `indices`, for `config.local_epochs` passes with `config.batch_size` and
+      `config.learning_rate`; return metrics, at least `loss` (mean training loss). Draw every random
+      choice (shuffling, dropout) from `seed` — e.g. a `torch.Generator().manual_seed(seed)` — so a
+      round retrained after a restart gives the same update. (The daemon also seeds torch's global RNG
+      with it, which is enough in a process that trains one model at a time.)
     - `evaluate(model, device)`: `{"test_accuracy": ..., "test_loss": ...}` on the task's held-out set.
     """
 
@@ -50,6 +52,7 @@ class Task(Protocol):
         config: RunConfig,
         device: torch.device,
         progress: Progress | None = None,
+        seed: int = 0,
     ) -> dict[str, float]: ...
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]: ...

@@ -68,12 +68,10 @@ class Reporter:
 
 
 def setup_logging(level: str, pid: str, fancy: bool | None = None) -> Reporter:
-    """Configure the `participant` logger; return the reporter sharing its console."""
+    """Configure the `participant` logger (only it: the process may host other code); return the reporter
+    sharing its console."""
     fancy = sys.stderr.isatty() if fancy is None else fancy
     console = Console(stderr=True)
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
     handler: logging.Handler
     if fancy:
         handler = RichHandler(console=console, show_path=False, rich_tracebacks=False, markup=False)
@@ -82,7 +80,10 @@ def setup_logging(level: str, pid: str, fancy: bool | None = None) -> Reporter:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
     handler.addFilter(_ParticipantFilter(pid))
-    root.addHandler(handler)
-    root.setLevel(logging.WARNING)  # libraries: warnings only
-    logging.getLogger("participant").setLevel(level.upper())
+    logger = logging.getLogger("participant")
+    for previous in list(logger.handlers):
+        logger.removeHandler(previous)
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False  # library warnings still reach stderr through logging's last-resort handler
     return Reporter(bars=fancy, console=console)

@@ -65,6 +65,7 @@ class Digits:
         config: RunConfig,
         device: torch.device,
         progress: Progress | None = None,
+        seed: int = 0,
     ) -> dict[str, float]:
         x_all, y_all, _, _ = self._data
         idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
@@ -78,8 +79,9 @@ class Digits:
         loss_fn = nn.CrossEntropyLoss()
         steps_per_epoch = math.ceil(len(idx) / config.batch_size)
         total, done, loss_sum, seen = steps_per_epoch * config.local_epochs, 0, 0.0, 0
+        generator = torch.Generator().manual_seed(seed)
         for _ in range(config.local_epochs):
-            perm = torch.randperm(len(idx)).to(device)  # the global RNG, seeded by the daemon
+            perm = torch.randperm(len(idx), generator=generator).to(device)
             for start in range(0, len(idx), config.batch_size):
                 batch = perm[start : start + config.batch_size]
                 opt.zero_grad(set_to_none=True)

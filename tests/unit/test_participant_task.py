@@ -74,17 +74,20 @@ def test_training_a_shard_improves_test_accuracy(digits: Digits) -> None:
     assert after["test_accuracy"] > 0.7 and after["test_loss"] < before["test_loss"]
 
 
-def test_training_is_deterministic_given_the_torch_seed(digits: Digits) -> None:
+def test_training_is_deterministic_given_the_seed_whatever_the_global_rng(digits: Digits) -> None:
     config = RunConfig(run_id="t-run", learning_rate=0.1, local_epochs=1, batch_size=16)
     indices = np.arange(0, 200)
     results = []
-    for _ in range(2):
+    for global_seed in (1, 2):
         model = digits.build_model(0)
-        torch.manual_seed(42)
-        digits.train(model, indices, config, CPU)
+        torch.manual_seed(global_seed)  # another thread may be using the global RNG meanwhile
+        digits.train(model, indices, config, CPU, seed=42)
         results.append(model.state_dict())
+    other = digits.build_model(0)
+    digits.train(other, indices, config, CPU, seed=43)
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name])
+    assert not torch.equal(results[0]["0.weight"], other.state_dict()["0.weight"])
 
 
 def test_training_refuses_indices_outside_the_data_set(digits: Digits) -> None:

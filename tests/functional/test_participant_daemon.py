@@ -1,0 +1,280 @@
+"""Participant daemons (threads) against in-process moto, with the real ingest and tick handlers.
+
+A pump thread plays the local dispatcher: it delivers the S3 events queued by the bucket's
+EventBridge rule to the ingest handler and ticks on a short schedule. Every wait is on a condition
+with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import numpy as np
+import pytest
+import torch
+
+from functions import ingest, tick
+from infra.local.context import LocalContext
+from participant.daemon import Daemon, Options, Outcome, ParticipantError, train_seed
+from participant.journal import JournalFile
+from participant.tasks.digits import Digits
+from participant.tensors import from_bytes, load_into
+from participant.ui import Reporter
+from shared import keys, wire
+from shared.connection import Connection
+from shared.selection import assignment
+from shared.state import Phase
+from tests.functional.conftest import Harness
+
+DEADLINE = 120.0
+TASK = "tests.functional.test_participant_daemon:task"
+
+
+class InterruptibleDigits(Digits):
+    """The digits task, with a hook that can stop its participant mid-training (a crash stand-in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (participant, its stop event): set the event when that participant reaches training step 3
+        self.interrupt: tuple[str, threading.Event] | None = None
+
+    def train(self, model, indices, config, device, progress=None, seed=0):  # type: ignore[no-untyped-def]
+        def hooked(done: int, total: int) -> None:
+            target = self.interrupt
+            if target is not None and done == 3 and threading.current_thread().name == target[0]:
+                target[1].set()
+                self.interrupt = None
+            if progress is not None:
+                progress(done, total)
+
+        return super().train(model, indices, config, device, hooked, seed)
+
+
+task = InterruptibleDigits()
+
+
+class Pump:
+    """Deliver queued S3 events to ingest and tick every `every` seconds, on a thread."""
+
+    def __init__(self, harness: Harness, every: float = 0.3) -> None:
+        self.harness, self.every = harness, every
+        self.sqs = boto3.client("sqs", region_name="us-east-1")
+        self.done = threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, name="pump", daemon=True)
+
+    def _run(self) -> None:
+        last = 0.0
+        try:
+            while not self.done.is_set():
+                url = self.harness.res.queue_url
+                messages = self.sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10).get("Messages", [])
+                for m in messages:
+                    ingest.handler(json.loads(m["Body"]), LocalContext())
+                    self.sqs.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
+                if time.monotonic() - last >= self.every:
+                    tick.handler({}, LocalContext())
+                    last = time.monotonic()
+                if not messages:
+                    self.done.wait(0.02)
+        except BaseException as exc:  # surfaced by the test
+            self.errors.append(exc)
+
+
+@pytest.fixture
+def run(harness_factory: Callable[..., Harness], tmp_path: Path) -> Iterator[Callable[..., Harness]]:
+    pumps: list[Pump] = []
+
+    def start(**overrides: Any) -> Harness:
+        settings: dict[str, Any] = dict(
+            dataset_size=0, max_update_bytes=1 << 20, warmup_time=300, max_round_train_time=300,
+            liveness_timeout=300, total_rounds=3, learning_rate=0.1, local_epochs=2, batch_size=16, task=TASK,
+        )
+        settings.update(overrides)
+        harness = harness_factory(**settings)
+        pump = Pump(harness)
+        pump.thread.start()
+        pumps.append(pump)
+        return harness
+
+    yield start
+    for pump in pumps:
+        pump.done.set()
+        pump.thread.join(timeout=10)
+        assert not pump.errors, pump.errors
+
+
+class Participant:
+    def __init__(self, harness: Harness, pid: str, state_dir: Path, stop: threading.Event | None = None,
+                 **options: Any) -> None:
+        self.pid, self.stop = pid, stop or threading.Event()
+        conn = Connection(run_id=harness.config.run_id, bucket=harness.res.bucket, table=harness.res.table)
+        opts = Options(pid=pid, state_dir=state_dir, threads=1, poll_max=0.2, **options)
+        self.daemon = Daemon(conn, opts, self.stop, Reporter(bars=False))
+        self.outcome: Outcome | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=pid, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.outcome = self.daemon.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def wait(self, deadline: float = DEADLINE) -> Outcome:
+        self.thread.join(timeout=deadline)
+        assert not self.thread.is_alive(), f"{self.pid} did not finish within {deadline}s"
+        if self.error is not None:
+            raise self.error
+        assert self.outcome is not None
+        return self.outcome
+
+
+def versions(harness: Harness, key: str) -> int:
+    resp = harness.s3.list_object_versions(Bucket=harness.res.bucket, Prefix=key)
+    return sum(1 for v in resp.get("Versions", []) if v["Key"] == key)
+
+
+def test_two_participants_train_the_run_to_the_end(run: Callable[..., Harness], tmp_path: Path) -> None:
+    # Given a 3-round run whose warmup would last 5 minutes unless every member reports ready
+    harness = run(total_rounds=3)
+    # When two participants start
+    alice = Participant(harness, "alice", tmp_path / "alice")
+    bob = Participant(harness, "bob", tmp_path / "bob")
+    # Then both finish (well before the warmup deadline: readiness ended it) with the same final model
+    a, b = alice.wait(), bob.wait()
+    assert a.finished and b.finished and a.rounds == b.rounds == 3
+    assert a.final == b.final and a.final["test_accuracy"] > 0.85
+    state = harness.state()
+    assert state.phase is Phase.FINISHED and state.aggregated == 3
+    # And every round counted both updates, each claiming exactly its assignment and carrying metrics
+    summaries = sorted(harness.deps.store.rounds(), key=lambda s: s.round)
+    assert [s.counted for s in summaries] == [("alice", "bob")] * 3
+    for rec in harness.deps.store.all_updates():
+        assert rec.accepted, rec.reason
+        assert set(rec.metrics) >= {"loss", "test_accuracy", "global_test_accuracy", "train_seconds"}
+    assert summaries[0].samples == Digits.train_size
+    result = json.loads((tmp_path / "alice" / "result.json").read_text())
+    assert result["digest"] == state.global_digest and result["test_accuracy"] == a.final["test_accuracy"]
+    # And accuracy rose round over round as the global models improved
+    accs = [s.accuracy for s in summaries]
+    assert accs[-1] is not None and accs[-1] > 0.85
+
+
+def test_restart_resumes_without_redoing_an_uploaded_round(run: Callable[..., Harness], tmp_path: Path) -> None:
+    harness = run(total_rounds=3)
+    # Given alice leaves right after uploading round 0, while bob stays
+    alice = Participant(harness, "alice", tmp_path / "alice", max_rounds=1)
+    bob = Participant(harness, "bob", tmp_path / "bob")
+    first = alice.wait()
+    assert not first.finished and first.rounds == 1
+    # When alice starts again with the same state directory
+    again = Participant(harness, "alice", tmp_path / "alice")
+    # Then the run finishes with both, and no update key was ever written twice
+    assert again.wait().finished and bob.wait().finished
+    assert again.outcome is not None and again.outcome.rounds == 2  # rounds 1 and 2; round 0 was not redone
+    for round_no in range(3):
+        for pid in ("alice", "bob"):
+            assert versions(harness, keys.update_key(harness.config.run_id, round_no, pid)) == 1
+    # (an initial-model offer that lost the race to another is refused, harmlessly; nothing else is)
+    assert [r.key for r in harness.deps.store.refusals() if "/init/" not in r.key] == []
+    journal, _ = JournalFile(tmp_path / "alice", harness.config.run_id, "alice").load()
+    assert sorted(journal.uploaded) == [0, 1, 2] and journal.training is None
+
+
+def test_interrupted_training_is_retrained_identically(run: Callable[..., Harness], tmp_path: Path) -> None:
+    harness = run(total_rounds=1)
+    # Given alice is stopped in the middle of training round 0
+    stop = threading.Event()
+    task.interrupt = ("alice", stop)
+    alice = Participant(harness, "alice", tmp_path / "alice", stop=stop)
+    bob = Participant(harness, "bob", tmp_path / "bob")
+    stopped = alice.wait()
+    assert not stopped.finished and stopped.rounds == 0
+    journal, _ = JournalFile(tmp_path / "alice", harness.config.run_id, "alice").load()
+    assert journal.training is not None and journal.training["round"] == 0 and journal.uploaded == {}
+    # When she restarts
+    again = Participant(harness, "alice", tmp_path / "alice")
+    assert again.wait().finished and bob.wait().finished
+    # Then her round 0 update is exactly what training the assignment from the round's model gives
+    rec = harness.deps.store.update_record(0, "alice")
+    assert rec is not None and rec.accepted
+    summary = harness.deps.store.rounds()[0]
+    state = harness.state()
+    assert summary.selected == ("alice", "bob") and state.phase is Phase.FINISHED
+    update = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.update_key(harness.config.run_id, 0, "alice"))
+    uploaded = from_bytes(update["Body"].read())
+    global0 = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 0))
+    model = load_into(task.build_model(0), global0["Body"].read())
+    seed = _round_seed(harness, 0)
+    indices = assignment(seed, task.train_size, summary_selection(harness, 0), "alice")
+    Digits.train(task, model, indices, harness.config, torch.device("cpu"), seed=train_seed(seed, "alice"))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(uploaded[name], tensor), name
+
+
+def _round_seed(harness: Harness, round_no: int) -> str:
+    from shared.selection import round_seed
+
+    return round_seed(harness.config.seed, 1, round_no)
+
+
+def summary_selection(harness: Harness, round_no: int) -> tuple[str, ...]:
+    from shared.selection import select
+
+    return select(_round_seed(harness, round_no), ["alice", "bob"], 1.0, harness.config.min_per_round)
+
+
+def test_a_late_joiner_waits_for_the_next_epoch(run: Callable[..., Harness], tmp_path: Path) -> None:
+    # Given a run of two epochs of two rounds, started by alice and bob
+    # (cooldown_time > 0: with 0, one tick ends epoch 1 and starts epoch 2 before the aggregate's digest
+    # is resolved, and the coordinator re-adopts the initial model under round 2's key; reported.)
+    harness = run(total_rounds=4, rounds_per_epoch=2, cooldown_time=1.0)
+    alice = Participant(harness, "alice", tmp_path / "alice")
+    bob = Participant(harness, "bob", tmp_path / "bob")
+    deadline = time.monotonic() + DEADLINE
+    while harness.state().phase is not Phase.TRAIN:
+        assert time.monotonic() < deadline, "the first round never started"
+        alice.stop.wait(0.05)
+    # When carol joins during epoch 1
+    carol = Participant(harness, "carol", tmp_path / "carol")
+    # Then everybody finishes; carol trained only in epoch 2
+    for p in (alice, bob, carol):
+        assert p.wait().finished
+    by_round: dict[int, set[str]] = {}
+    for rec in harness.deps.store.all_updates():
+        assert rec.accepted, rec.reason
+        by_round.setdefault(int(rec.round), set()).add(rec.pid)
+    first_epoch = [r for r, pids in by_round.items() if "carol" not in pids]
+    assert len(first_epoch) >= 2 and "carol" in by_round[max(by_round)]
+    assert carol.outcome is not None and carol.outcome.rounds == 2
+
+
+def test_a_dataset_size_the_task_does_not_have_is_a_clear_error(run: Callable[..., Harness], tmp_path: Path) -> None:
+    harness = run(dataset_size=100)
+    alice = Participant(harness, "alice", tmp_path / "alice")
+    with pytest.raises(ParticipantError, match="dataset_size is 100, but task .* has 1437 training samples"):
+        alice.wait()
+
+
+def test_the_final_model_is_the_one_evaluated(run: Callable[..., Harness], tmp_path: Path) -> None:
+    # A participant that starts after the run finished evaluates the final model and exits
+    harness = run(total_rounds=1)
+    for p in [Participant(harness, pid, tmp_path / pid) for pid in ("alice", "bob")]:
+        assert p.wait().finished
+    late = Participant(harness, "dave", tmp_path / "dave").wait()
+    assert late.finished and late.rounds == 0
+    raw = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 1))
+    model = load_into(task.build_model(0), raw["Body"].read())
+    assert late.final == task.evaluate(model, torch.device("cpu"))
+    assert wire.digest(
+        harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 1))["Body"].read()
+    ) == harness.state().global_digest
+    assert np.isfinite(late.final["test_loss"])
