@@ -27,6 +27,7 @@ from participant.journal import Journal, JournalFile
 from participant.remote import Remote, Retrier, Stopped
 from participant.ui import Reporter
 from shared import keys
+from shared.blobs import NotFound
 from shared.config import RunConfig
 from shared.connection import Connection
 from shared.selection import assignment
@@ -388,8 +389,14 @@ class Daemon:
             key = keys.global_key(self.run_id, action.round)
             self.activity = f"downloading the global model of round {action.round}"
             started = time.perf_counter()
-            with self.ui.track(f"download round {action.round}", 0, "bytes") as progress:
-                data = self.remote.download(key, progress)
+            try:
+                with self.ui.track(f"download round {action.round}", 0, "bytes") as progress:
+                    data = self.remote.download(key, progress)
+            except NotFound:
+                log.warning("round %d: the global model %s is not in the bucket yet; retrying", action.round, key)
+                if self.stop.wait(1.0):
+                    raise Stopped() from None
+                return
             if digest(data) != action.digest:
                 log.warning("round %d: downloaded global model has sha256 %s, the run says %s; retrying",
                             action.round, digest(data)[:12], action.digest[:12])

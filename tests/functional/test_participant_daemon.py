@@ -112,11 +112,13 @@ def run(harness_factory: Callable[..., Harness], tmp_path: Path) -> Iterator[Cal
 
 class Participant:
     def __init__(self, harness: Harness, pid: str, state_dir: Path, stop: threading.Event | None = None,
-                 **options: Any) -> None:
+                 prepare: Callable[[Daemon], None] | None = None, **options: Any) -> None:
         self.pid, self.stop = pid, stop or threading.Event()
         conn = Connection(run_id=harness.config.run_id, bucket=harness.res.bucket, table=harness.res.table)
         opts = Options(pid=pid, state_dir=state_dir, threads=1, poll_max=0.2, **options)
         self.daemon = Daemon(conn, opts, self.stop, Reporter(bars=False))
+        if prepare is not None:
+            prepare(self.daemon)
         self.outcome: Outcome | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=pid, daemon=True)
@@ -278,3 +280,54 @@ def test_the_final_model_is_the_one_evaluated(run: Callable[..., Harness], tmp_p
         harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 1))["Body"].read()
     ) == harness.state().global_digest
     assert np.isfinite(late.final["test_loss"])
+
+
+class Flaky:
+    """Wrap an object so that every `every`-th call of the named methods fails with a transient error."""
+
+    def __init__(self, inner: Any, methods: set[str], every: int, error: Callable[[], Exception]) -> None:
+        self._inner, self._methods, self._every, self._error = inner, methods, every, error
+        self.calls = self.failures = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in self._methods:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls % self._every == 0:
+                self.failures += 1
+                raise self._error()
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def test_transient_s3_and_dynamodb_faults_are_retried(run: Callable[..., Harness], tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    harness = run(total_rounds=2)
+    flaky: list[Flaky] = []
+
+    def inject(daemon: Daemon) -> None:
+        # Given a participant whose S3 calls fail every 3rd time and state reads every 4th time
+        s3 = Flaky(daemon.remote.client, {"put_object", "get_object", "head_object"}, 3,
+                   lambda: EndpointConnectionError(endpoint_url="http://s3.invalid"))
+        daemon.remote.client = daemon.remote.bucket.client = s3
+        store = Flaky(daemon.remote.store, {"read_state", "update_record", "participant"}, 4,
+                      lambda: ClientError({"Error": {"Code": "ThrottlingException", "Message": "slow down"}}, "Get"))
+        daemon.remote.store = store  # type: ignore[assignment]
+        daemon.remote.retry.first_delay, daemon.remote.retry.max_delay = 0.01, 0.05
+        flaky.extend([s3, store])
+
+    with caplog.at_level("WARNING", logger="participant"):
+        alice = Participant(harness, "alice", tmp_path / "alice", prepare=inject)
+        bob = Participant(harness, "bob", tmp_path / "bob")
+        # Then the run still finishes, each fault logged and retried
+        assert alice.wait().finished and bob.wait().finished
+    assert all(f.failures > 0 for f in flaky)
+    retried = [r for r in caplog.records if r.threadName in {"alice", "heartbeat"} and "retry" in r.getMessage()]
+    assert len(retried) >= sum(f.failures for f in flaky) - 2  # (a heartbeat may be cut short at the end)
+    assert harness.state().aggregated == 2
