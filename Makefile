@@ -18,11 +18,12 @@ demo: $(STAMP)
 	mkdir -p reports
 	$(VENV)/bin/fed demo --participants $(PARTICIPANTS) --report reports/demo.json
 
+# Everything but the long fault-injection and flood tests (those are `make test-slow`; CI runs both).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not chaos" tests
+	$(PY) -m pytest -q -m "not chaos and not slow" tests
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m chaos tests
+	$(PY) -m pytest -q -s -m "chaos or slow" tests
 
 # Synthesize the stack (offline, no AWS credentials) with cdk-nag's AwsSolutions checks; a finding fails it.
 # `make synth CONFIG=runs/<name>.toml` for another run file (default: cdk.json's runs/example.toml).
@@ -34,4 +35,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) cdk.out reports
+	rm -rf $(VENV) cdk.out reports build

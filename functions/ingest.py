@@ -35,7 +35,7 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         metrics.add_metric(name=name, unit=MetricUnit.Count, value=1)
     result: dict[str, Any] = {"kind": outcome.kind, "accepted": outcome.accepted, "reason": outcome.reason,
                               "recorded": outcome.recorded}
-    if outcome.recorded:
+    if outcome.recorded and not outcome.refusal:
         try:
             result["tick"] = publish(run_tick(deps))
         except TickContention as exc:

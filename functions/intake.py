@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from functions.coordinator import load_manifest
 from functions.settings import Deps
@@ -46,6 +49,7 @@ class Outcome:
     reason: str = ""
     participant: str = ""
     recorded: bool = True  # False: this object had been handled before (a duplicate event)
+    refusal: bool = False  # refused before reaching any record the coordinator reads: no need to tick
 
 
 def ingest_object(deps: Deps, obj: ObjectCreated) -> Outcome:
@@ -76,7 +80,7 @@ def ingest_object(deps: Deps, obj: ObjectCreated) -> Outcome:
 
 def _refuse(deps: Deps, obj: ObjectCreated, kind: str, reason: str, pid: str = "") -> Outcome:
     recorded = deps.store.record_refusal(obj.key, obj.etag, reason, obj.time, pid)
-    return Outcome(kind, obj.key, False, reason, pid, recorded)
+    return Outcome(kind, obj.key, False, reason, pid, recorded, refusal=True)
 
 
 def _read_json(deps: Deps, obj: ObjectCreated) -> dict[str, Any]:
@@ -103,8 +107,19 @@ def _join(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     if body.get("participant") != pid:
         return _refuse(deps, obj, "join", "join request names another participant than its key", pid)
     info = body.get("info") if isinstance(body.get("info"), dict) else {}
-    created = deps.store.record_join(pid, obj.time, str(body.get("public_key", "")), _small(info))
-    return Outcome("join", obj.key, True, "" if created else "rejoined", pid)
+    public_key = str(body.get("public_key", ""))
+    existing = deps.store.participant(pid)
+    if existing is None:
+        created = deps.store.create_participant(pid, obj.time, public_key, _small(info), deps.config.max_participants)
+        if created == "full":
+            return _refuse(deps, obj, "join", f"the run is full: {deps.config.max_participants} participants", pid)
+        if created == "created":
+            return Outcome("join", obj.key, True, "", pid)
+        existing = deps.store.participant(pid)
+    if existing.public_key != public_key:
+        return _refuse(deps, obj, "join", "join request with another key than the one registered", pid)
+    deps.store.touch(pid, obj.time)
+    return Outcome("join", obj.key, True, "rejoined", pid)
 
 
 def _small(info: dict[str, Any]) -> dict[str, Any]:
@@ -248,7 +263,31 @@ def _validate_update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int, st
         return _replace(base, reason=str(exc))
     except NotFound:
         return _replace(base, reason="the object was deleted before it could be read")
-    return _replace(base, accepted=True, samples=meta.samples, digest=digest(data), metrics=dict(meta.metrics))
+    norm = _distance(arrays, _global_arrays(deps, state))
+    return _replace(base, accepted=True, samples=meta.samples, digest=digest(data), metrics=dict(meta.metrics),
+                    norm=norm)
+
+
+_GLOBAL_CACHE: dict[str, dict[str, np.ndarray]] = {}
+
+
+def _global_arrays(deps: Deps, state: RunState) -> dict[str, np.ndarray]:
+    """The round's global model, kept across invocations of a warm function (one model at most)."""
+    if state.global_digest not in _GLOBAL_CACHE:
+        blob = deps.bucket.get(keys.global_key(deps.config.run_id, state.round))
+        _GLOBAL_CACHE.clear()
+        _GLOBAL_CACHE[state.global_digest] = decode(blob.data)[0]
+    return _GLOBAL_CACHE[state.global_digest]
+
+
+def _distance(update: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> float:
+    """L2 distance between an update and the global model over the float tensors."""
+    total = 0.0
+    for name, arr in update.items():
+        if arr.dtype.kind == "f":
+            diff = arr.astype(np.float64) - reference[name]
+            total += float(np.dot(diff.ravel(), diff.ravel()))
+    return math.sqrt(total)
 
 
 def _check_meta(deps: Deps, meta: UpdateMeta, pid: str, round_no: int, state: RunState) -> None:

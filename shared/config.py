@@ -51,6 +51,10 @@ class RunConfig(BaseModel):
     witness_tolerance: float = Field(
         0.1, ge=0, description="A witness attests an update whose loss is at most (1 + this) x the global's."
     )
+    norm_outlier_factor: float = Field(
+        10.0, ge=0, description="Refuse an update whose distance from the global is this x the round's median; 0: off."
+    )
+    max_participants: int = Field(1000, ge=1, description="Participants that may join the run at most.")
     strategy: Strategy = Strategy.FEDAVG
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
     clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")

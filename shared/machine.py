@@ -9,6 +9,7 @@ and a test fires each row.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -232,10 +233,24 @@ def _freeze_round(c: Ctx) -> None:
     for pid in c.state.selected:  # with witnesses, the health checks deal with those who did not deliver
         if pid not in updates and not c.state.witnesses:
             c.drop(pid, f"missed the deadline of round {c.state.round}")
-    counted = tuple(
-        sorted(pid for pid in c.state.selected if (u := updates.get(pid)) is not None and u.accepted)
-    )
-    c.state = c.state.evolve(counted=counted, deadline=c.now + c.config.round_witness_time)
+    accepted = sorted(pid for pid in c.state.selected if (u := updates.get(pid)) is not None and u.accepted)
+    excluded = _norm_outliers(c.config, {pid: updates[pid].norm for pid in accepted})
+    counted = tuple(pid for pid in accepted if pid not in excluded)
+    c.state = c.state.evolve(counted=counted, excluded=excluded, deadline=c.now + c.config.round_witness_time)
+
+
+def _norm_outliers(config: RunConfig, norms: dict[str, float]) -> dict[str, str]:
+    """Updates whose distance from the global model is far beyond the round's median distance."""
+    measured = {p: n for p, n in norms.items() if n >= 0}
+    if config.norm_outlier_factor <= 0 or len(measured) < 3:
+        return {}
+    median = statistics.median(measured.values())
+    bound = config.norm_outlier_factor * max(median, 1e-12)
+    return {
+        p: f"update norm {n:.3g} is {n / max(median, 1e-12):.0f}x the round's median {median:.3g}"
+        for p, n in sorted(measured.items())
+        if n > bound
+    }
 
 
 def _weighted_metric(c: Ctx, name: str) -> float | None:
@@ -265,7 +280,7 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         epoch=s.epoch,
         selected=tuple(sorted(set(s.selected) | set(dropped))),
         counted=counted,
-        refused={pid: u.reason for pid, u in sorted(updates.items()) if not u.accepted},
+        refused={pid: u.reason for pid, u in sorted(updates.items()) if not u.accepted} | dict(s.excluded),
         dropped=dropped,
         samples=sum(updates[p].samples for p in counted),
         loss=_weighted_metric(c, "loss") if aggregated else None,
@@ -290,6 +305,7 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         rounds_in_epoch=s.rounds_in_epoch + (1 if aggregated else 0),
         selected=(),
         counted=(),
+        excluded={},
         witnesses=(),
         health_round=s.round,
         health=health,

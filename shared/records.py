@@ -7,6 +7,7 @@ One table per run, keys `pk` / `sk`:
     RUN#<run>  R#<round>                a finished round's summary (metrics history)
     RUN#<run>  W#<round>#<witness>      a witness proof (validated)
     RUN#<run>  H#<round>#<reporter>     a health report naming peers believed unhealthy
+    RUN#<run>  COUNT#participants       how many participants have joined (bounded by max_participants)
     RUN#<run>  X#<hash of key, etag>    an object refused outside any round slot, with the reason
 Every stored document carries `schema`.
 """
@@ -98,6 +99,7 @@ class UpdateItem(_Item):
     key = UnicodeAttribute()
     etag = UnicodeAttribute(default="")
     version_id = UnicodeAttribute(default="")
+    norm = NumberAttribute(default=-1.0)
     received_at = NumberAttribute()
     metrics = JSONAttribute(default=dict)
 
@@ -122,6 +124,13 @@ class HealthItem(_Item):
     received_at = NumberAttribute()
 
 
+class CounterItem(_Item):
+    n = NumberAttribute(default=0)
+
+
+PARTICIPANT_COUNT_SK = "COUNT#participants"
+
+
 class RefusalItem(_Item):
     key = UnicodeAttribute()
     etag = UnicodeAttribute(default="")
@@ -139,6 +148,7 @@ class Models:
         self.update = _bind(UpdateItem, table, host, region)
         self.round = _bind(RoundItem, table, host, region)
         self.refusal = _bind(RefusalItem, table, host, region)
+        self.counter = _bind(CounterItem, table, host, region)
         self.proof = _bind(ProofItem, table, host, region)
         self.health = _bind(HealthItem, table, host, region)
 
@@ -175,6 +185,7 @@ def state_to_body(state: RunState) -> dict[str, Any]:
         },
         "selected": list(state.selected),
         "counted": list(state.counted),
+        "excluded": dict(state.excluded),
         "global_digest": state.global_digest,
         "model_source": state.model_source,
         "witnesses": list(state.witnesses),
@@ -204,6 +215,7 @@ def state_from_body(body: dict[str, Any], version: int) -> RunState:
         },
         selected=tuple(body["selected"]),
         counted=tuple(body["counted"]),
+        excluded=dict(body.get("excluded", {})),
         global_digest=body["global_digest"],
         model_source=body["model_source"],
         witnesses=tuple(body.get("witnesses", ())),
@@ -235,6 +247,7 @@ def update_view(item: UpdateItem) -> UpdateView:
         reason=item.reason,
         metrics={k: float(v) for k, v in (item.metrics or {}).items()},
         version_id=item.version_id,
+        norm=float(item.norm),
     )
 
 

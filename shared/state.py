@@ -56,6 +56,7 @@ class RunState:
     members: Mapping[str, Member] = field(default_factory=dict)
     selected: tuple[str, ...] = ()
     counted: tuple[str, ...] = ()  # accepted updates frozen for aggregation when RoundTrain ends
+    excluded: Mapping[str, str] = field(default_factory=dict)  # accepted but left out at the freeze, and why
     global_digest: str = ""  # digest of rounds/<round>/global; "" before the run has a model
     model_source: str = ""  # participant whose initial-model offer became round 0's model
     witnesses: tuple[str, ...] = ()  # elected for the current round, in position order
@@ -102,6 +103,7 @@ class UpdateView:
     reason: str = ""
     metrics: Mapping[str, float] = field(default_factory=dict)
     version_id: str = ""
+    norm: float = -1.0  # L2 distance from the round's global model; -1: not measured
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pynamodb.exceptions import DoesNotExist, PutError, TransactWriteError, Upda
 from pynamodb.transactions import TransactWrite
 
 from shared.records import (
+    PARTICIPANT_COUNT_SK,
     STATE_SK,
     Models,
     health_sk,
@@ -55,6 +56,7 @@ class UpdateRecord:
     size: int = 0
     etag: str = ""
     version_id: str = ""
+    norm: float = -1.0
     received_at: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -129,19 +131,28 @@ class StateStore:
         except DoesNotExist:
             return None
 
-    def record_join(self, pid: str, at: float, public_key: str = "", info: dict[str, Any] | None = None) -> bool:
-        """Create the participant's record; False if it had joined before (only liveness is refreshed)."""
+    def create_participant(
+        self, pid: str, at: float, public_key: str, info: dict[str, Any], limit: int
+    ) -> str:
+        """Register a new participant: "created", "exists" (a racing duplicate), or "full" (limit reached).
+
+        The record and the run's participant count change in one transaction, so fake joins cannot
+        grow the table past `limit` participants.
+        """
         item = self.m.participant(
-            self.pk, participant_sk(pid), pid=pid, joined_at=at, last_seen=at, public_key=public_key, info=info or {}
+            self.pk, participant_sk(pid), pid=pid, joined_at=at, last_seen=at, public_key=public_key, info=info
         )
+        counter = self.m.counter(self.pk, PARTICIPANT_COUNT_SK)
+        n = self.m.counter.n
         try:
-            item.save(condition=self.m.participant.pk.does_not_exist())
-            return True
-        except PutError as exc:
+            with TransactWrite(connection=self._connection()) as tx:
+                tx.save(item, condition=self.m.participant.pk.does_not_exist())
+                tx.update(counter, actions=[n.add(1)], condition=n.does_not_exist() | (n < limit))
+            return "created"
+        except TransactWriteError as exc:
             if exc.cause_response_code not in CONDITION_FAILED:
                 raise
-        self.touch(pid, at)
-        return False
+        return "exists" if self.participant(pid) is not None else "full"
 
     def touch(self, pid: str, at: float, ready_epoch: int | None = None, info: dict[str, Any] | None = None) -> bool:
         """Move last_seen forward (never back: events arrive out of order); False if pid never joined."""
@@ -204,6 +215,7 @@ class StateStore:
             key=rec.key,
             etag=rec.etag,
             version_id=rec.version_id,
+            norm=rec.norm,
             received_at=rec.received_at,
             metrics=rec.metrics,
         )

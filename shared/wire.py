@@ -103,7 +103,9 @@ def parse_header(data: bytes) -> Header:
         begin, end = offsets
         spec = TensorSpec(tag, tuple(shape))
         if not 0 <= begin <= end <= body:
-            raise WireError(f"tensor {name!r}: data offsets {offsets} outside the {body}-byte data section")
+            raise WireError(
+                f"truncated or corrupt file: tensor {name!r} data offsets {offsets} outside the {body}-byte data section"
+            )
         if end - begin != spec.numel * DTYPES[tag][1]:
             raise WireError(f"tensor {name!r}: header and data lengths disagree")
         tensors[name] = spec
