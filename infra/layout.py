@@ -44,9 +44,20 @@ def global_models(run_id: str) -> str:
     return _any_round(run_id, keys.global_key(run_id, _ROUND))
 
 
-def participant_reads(run_id: str) -> list[str]:
-    """Global models, manifest, published config, and its own updates (to resume: did my upload land?)."""
+def participant_reads(run_id: str, witnessing: bool = False) -> list[str]:
+    """Global models, manifest, published config, and its own updates (to resume: did my upload land?).
+
+    With witnessing on, every object of every round: an elected witness evaluates the round's updates
+    of the other participants (as Psyche's witnesses receive every trainer's results). Updates are then
+    shared among the run's participants, never beyond them.
+    """
+    if witnessing:
+        return [round_objects(run_id), keys.manifest_key(run_id), keys.config_key(run_id)]
     return [global_models(run_id), keys.manifest_key(run_id), keys.config_key(run_id), own_updates(run_id)]
+
+
+def round_objects(run_id: str) -> str:
+    return f"{keys.run_prefix(run_id)}rounds/*"
 
 
 def coordinator_writes(run_id: str) -> list[str]:

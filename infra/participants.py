@@ -79,7 +79,11 @@ class ParticipantAccess(Construct):
             description=f"Participants of run {run_id}, assumed with the session tag {PARTICIPANT_TAG}=<id>.",
             assumed_by=iam.PrincipalWithConditions(trusted[0], TRUST_CONDITIONS).with_session_tags(),
             max_session_duration=Duration.hours(settings.participant_session_hours),
-            inline_policies={"participant": iam.PolicyDocument(statements=self._statements(bucket, table, run_id))},
+            inline_policies={
+                "participant": iam.PolicyDocument(
+                    statements=self._statements(bucket, table, run_id, witnessing=config.witness_nodes > 0)
+                )
+            },
         )
         trust = self.role.assume_role_policy
         assert trust is not None
@@ -110,16 +114,20 @@ class ParticipantAccess(Construct):
             "Wildcards stand only for the round (and, under it, the kind of report) below this run's prefix: a "
             "participant writes and checks its update, witness proof or health report for any round at "
             "rounds/<round>/[witness/|health/]<its own id> (the id is the session tag, substituted by IAM) and "
-            "reads the global model of any round; rounds are not known at deploy time.",
+            "reads the global model of any round (with witnessing on, every object of the run's rounds: witnesses "
+            "evaluate the other participants' updates); rounds are not known at deploy time.",
             findings=[
                 # cdk-nag prints the policy variable ${aws:PrincipalTag/participant} as <aws:PrincipalTag/...>
                 f"Resource::{arn_ref(bucket)}/{layout.own_updates(run_id).replace('${', '<').replace('}', '>')}",
                 f"Resource::{arn_ref(bucket)}/{layout.global_models(run_id)}",
+                f"Resource::{arn_ref(bucket)}/{layout.round_objects(run_id)}",
             ],
         )
 
     @staticmethod
-    def _statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: str) -> list[iam.PolicyStatement]:
+    def _statements(
+        bucket: s3.IBucket, table: dynamodb.ITable, run_id: str, witnessing: bool
+    ) -> list[iam.PolicyStatement]:
         return [
             iam.PolicyStatement(
                 sid="WriteOwnKeys",
@@ -131,7 +139,7 @@ class ParticipantAccess(Construct):
             iam.PolicyStatement(
                 sid="ReadModelsAndConfig",
                 actions=["s3:GetObject"],
-                resources=[bucket.arn_for_objects(key) for key in layout.participant_reads(run_id)],
+                resources=[bucket.arn_for_objects(key) for key in layout.participant_reads(run_id, witnessing)],
             ),
             iam.PolicyStatement(
                 sid="ReadStackOutputs",

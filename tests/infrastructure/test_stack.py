@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aws_cdk.assertions import Match
+from aws_cdk import App
+from aws_cdk.assertions import Match, Template
 from cdk_nag import AwsSolutionsChecks
 
 from functions.observability import metrics as function_metrics
+from infra.app import build_app
 from infra.observability import METRICS_SERVICE
 from infra.participants import FORBIDDEN_IN_ID
 from shared import keys
@@ -39,6 +42,7 @@ from shared.naming import (
     table_name,
 )
 from shared.records import run_pk
+from tests.infrastructure.conftest import cdk_json_context
 
 if TYPE_CHECKING:
     from tests.infrastructure.conftest import Synth
@@ -415,3 +419,19 @@ def test_participant_write_patterns_admit_exactly_its_own_keys_of_the_layout(syn
     assert all(iam_allows(allowed["s3:GetObject"], bucket, k, "alice") for k in readable)
     assert not iam_allows(allowed["s3:GetObject"], bucket, keys.update_key(run, 3, "bob"), "alice")
     assert not iam_allows(allowed["s3:GetObject"], bucket, keys.join_key(run, "bob"), "alice")
+
+
+def test_with_witnessing_participants_may_read_the_rounds_updates(tmp_path: Path) -> None:
+    # Given a run whose rounds are witnessed
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('[run]\nrun_id = "infra-witness"\nmin_clients = 3\nwitness_nodes = 2\n')
+    # When it is synthesized (cdk-nag runs in synthesis: an unacknowledged finding would raise here)
+    app, stack = build_app(App(context={**cdk_json_context(), "config": str(run_file)}))
+    template = Template.from_stack(stack)
+    # Then participants may read every object of the run's rounds, still write only their own keys
+    role = next(r for r in template.find_resources("AWS::IAM::Role").values()
+                if "participant" in json.dumps(r["Properties"].get("Policies", [])))  # fmt: skip
+    statements = role["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
+    reads = next(s for s in statements if s["Action"] == "s3:GetObject")
+    assert any("runs/infra-witness/rounds/*" in json.dumps(r) and "PrincipalTag" not in json.dumps(r)
+               for r in as_list(reads["Resource"]))  # fmt: skip
