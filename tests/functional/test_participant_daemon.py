@@ -217,7 +217,14 @@ def test_interrupted_training_is_retrained_identically(run: Callable[..., Harnes
     model = load_into(task.build_model(0), global0["Body"].read())
     seed = _round_seed(harness, 0)
     indices = assignment(seed, task.train_size, summary_selection(harness, 0), "alice")
-    Digits.train(task, model, indices, harness.config, torch.device("cpu"), seed=train_seed(seed, "alice"))
+
+    def recompute() -> None:  # as the daemon trains: its own thread, one torch thread (sums in the same order)
+        torch.set_num_threads(1)
+        Digits.train(task, model, indices, harness.config, torch.device("cpu"), seed=train_seed(seed, "alice"))
+
+    worker = threading.Thread(target=recompute)
+    worker.start()
+    worker.join(timeout=60)
     for name, tensor in model.state_dict().items():
         assert torch.equal(uploaded[name], tensor), name
 
