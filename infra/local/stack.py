@@ -51,18 +51,20 @@ def function_environment(resources: LocalResources, config: RunConfig, log_level
     }
 
 
-def route_function_logs(level: str, stream: IO[str] | None) -> None:
-    """Send the functions' JSON logs to `stream` (a log file) at `level`; the functions' own module is
-    imported here, so its powertools Logger already exists and takes the change."""
+def route_function_logs(level: str | int, stream: IO[str] | None) -> tuple[int, IO[str] | None]:
+    """Send the functions' JSON logs to `stream` (a log file; None: leave it) at `level`; return the level and
+    stream they had, to put back. The functions' module is imported here, so its powertools Logger exists."""
     from functions.observability import logger
 
     # Metrics are disabled locally; powertools still warns, once per process, that none were published.
     warnings.filterwarnings("ignore", message="No application metrics to publish")
-    logger.setLevel(level.upper())
-    if stream is not None:
-        handler = logger.registered_handler
-        if isinstance(handler, logging.StreamHandler):
-            handler.setStream(stream)
+    previous_level = logger.log_level
+    logger.setLevel(level.upper() if isinstance(level, str) else level)
+    handler = logger.registered_handler
+    previous_stream = handler.stream if isinstance(handler, logging.StreamHandler) else None
+    if stream is not None and isinstance(handler, logging.StreamHandler):
+        handler.setStream(stream)
+    return previous_level, previous_stream
 
 
 @dataclass
@@ -82,6 +84,7 @@ class LocalStack:
     dispatcher: Dispatcher | None = field(default=None, init=False)
     _saved_env: dict[str, str | None] = field(default_factory=dict, init=False, repr=False)
     _log_stream: IO[str] | None = field(default=None, init=False, repr=False)
+    _previous_logs: tuple[int, IO[str] | None] | None = field(default=None, init=False, repr=False)
 
     @property
     def endpoint(self) -> str:
@@ -106,7 +109,7 @@ class LocalStack:
             if self.log_file is not None:
                 self.log_file.parent.mkdir(parents=True, exist_ok=True)
                 self._log_stream = self.log_file.open("a", buffering=1)
-            route_function_logs(self.log_level, self._log_stream)
+            self._previous_logs = route_function_logs(self.log_level, self._log_stream)
             self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers)
             self.dispatcher.start(deliver=not self.hold_events)
         except BaseException:
@@ -128,10 +131,10 @@ class LocalStack:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self._previous_logs is not None:
+            route_function_logs(*self._previous_logs)
+            self._previous_logs = None
         if self._log_stream is not None:
-            import sys
-
-            route_function_logs(self.log_level, sys.stdout)
             self._log_stream.close()
             self._log_stream = None
         for name, value in self._saved_env.items():
