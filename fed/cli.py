@@ -159,6 +159,11 @@ def status(
         if not watch:
             console.print(render(collect(conn)))
             return
+        if not console.is_terminal:  # piped or logged: one full status per refresh
+            while True:
+                console.rule(time.strftime("%H:%M:%S"))
+                console.print(render(collect(conn)))
+                time.sleep(interval)
         from rich.live import Live
 
         with Live(render(collect(conn)), console=console, refresh_per_second=4, screen=False) as live:

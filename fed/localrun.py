@@ -98,10 +98,16 @@ def run_local(
     previous = _on_signals(stop)
     try:
         with console.status("starting moto's server and the run's resources"):
-            stack.start()
+            try:
+                stack.start()
+            except OSError as exc:
+                console.print(f"[red]cannot start the local endpoint on 127.0.0.1:{port or 'any port'}: {exc}[/]")
+                return 1
         stack.connection.save(connection_file)
         console.print(f"[bold]local run {config.run_id!r}[/] on {stack.endpoint} (moto; state is in memory)")
         console.print(f"connection: {connection_file}   function logs: {log_file}")
+        console.print(f"run: {config.total_rounds} rounds of {config.task}, min_clients {config.min_clients}, "
+                      f"round deadline {config.max_round_train_time:g}s, liveness timeout {config.liveness_timeout:g}s")
         console.print(f"waiting for {config.min_clients} participants; in other terminals run:")
         names = tuple(f"p{i}" for i in range(1, config.min_clients + 1))
         for line in participant_hint(connection_file, names):

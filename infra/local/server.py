@@ -61,7 +61,10 @@ class LocalServer:
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log line per request
         app = SerialDynamoDB(DomainDispatcherApplication(create_backend_app))
-        self._server = make_server(self.host, self.port, app, threaded=True, request_handler=MotoRequestHandler)
+        try:
+            self._server = make_server(self.host, self.port, app, threaded=True, request_handler=MotoRequestHandler)
+        except SystemExit:  # werkzeug prints a hint and exits when the port is taken
+            raise OSError(f"port {self.port} on {self.host} is already in use") from None
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="moto-server", daemon=True)
         self._thread.start()
