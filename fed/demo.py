@@ -16,7 +16,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -287,8 +286,7 @@ def resolve_config(opts: DemoOptions) -> RunConfig:
     return opts.config
 
 
-def run_demo(opts: DemoOptions, console: Console | None = None,
-             on_ready: Callable[[LocalStack, Participants], None] | None = None) -> dict[str, Any]:
+def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any]:
     """Run the demo to the end; return the report (also written to `opts.report`). Raises DemoFailed."""
     console = console or Console()
     config = resolve_config(opts)
@@ -318,8 +316,6 @@ def run_demo(opts: DemoOptions, console: Console | None = None,
         procs = Participants(connection_file, workdir)
         procs.spawn(names)
         evaluator = Evaluator(config, stack.connection)
-        if on_ready is not None:
-            on_ready(stack, procs)
         with console.status(f"starting {len(names)} participant processes"):
             await_joins(stack, names, procs)
         stack.release_events()  # every participant has asked to join: the first epoch admits them all
@@ -400,7 +396,7 @@ def _follow(stack: LocalStack, config: RunConfig, opts: DemoOptions, procs: Part
             console.print(format_row(row))
         if victim is not None and not procs.procs[victim].killed:
             _maybe_kill(procs, store, state, victim, len(rows), opts.kill_after_round, console)
-        if state.phase is Phase.FINISHED and state.aggregated >= config.total_rounds:
+        if state.phase is Phase.FINISHED:
             for summary in follower.new():  # the closing tick records the last round with the state
                 row = _row(summary, evaluator)
                 rows.append(row)

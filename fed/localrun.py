@@ -88,7 +88,6 @@ def run_local(
     log_level: str = "INFO",
     console: Console | None = None,
     stop: threading.Event | None = None,
-    on_ready: Callable[[LocalStack], None] | None = None,
 ) -> int:
     """Serve the run until Ctrl-C (or `stop` is set); print a line per round and when the run finishes."""
     console = console or Console()
@@ -114,8 +113,6 @@ def run_local(
             console.print(f"  [cyan]{line}[/]")
         console.print(f"and watch it with:\n  [cyan]fed status --connection {connection_file} --watch[/]")
         console.print("Ctrl-C stops the stack.")
-        if on_ready is not None:
-            on_ready(stack)
         follower = RoundFollower(store_for(stack.connection))
         finished = False
         while not stop.wait(1.0):
