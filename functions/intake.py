@@ -18,9 +18,10 @@ import numpy as np
 from functions.coordinator import load_manifest
 from functions.settings import Deps
 from shared import keys
-from shared.blobs import NotFound
+from shared.blobs import Blob, NotFound
 from shared.keys import KeyError_, ObjectKind
 from shared.selection import assigned_count
+from shared.signing import verify
 from shared.state import Phase, RunState
 from shared.store import UpdateRecord
 from shared.wire import UpdateMeta, WireError, decode, digest, non_finite, parse_header
@@ -79,16 +80,30 @@ def ingest_object(deps: Deps, obj: ObjectCreated) -> Outcome:
 
 
 def _refuse(deps: Deps, obj: ObjectCreated, kind: str, reason: str, pid: str = "") -> Outcome:
-    recorded = deps.store.record_refusal(obj.key, obj.etag, reason, obj.time, pid)
+    # keyed on the object's version too: the same bytes uploaded twice (say unsigned, then forged) are two uploads
+    recorded = deps.store.record_refusal(obj.key, f"{obj.etag}:{obj.version_id}", reason, obj.time, pid)
     return Outcome(kind, obj.key, False, reason, pid, recorded, refusal=True)
 
 
-def _read_json(deps: Deps, obj: ObjectCreated) -> dict[str, Any]:
-    if obj.size > MAX_CONTROL_BYTES:
-        raise ValueError(f"{obj.size} bytes is over the {MAX_CONTROL_BYTES}-byte limit for control documents")
-    blob = deps.bucket.get(obj.key, max_bytes=MAX_CONTROL_BYTES, version_id=obj.version_id)
+def _read(deps: Deps, obj: ObjectCreated, limit: int) -> Blob:
+    if obj.size > limit:
+        raise ValueError(f"over the size limit: {obj.size} bytes > {limit}")
+    return deps.bucket.get(obj.key, max_bytes=limit, version_id=obj.version_id)
+
+
+def _signed(deps: Deps, obj: ObjectCreated, pid: str, limit: int) -> bytes:
+    """The object's bytes, once its size and its signature by `pid`'s registered key are checked."""
+    record = deps.store.participant(pid)
+    if record is None:
+        raise ValueError("from a participant that never joined")
+    blob = _read(deps, obj, limit)
+    verify(record.public_key, obj.key, blob.data, blob.metadata)
+    return blob.data
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(blob.data)
+        body = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError("not a JSON document") from None
     if not isinstance(body, dict):
@@ -97,8 +112,10 @@ def _read_json(deps: Deps, obj: ObjectCreated) -> dict[str, Any]:
 
 
 def _join(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
-    try:
-        body = _read_json(deps, obj)
+    try:  # a join is signed with the key it registers: proof that the joiner holds it
+        blob = _read(deps, obj, MAX_CONTROL_BYTES)
+        body = _json_object(blob.data)
+        verify(str(body.get("public_key", "")), obj.key, blob.data, blob.metadata)
     except (ValueError, NotFound) as exc:
         return _refuse(deps, obj, "join", f"join request refused: {exc}", pid)
     if body.get("run_id") != deps.config.run_id:
@@ -129,7 +146,7 @@ def _small(info: dict[str, Any]) -> dict[str, Any]:
 
 def _heartbeat(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     try:
-        body = _read_json(deps, obj)
+        body = _json_object(_signed(deps, obj, pid, MAX_CONTROL_BYTES))
     except (ValueError, NotFound) as exc:
         return _refuse(deps, obj, "heartbeat", f"heartbeat refused: {exc}", pid)
     ready = body.get("ready_epoch")
@@ -143,12 +160,10 @@ def _heartbeat(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
 
 def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     state = deps.store.read_state()
-    if state.has_model:
-        return _refuse(deps, obj, "init", "the run already has a model", pid)
-    if deps.store.participant(pid) is None:
-        return _refuse(deps, obj, "init", "initial model offered by a participant that never joined", pid)
+    if state.has_model:  # every participant offers; once one offer was adopted the others are moot
+        return Outcome("init", obj.key, False, "the run already has a model", pid, recorded=False, refusal=True)
     try:
-        data = _fetch_model(deps, obj)
+        data = _signed(deps, obj, pid, deps.config.max_update_bytes)
         header = parse_header(data)
         if not header.tensors:
             raise WireError("the file holds no tensors")
@@ -161,15 +176,7 @@ def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     return Outcome("init", obj.key, True, participant=pid)
 
 
-def _fetch_model(deps: Deps, obj: ObjectCreated) -> bytes:
-    limit = deps.config.max_update_bytes
-    if obj.size > limit:
-        raise ValueError(f"over the size limit: {obj.size} bytes > {limit}")
-    return deps.bucket.get(obj.key, max_bytes=limit, version_id=obj.version_id).data
-
-
 def _update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
-    deps.store.touch(pid, obj.time)  # any upload shows the participant is alive
     existing = deps.store.update_record(round_no, pid)
     if existing is not None:
         if existing.etag == obj.etag and existing.version_id == obj.version_id:  # the same event again
@@ -178,7 +185,12 @@ def _update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
     state = deps.store.read_state()
     if reason := _slot_problem(state, round_no, pid):
         return _refuse(deps, obj, "update", reason, pid)
-    record = _validate_update(deps, obj, pid, round_no, state)
+    try:  # an unsigned, mis-signed or oversized object never takes the participant's slot
+        data = _signed(deps, obj, pid, deps.config.max_update_bytes)
+    except (ValueError, NotFound) as exc:
+        return _refuse(deps, obj, "update", f"update refused: {exc}", pid)
+    deps.store.touch(pid, obj.time)  # a signed upload shows the participant is alive
+    record = _validate_update(deps, obj, data, pid, round_no, state)
     if not deps.store.record_update(record):  # a racing delivery of the same object got there first
         return Outcome("update", obj.key, record.accepted, record.reason, pid, recorded=False)
     return Outcome("update", obj.key, record.accepted, record.reason, pid)
@@ -196,9 +208,7 @@ def _proof(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
     if pid not in state.witnesses:
         return _refuse(deps, obj, "witness", f"{pid} is not an elected witness of round {round_no}", pid)
     try:
-        if obj.size > MAX_PROOF_BYTES:
-            raise ProofError(f"{obj.size} bytes is over the {MAX_PROOF_BYTES}-byte limit for proofs")
-        proof = Proof.from_json(deps.bucket.get(obj.key, max_bytes=MAX_PROOF_BYTES, version_id=obj.version_id).data)
+        proof = Proof.from_json(_signed(deps, obj, pid, MAX_PROOF_BYTES))
     except (ProofError, ValueError, NotFound) as exc:
         return _refuse(deps, obj, "witness", f"witness proof refused: {exc}", pid)
     position = state.witnesses.index(pid)
@@ -213,7 +223,7 @@ def _proof(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
 
 def _health_report(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
     try:
-        body = _read_json(deps, obj)
+        body = _json_object(_signed(deps, obj, pid, MAX_CONTROL_BYTES))
         named = body.get("unhealthy")
         if not isinstance(named, list) or len(named) > 1000:
             raise ValueError("'unhealthy' must be a list of at most 1000 participant ids")
@@ -243,13 +253,14 @@ def _slot_problem(state: RunState, round_no: int, pid: str) -> str:
     return ""
 
 
-def _validate_update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int, state: RunState) -> UpdateRecord:
+def _validate_update(
+    deps: Deps, obj: ObjectCreated, data: bytes, pid: str, round_no: int, state: RunState
+) -> UpdateRecord:
     base = UpdateRecord(round_no, pid, obj.key, False, etag=obj.etag, version_id=obj.version_id,
                         size=obj.size, received_at=obj.time)
     if pid not in state.selected:
         return _replace(base, reason=f"not selected for round {round_no}")
     try:
-        data = _fetch_model(deps, obj)
         header = parse_header(data)
         manifest = load_manifest(deps)
         if reason := manifest.mismatch(header):
@@ -261,8 +272,6 @@ def _validate_update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int, st
             raise WireError(reason)
     except (WireError, ValueError) as exc:
         return _replace(base, reason=str(exc))
-    except NotFound:
-        return _replace(base, reason="the object was deleted before it could be read")
     norm = _distance(arrays, _global_arrays(deps, state))
     return _replace(base, accepted=True, samples=meta.samples, digest=digest(data), metrics=dict(meta.metrics),
                     norm=norm)

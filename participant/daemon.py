@@ -31,6 +31,7 @@ from shared.blobs import NotFound
 from shared.config import RunConfig
 from shared.connection import Connection
 from shared.selection import assignment
+from shared.signing import Signer
 from shared.state import Phase, RunState
 from shared.wire import UpdateMeta, digest
 
@@ -92,7 +93,9 @@ class Daemon:
         keys.validate_participant_id(options.pid)
         self.conn, self.opt, self.stop, self.ui = conn, options, stop, reporter
         self.pid, self.run_id = options.pid, conn.run_id
-        self.remote = Remote(conn, self.pid, Retrier(stop))
+        # The signing key lives beside the journal: a restarted participant keeps the identity it registered.
+        self.signer = Signer.load_or_create(Path(options.state_dir) / "signing-key.pem")
+        self.remote = Remote(conn, self.pid, Retrier(stop), self.signer)
         self.journal_file = JournalFile(options.state_dir, self.run_id, self.pid)
         self.journal, why = self.journal_file.load()
         if why:
@@ -280,7 +283,8 @@ class Daemon:
         return info
 
     def _join(self) -> None:
-        body = {"run_id": self.run_id, "participant": self.pid, "public_key": "", "info": self._info()}
+        body = {"run_id": self.run_id, "participant": self.pid, "public_key": self.signer.public_key,
+                "info": self._info()}
         self.remote.put_json(keys.join_key(self.run_id, self.pid), body, "sending the join request")
         self.join_sent = time.monotonic()
         log.info("join request sent for run %s", self.run_id)

@@ -27,6 +27,7 @@ from shared import keys
 from shared.blobs import Bucket, NotFound
 from shared.config import RunConfig
 from shared.connection import Connection
+from shared.signing import Signer
 from shared.state import RunState
 from shared.store import StateStore
 
@@ -114,9 +115,10 @@ def participant_s3_client(endpoint: str | None, region: str) -> Any:
 class Remote:
     """Reads and writes of one participant in one run."""
 
-    def __init__(self, conn: Connection, pid: str, retrier: Retrier) -> None:
+    def __init__(self, conn: Connection, pid: str, retrier: Retrier, signer: Signer) -> None:
         self.conn, self.run_id, self.pid = conn, conn.run_id, pid
         self.retry = retrier
+        self.signer = signer  # every upload carries its signature (shared/signing.py)
         self.client = participant_s3_client(conn.endpoint, conn.region)
         self.bucket = Bucket(conn.bucket, self.client)
         self.store = StateStore(conn.table, conn.run_id, conn.endpoint, conn.region)
@@ -170,7 +172,7 @@ class Remote:
 
     def put_json(self, key: str, body: dict[str, Any], what: str) -> None:
         data = json.dumps(body, sort_keys=True).encode()
-        self.retry.call(what, self.bucket.put, key, data)
+        self.retry.call(what, self.bucket.put, key, data, self.signer.metadata(key, data))
 
     def upload(self, key: str, data: bytes, what: str, progress: ByteProgress | None = None) -> None:
         """PUT with a SHA-256 checksum S3 verifies; multipart above 64 MiB."""
@@ -178,9 +180,12 @@ class Remote:
 
     def _upload_once(self, key: str, data: bytes, progress: ByteProgress | None) -> None:
         total = len(data)
+        signature = self.signer.metadata(key, data)
         if total < MULTIPART_THRESHOLD:
             checksum = base64.b64encode(hashlib.sha256(data).digest()).decode()
-            self.client.put_object(Bucket=self.conn.bucket, Key=key, Body=data, ChecksumSHA256=checksum)
+            self.client.put_object(
+                Bucket=self.conn.bucket, Key=key, Body=data, ChecksumSHA256=checksum, Metadata=signature
+            )
             if progress is not None:
                 progress(total, total)
             return
@@ -194,5 +199,5 @@ class Remote:
         config = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=16 * 1024 * 1024)
         self.client.upload_fileobj(
             io.BytesIO(data), self.conn.bucket, key,
-            ExtraArgs={"ChecksumAlgorithm": "SHA256"}, Callback=callback, Config=config,
+            ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": signature}, Callback=callback, Config=config,
         )

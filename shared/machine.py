@@ -273,7 +273,7 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
     dropped = {
         pid: m.reason
         for pid, m in s.members.items()
-        if m.status is MemberStatus.DROPPED and m.since >= s.round_started
+        if m.status is MemberStatus.DROPPED and m.since > s.round_started
     }
     summary = RoundSummary(
         round=s.round,
@@ -377,6 +377,8 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(Phase.PAUSED, Phase.WAITING, "resume", _resume_requested, _resume,
                "the operator resumed the run (`fed run resume`)"),
+    Transition(W, F, "finish_waiting", _run_complete, _finish,
+               "total_rounds aggregated before the epoch could cool down (members left, or a pause)"),
     Transition(W, WU, "epoch_start", _can_start_epoch, _start_epoch,
                "min_clients live participants (and a model or an offer of one): admit them"),
     Transition(WU, W, "warmup_too_few", _too_few_members, _back_to_waiting,

@@ -68,7 +68,9 @@ class RunState:
 
     @property
     def has_model(self) -> bool:
-        return bool(self.global_digest)
+        # After a round closes its aggregate's digest is filled in only once written (machine.resolve),
+        # but a run past round 0 always has a model.
+        return bool(self.global_digest) or self.round > 0
 
     def active(self) -> list[str]:
         return sorted(p for p, m in self.members.items() if m.status is MemberStatus.ACTIVE)

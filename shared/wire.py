@@ -104,7 +104,8 @@ def parse_header(data: bytes) -> Header:
         spec = TensorSpec(tag, tuple(shape))
         if not 0 <= begin <= end <= body:
             raise WireError(
-                f"truncated or corrupt file: tensor {name!r} data offsets {offsets} outside the {body}-byte data section"
+                f"truncated or corrupt file: tensor {name!r} data offsets {offsets} "
+                f"outside the {body}-byte data section"
             )
         if end - begin != spec.numel * DTYPES[tag][1]:
             raise WireError(f"tensor {name!r}: header and data lengths disagree")

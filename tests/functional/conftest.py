@@ -24,6 +24,7 @@ from shared import keys, wire
 from shared.config import RunConfig
 from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_RUN_ID, ENV_TABLE
 from shared.selection import assigned_count
+from shared.signing import Signer
 from shared.state import RunState
 
 EVENTS = Path(__file__).resolve().parents[1] / "events"
@@ -71,6 +72,7 @@ class Harness:
         self.config = config
         self.res = create_resources(config.run_id)
         self.s3 = boto3.client("s3", region_name="us-east-1")
+        self.signers: dict[str, Signer] = {}
 
     @property
     def deps(self) -> Deps:
@@ -81,9 +83,18 @@ class Harness:
 
     # --- objects and their events -----------------------------------------------------------------
 
-    def put(self, key: str, body: bytes) -> dict[str, Any]:
-        """Upload an object and return the EventBridge event S3 would emit for it."""
-        resp = self.s3.put_object(Bucket=self.res.bucket, Key=key, Body=body)
+    def signer(self, pid: str) -> Signer:
+        if pid not in self.signers:
+            self.signers[pid] = Signer.generate()
+        return self.signers[pid]
+
+    def put(self, key: str, body: bytes, signed_by: str | None = "owner") -> dict[str, Any]:
+        """Upload an object (signed by its key's participant, by `signed_by`, or unsigned with None) and
+        return the EventBridge event S3 would emit for it."""
+        owner = key.rstrip("/").rsplit("/", 1)[-1]
+        signer = None if signed_by is None else self.signer(owner if signed_by == "owner" else signed_by)
+        metadata = signer.metadata(key, body) if signer else {}
+        resp = self.s3.put_object(Bucket=self.res.bucket, Key=key, Body=body, Metadata=metadata)
         event = copy.deepcopy(recorded_event("s3_object_created.json"))
         event["time"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event["detail"]["bucket"]["name"] = self.res.bucket
@@ -95,17 +106,21 @@ class Harness:
     def deliver(self, event: dict[str, Any]) -> dict[str, Any]:
         return ingest.handler(event, LocalContext())
 
-    def send(self, key: str, body: bytes) -> dict[str, Any]:
-        return self.deliver(self.put(key, body))
+    def send(self, key: str, body: bytes, signed_by: str | None = "owner") -> dict[str, Any]:
+        return self.deliver(self.put(key, body, signed_by))
 
     def scheduled_tick(self) -> dict[str, Any]:
         return tick.handler(recorded_event("scheduled_tick.json"), LocalContext())
 
     # --- participant actions ----------------------------------------------------------------------
 
+    def join_bytes(self, pid: str, run_id: str | None = None) -> bytes:
+        body = {"run_id": run_id or self.config.run_id, "participant": pid, "info": {"host": "test"},
+                "public_key": self.signer(pid).public_key}
+        return json.dumps(body).encode()
+
     def join(self, pid: str, run_id: str | None = None) -> dict[str, Any]:
-        body = {"run_id": run_id or self.config.run_id, "participant": pid, "info": {"host": "test"}}
-        return self.send(keys.join_key(self.config.run_id, pid), json.dumps(body).encode())
+        return self.send(keys.join_key(self.config.run_id, pid), self.join_bytes(pid, run_id))
 
     def offer(self, pid: str, model: dict[str, np.ndarray] = MODEL) -> dict[str, Any]:
         return self.send(keys.init_key(self.config.run_id, pid), wire.encode(model))
@@ -141,7 +156,7 @@ class Harness:
 def make_config(**overrides: Any) -> RunConfig:
     base: dict[str, Any] = dict(
         run_id=RUN, min_clients=2, min_per_round=2, min_updates=1, total_rounds=3, warmup_time=0,
-        max_round_train_time=60, round_witness_time=0, cooldown_time=0, liveness_timeout=60, dataset_size=100,
+        max_round_train_time=60, round_witness_time=0, cooldown_time=0, liveness_timeout=600, dataset_size=100,
         max_update_bytes=4096,
     )
     base.update(overrides)

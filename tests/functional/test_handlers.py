@@ -76,8 +76,7 @@ def test_duplicate_event_changes_nothing(harness: Harness) -> None:
 
 def test_duplicate_join_event_is_a_rejoin_not_a_new_member(harness: Harness) -> None:
     harness.scheduled_tick()
-    event = harness.put(keys.join_key(harness.config.run_id, "alice"),
-                        json.dumps({"run_id": harness.config.run_id, "participant": "alice"}).encode())
+    event = harness.put(keys.join_key(harness.config.run_id, "alice"), harness.join_bytes("alice"))
     assert harness.deliver(event)["reason"] == ""
     assert harness.deliver(event)["reason"] == "rejoined"
     assert list(harness.deps.store.participants()) == ["alice"]

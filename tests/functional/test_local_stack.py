@@ -23,6 +23,7 @@ from infra.local.stack import LocalStack
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.selection import assigned_count
+from shared.signing import Signer
 from shared.state import Phase
 from shared.store import StateStore
 
@@ -50,12 +51,16 @@ class Sim:
         self.run_id, self.bucket = c.run_id, c.bucket
         self.s3 = boto3.client("s3", endpoint_url=c.endpoint, region_name=c.region)
         self.store = StateStore(c.table, c.run_id, c.endpoint, c.region)
+        self.signers: dict[str, Signer] = {}
 
     def put(self, key: str, body: bytes) -> None:
-        self.s3.put_object(Bucket=self.bucket, Key=key, Body=body)
+        signer = self.signers.setdefault(key.rsplit("/", 1)[-1], Signer.generate())
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=signer.metadata(key, body))
 
     def join(self, pid: str) -> None:
-        self.put(keys.join_key(self.run_id, pid), json.dumps({"run_id": self.run_id, "participant": pid}).encode())
+        public_key = self.signers.setdefault(pid, Signer.generate()).public_key
+        body = {"run_id": self.run_id, "participant": pid, "public_key": public_key}
+        self.put(keys.join_key(self.run_id, pid), json.dumps(body).encode())
 
     def upload(self, pid: str, round_no: int, selected: tuple[str, ...], value: float) -> None:
         meta = wire.UpdateMeta(self.run_id, round_no, pid, assigned_count(100, selected, pid), {"loss": value})

@@ -23,8 +23,7 @@ def heartbeat(harness: Harness, pid: str, ready_epoch: int, time: str) -> dict: 
 def test_ready_in_the_same_second_as_the_join_is_recorded(harness: Harness) -> None:
     # Given a participant that joined at 12:00:00
     harness.scheduled_tick()
-    join = harness.put(keys.join_key(harness.config.run_id, "alice"),
-                       json.dumps({"run_id": harness.config.run_id, "participant": "alice"}).encode())
+    join = harness.put(keys.join_key(harness.config.run_id, "alice"), harness.join_bytes("alice"))
     join["time"] = "2026-11-22T12:00:00Z"
     harness.deliver(join)
     # When its "ready for epoch 1" heartbeat is stamped with the same second

@@ -126,6 +126,7 @@ SCENARIOS = {
         ),
         T0,
     ),
+    "finish_waiting": (Snapshot(state(Phase.WAITING, members={}, aggregated=3, round=3)), T0),
     "resume": (Snapshot(state(Phase.PAUSED, members={}), {"a": pv("a"), "b": pv("b")}), T0),
     **{
         f"pause_{phase.name.lower()}": (

@@ -114,18 +114,18 @@ class TestWarmup:
 
 class TestStartAndEnd:
     def test_no_model_yet_offers_the_initial_model_once(self) -> None:
-        s = state(phase=Phase.WAITING, members=(), selected=(), digest="")
+        s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
         assert decide(s, local(held="", reported_ready=0)) == OfferModel()
         assert isinstance(decide(s, local(held="", reported_ready=0, offered=True)), Wait)
 
     def test_join_not_recorded_waits_then_rejoins(self) -> None:
-        s = state(phase=Phase.WAITING, members=(), selected=(), digest="")
+        s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
         assert isinstance(decide(s, local(joined=False, join_age=1.0)), Wait)
         assert decide(s, local(joined=False, join_age=JOIN_RETRY_SECONDS)) == Join()
 
     def test_no_offer_before_the_join_is_recorded(self) -> None:
         # the coordinator refuses offers from participants it does not know
-        s = state(phase=Phase.WAITING, members=(), selected=(), digest="")
+        s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
         assert not isinstance(decide(s, local(joined=False, join_age=1.0)), OfferModel)
 
     def test_finished_fetches_then_evaluates_the_final_model(self) -> None:
@@ -138,5 +138,5 @@ class TestStartAndEnd:
         assert decide(s, local(joined=False)) == Finish(15, G)
 
     def test_finished_without_a_model(self) -> None:
-        s = state(phase=Phase.FINISHED, members=(), selected=(), digest="")
-        assert decide(s, local(held="")) == Finish(3, "")
+        s = state(phase=Phase.FINISHED, members=(), selected=(), digest="", round_no=0)
+        assert decide(s, local(held="")) == Finish(0, "")
