@@ -7,12 +7,11 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.coordinator import TickContention, run_tick
 from functions.events import BadEvent, object_created
 from functions.intake import ingest_object
 from functions.observability import logger, metrics, traced
 from functions.settings import deps_from_env
-from functions.tick import publish
+from functions.tick import tick_and_publish
 from shared.naming import METRIC_UPDATES_ACCEPTED, METRIC_UPDATES_REFUSED
 
 
@@ -35,9 +34,6 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         metrics.add_metric(name=name, unit=MetricUnit.Count, value=1)
     result: dict[str, Any] = {"kind": outcome.kind, "accepted": outcome.accepted, "reason": outcome.reason,
                               "recorded": outcome.recorded}
-    if outcome.recorded and not outcome.refusal:
-        try:
-            result["tick"] = publish(run_tick(deps))
-        except TickContention as exc:
-            logger.warning("tick deferred to the next one", reason=str(exc))
+    if outcome.recorded and not outcome.refusal:  # so a round closes as soon as its last update lands
+        result["tick"] = tick_and_publish(deps)
     return result

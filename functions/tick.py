@@ -9,7 +9,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.coordinator import TickContention, TickResult, run_tick
 from functions.observability import logger, metrics, traced
-from functions.settings import deps_from_env
+from functions.settings import Deps, deps_from_env
 from shared.naming import (
     METRIC_AGGREGATION_SECONDS,
     METRIC_PHASE_CHANGES,
@@ -37,14 +37,19 @@ def publish(result: TickResult) -> dict[str, Any]:
             "fired": list(result.fired)}
 
 
+def tick_and_publish(deps: Deps) -> dict[str, Any]:
+    """One tick (the schedule's, or right after ingest recorded something); contention defers it."""
+    try:
+        return publish(run_tick(deps))
+    except TickContention as exc:
+        logger.warning("tick deferred to the next one", reason=str(exc))
+        return {"committed": False, "deferred": str(exc)}
+
+
 @logger.inject_lambda_context
 @metrics.log_metrics
 @traced
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     deps = deps_from_env()
     metrics.add_dimension("run", deps.config.run_id)
-    try:
-        return publish(run_tick(deps))
-    except TickContention as exc:
-        logger.warning("tick deferred to the next one", reason=str(exc))
-        return {"committed": False, "deferred": str(exc)}
+    return tick_and_publish(deps)

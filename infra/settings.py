@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shared.config import ConfigError, RunConfig, load_config, parse_config
+from shared.config import ConfigError, RunConfig, describe, load_config, parse_config
 
 # The retention periods CloudWatch Logs accepts (days).
 LOG_RETENTION_DAYS = (
@@ -132,11 +132,7 @@ def parse_deploy(data: dict[str, Any], source: str = "config") -> DeploySettings
     try:
         return DeploySettings.model_validate(table)
     except ValidationError as exc:
-        lines = [f"{source}: invalid [deploy] settings"]
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(deploy)"
-            lines.append(f"  deploy.{where}: {err['msg']}")
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError(describe(exc, f"{source}: invalid [deploy] settings", "deploy.")) from None
 
 
 def load_deploy(path: str | Path) -> tuple[RunConfig, DeploySettings]:

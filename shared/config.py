@@ -101,11 +101,16 @@ def parse_config(data: dict[str, Any], source: str = "config") -> RunConfig:
     try:
         return RunConfig.model_validate(table)
     except ValidationError as exc:
-        lines = [f"{source}: invalid run configuration"]
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(run)"
-            lines.append(f"  {where}: {err['msg']}")
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError(describe(exc, f"{source}: invalid run configuration")) from None
+
+
+def describe(exc: ValidationError, heading: str, prefix: str = "") -> str:
+    """One message naming every offending field of a validation error."""
+    lines = [heading]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top)"
+        lines.append(f"  {prefix}{where}: {err['msg']}")
+    return "\n".join(lines)
 
 
 def load_config(path: str | Path) -> RunConfig:

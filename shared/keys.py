@@ -130,6 +130,12 @@ class ParsedKey:
 _ROUND_RE = re.compile(rf"^\d{{{ROUND_DIGITS}}}$")
 
 
+def _round_of(key: str, text: str) -> int:
+    if not _ROUND_RE.match(text):
+        raise KeyError_(f"key {key!r}: round {text!r} is not {ROUND_DIGITS} digits")
+    return int(text)
+
+
 def parse_key(key: str) -> ParsedKey:
     """Classify a key of the layout; raise KeyError_ with the reason for anything else."""
     parts = key.split("/")
@@ -146,14 +152,10 @@ def parse_key(key: str) -> ParsedKey:
     if rest[0] == "checkpoints" and len(rest) in (2, 3):
         return ParsedKey(ObjectKind.CHECKPOINT, run_id)
     if len(rest) == 4 and rest[0] == "rounds" and rest[2] in ("witness", "health"):
-        if not _ROUND_RE.match(rest[1]):
-            raise KeyError_(f"key {key!r}: round {rest[1]!r} is not {ROUND_DIGITS} digits")
         kind = ObjectKind.WITNESS if rest[2] == "witness" else ObjectKind.HEALTH
-        return ParsedKey(kind, run_id, participant=validate_participant_id(rest[3]), round=int(rest[1]))
+        return ParsedKey(kind, run_id, participant=validate_participant_id(rest[3]), round=_round_of(key, rest[1]))
     if len(rest) == 3 and rest[0] == "rounds":
-        if not _ROUND_RE.match(rest[1]):
-            raise KeyError_(f"key {key!r}: round {rest[1]!r} is not {ROUND_DIGITS} digits")
-        round_no = int(rest[1])
+        round_no = _round_of(key, rest[1])
         if rest[2] == "global":
             return ParsedKey(ObjectKind.GLOBAL, run_id, round=round_no)
         return ParsedKey(ObjectKind.UPDATE, run_id, participant=validate_participant_id(rest[2]), round=round_no)
