@@ -1,9 +1,10 @@
-"""The participant daemon: join, poll, fetch, train, upload, repeat until the run is Finished.
+"""The participant daemon: join, poll, fetch, train, upload, witness, repeat until the run is Finished.
 
 The protocol's rules live in `participant.decide` (pure); this module gathers the facts `decide`
 needs, carries out the action it returns, and handles everything around it: heartbeats on their own
 thread, jittered backoff while waiting, retries through AWS faults (`participant.remote`), the
-on-disk journal that makes restarts resume (`participant.journal`) and the global-model cache.
+on-disk journal that makes restarts resume (`participant.journal`), the global-model cache, witness
+duty (`participant.witness`) and health reports.
 """
 
 from __future__ import annotations
@@ -22,23 +23,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from participant.decide import Fetch, Finish, Join, Local, OfferModel, ReportReady, Train, Wait, decide
+from participant.decide import (
+    LIVE_PHASES,
+    CheckUpdates,
+    Fetch,
+    Finish,
+    Join,
+    Local,
+    OfferModel,
+    ReportHealth,
+    ReportReady,
+    SendProof,
+    Train,
+    Wait,
+    decide,
+    is_witness_duty,
+    unhealthy,
+)
 from participant.journal import Journal, JournalFile
 from participant.remote import Remote, Retrier, Stopped
 from participant.ui import Reporter
+from participant.witness import PeerUpdate, RoundWitness
 from shared import keys
 from shared.blobs import NotFound
 from shared.config import RunConfig
 from shared.connection import Connection
 from shared.selection import assignment
 from shared.signing import Signer
-from shared.state import Phase, RunState
+from shared.state import MemberStatus, Phase, RunState
 from shared.wire import UpdateMeta, digest
+from shared.witness import Proof
 
 log = logging.getLogger("participant")
 
 POLL_FIRST, POLL_MAX, POLL_GROWTH = 0.2, 2.0, 1.6
 CACHE_KEEP = 3
+RECORD_CHECK_SECONDS = 3.0  # while not a member: how often to check that our participant record still exists
 
 
 class ParticipantError(RuntimeError):
@@ -116,6 +136,10 @@ class Daemon:
         self.stored: set[int] = set()  # rounds with an update of ours found in the bucket or table
         self.skipped: set[int] = set()  # rounds trained but not sent (the round closed meanwhile)
         self.rounds_uploaded = 0
+        self.global_evals: dict[str, dict[str, float]] = {}  # the held global model's evaluation, by digest
+        self.witness: RoundWitness | None = None  # witness work of the round we are a witness of
+        self.health_confirmed: dict[int, bool] = {}  # round -> its proofs reached the quorum
+        self.record_checked = 0.0
         # shared with the heartbeat thread
         self.ready_epoch = 0
         self.activity = "starting"
@@ -180,6 +204,12 @@ class Daemon:
                 self._fetch(action)
             elif isinstance(action, ReportReady):
                 self._report_ready(action.epoch)
+            elif isinstance(action, ReportHealth):
+                self._report_health(action, state)
+            elif isinstance(action, CheckUpdates):
+                self._check_updates(action, state)
+            elif isinstance(action, SendProof):
+                self._send_proof(action, state)
             elif isinstance(action, Train):
                 self._train(action)
                 if self.opt.max_rounds and self.rounds_uploaded >= self.opt.max_rounds:
@@ -188,6 +218,8 @@ class Daemon:
 
     def _local(self, state: RunState) -> Local:
         ready_recorded = self.reported_ready
+        if self.joined_at is not None and self.pid not in state.members:
+            self._check_still_registered()
         if self.joined_at is None:
             record = self.remote.participant_record()
             if record is not None:
@@ -199,6 +231,7 @@ class Daemon:
         recorded = False
         if state.phase is Phase.TRAIN and self.pid in state.selected and state.round not in self._done():
             recorded = self._update_exists(state.round)
+        missing, unchecked = self._witness_facts(state, recorded)
         return Local(
             pid=self.pid,
             joined=self.joined_at is not None,
@@ -210,7 +243,30 @@ class Daemon:
             ready_recorded=ready_recorded,
             uploaded=self._done(),
             recorded=recorded,
+            witnessed=frozenset(self.journal.witnessed),
+            witness_missing=missing,
+            witness_unchecked=unchecked,
+            health_reported=frozenset(self.journal.health_reported),
+            health_confirmed=self._health_confirmed(state),
         )
+
+    def _check_still_registered(self) -> None:
+        """Not a member: make sure the coordinator still knows us. A run restored from its checkpoint after
+        its table was lost (`fed run restore`) has no participant records: join again, as a new incarnation."""
+        if time.monotonic() - self.record_checked < RECORD_CHECK_SECONDS:
+            return
+        self.record_checked = time.monotonic()
+        if self.remote.participant_record() is not None:
+            return
+        log.warning("the coordinator has no record of this participant any more (the run's state was lost or "
+                    "restored?); joining again")
+        self.joined_at = None
+        self.stored.clear()
+        self.skipped.clear()
+        self.reported_ready = self.ready_epoch = 0
+        self.witness = None
+        self.health_confirmed.clear()
+        self._join()
 
     def _done(self) -> frozenset[int]:
         return self.journal.uploaded_rounds | self.skipped
@@ -218,7 +274,7 @@ class Daemon:
     def _update_exists(self, round_no: int) -> bool:
         if round_no in self.stored:
             return True
-        if self.remote.update_record(round_no) is not None or self.remote.update_stored(round_no):
+        if self.remote.update_record(round_no) is not None or self.remote.update_stored(round_no, self.joined_at):
             log.info("round %d: an update of ours is already stored (uploaded before a restart); not redone", round_no)
             self.stored.add(round_no)
             return True
@@ -444,6 +500,7 @@ class Daemon:
 
         model = load_into(task.build_model(config.seed), self.held_bytes)
         global_eval = task.evaluate(model, self.device)
+        self.global_evals = {a.digest: dict(global_eval)}  # a witness compares the round's updates with it
         seed = train_seed(a.seed, self.pid)
         torch.manual_seed(seed)
         self.activity = f"training round {a.round}"
@@ -498,6 +555,141 @@ class Daemon:
         self.activity = f"uploaded round {a.round}"
         log.info("round %d: update uploaded (%d bytes, %d samples, %.2fs)", a.round, len(data), len(indices),
                  time.perf_counter() - started)
+
+    # --- witness duty and health reports ---------------------------------------------------------------
+
+    def _witness_facts(self, state: RunState, recorded: bool) -> tuple[int, int]:
+        """As a witness owing the round's proof (after our own update): read the records not yet seen (a
+        GetItem each) and return how many selected participants have none, and how many are unevaluated."""
+        r = state.round
+        if not is_witness_duty(state, Local(pid=self.pid, witnessed=frozenset(self.journal.witnessed))):
+            return 0, 0
+        if state.phase is Phase.TRAIN and r not in self._done() and not recorded:
+            return 0, 0  # our own training comes first
+        w = self.witness
+        if w is None or w.round != r or w.global_digest != state.global_digest:
+            if w is not None:
+                w.discard()
+            workdir = Path(self.opt.state_dir) / "witness" / f"{r:06d}"
+            w = self.witness = RoundWitness(r, state.global_digest, workdir)
+        for pid in state.selected:
+            if pid not in w.records:
+                item = self.remote.update_record(r, pid)
+                if item is not None:
+                    w.records[pid] = PeerUpdate.from_record(item)
+        return len(w.missing(state.selected)), len(w.unchecked(state.selected))
+
+    def _global_eval(self) -> dict[str, float]:
+        """The held global model's evaluation on the task's held-out data (computed once per model)."""
+        from participant.tensors import load_into
+
+        assert self.config is not None
+        if self.held not in self.global_evals:
+            model = load_into(self.task.build_model(self.config.seed), self.held_bytes)
+            self.global_evals = {self.held: dict(self.task.evaluate(model, self.device))}
+        return self.global_evals[self.held]
+
+    def _check_updates(self, action: CheckUpdates, state: RunState) -> None:
+        """Download each recorded update not yet verified, by its recorded version, and verify it."""
+        assert self.witness is not None and self.witness.round == action.round
+        w = self.witness
+        for rec in w.unchecked(state.selected):
+            if self.stop.is_set():
+                raise Stopped()
+            self.activity = f"witnessing round {action.round}: checking the update of {rec.pid}"
+            key = keys.update_key(self.run_id, action.round, rec.pid)
+            try:
+                data: bytes | None = self.remote.download(key, version_id=rec.version_id)
+            except NotFound:
+                data = None
+            check = w.verify(rec, data, self.held_bytes)
+            if check.problem:
+                log.warning("round %d: witness: the update of %s cannot be attested: %s", action.round, rec.pid,
+                            check.problem)
+
+    def _send_proof(self, action: SendProof, state: RunState) -> None:
+        assert self.config is not None
+        r = action.round
+        w = self.witness
+        if w is None or w.round != r:
+            w = RoundWitness(r, state.global_digest, Path(self.opt.state_dir) / "witness" / f"{r:06d}")
+        key = keys.witness_key(self.run_id, r, self.pid)
+        if self.remote.stored_since(key, self.joined_at):
+            log.info("round %d: our witness proof is already in the bucket (sent before a restart)", r)
+            attested = {}
+        else:
+            self.activity = f"witnessing round {r}: evaluating {len(w.checks)} update(s)"
+            global_loss = float(self._global_eval().get("test_loss", math.nan))
+            try:
+                w.evaluate(self.task, self.device, self.config.seed, self.held_bytes, global_loss,
+                           self.config.witness_tolerance, state.selected, self.stop.is_set)
+            except InterruptedError:
+                raise Stopped() from None
+            attested = w.attested(state.selected)
+            for pid, v in sorted(w.verdicts.items()):
+                if not v.attested:
+                    log.warning("round %d: witness: %s not attested: %s", r, pid, v.reason)
+            loss, throughput = self._own_training(r)
+            proof = Proof.build(self.run_id, r, self.pid, state.witnesses.index(self.pid), attested,
+                                expected=len(state.selected), complete=action.complete, loss=loss,
+                                throughput=throughput, evaluations=w.evaluations())
+            self.activity = f"witnessing round {r}: sending the proof"
+            self.remote.upload(key, proof.to_json().encode(), f"uploading the round {r} witness proof")
+            refused = sorted(p for p, v in w.verdicts.items() if not v.attested and p in state.selected)
+            missing = w.missing(state.selected)
+            log.info("round %d: witness proof sent (%s): attested %d of %d selected (aggregate loss %.4f, global "
+                     "%.4f; %d evaluations in %.2fs)%s%s", r,
+                     "complete" if action.complete else "incomplete: the round closed first", len(attested),
+                     len(state.selected), w.aggregate_loss, global_loss, len(w.verdicts) + 1, w.evaluation_seconds,
+                     f"; not attested: {', '.join(refused)}" if refused else "",
+                     f"; no update from: {', '.join(missing)}" if missing else "")
+        w.discard()
+        self.journal.witnessed[r] = {"complete": action.complete, "attested": sorted(attested), "at": time.time()}
+        self.journal_file.save(self.journal)
+        self.activity = f"witnessed round {r}"
+
+    def _own_training(self, round_no: int) -> tuple[float, float]:
+        """Our training loss and throughput (samples per second) in a round, for the witness proof."""
+        assert self.config is not None
+        entry = self.journal.uploaded.get(round_no) or {}
+        metrics, samples = dict(entry.get("metrics") or {}), int(entry.get("samples") or 0)
+        if not metrics:  # uploaded before a restart that lost the journal: the coordinator's record has them
+            rec = self.remote.update_record(round_no)
+            if rec is not None:
+                metrics, samples = dict(rec.metrics or {}), int(rec.samples or 0)
+        seconds = float(metrics.get("train_seconds", 0.0))
+        throughput = samples * self.config.local_epochs / seconds if seconds > 0 else 0.0
+        loss = float(metrics.get("loss", 0.0))
+        return (loss if math.isfinite(loss) else 0.0), (throughput if math.isfinite(throughput) else 0.0)
+
+    def _health_confirmed(self, state: RunState) -> bool:
+        """Whether a health report about state.health_round is due and would mean something: we are an active
+        member, someone was attested by fewer than a quorum, and that round's proofs reached the quorum (a
+        round whose witnesses did not show up scores everyone low: that confirms nothing)."""
+        r = state.health_round
+        member = state.members.get(self.pid)
+        if (state.phase not in LIVE_PHASES or r < 0 or r in self.journal.health_reported or member is None
+                or member.status is not MemberStatus.ACTIVE or not unhealthy(state, self.pid)):
+            return False
+        if r not in self.health_confirmed:
+            summary = self.remote.round_summary(r)
+            if summary is None:
+                return False
+            self.health_confirmed[r] = summary.quorum > 0 and summary.proofs >= summary.quorum
+            if not self.health_confirmed[r]:
+                log.info("round %d: %d of %d witness proofs arrived (quorum %d): its health scores confirm nothing; "
+                         "no health report", r, summary.proofs, len(summary.witnesses), summary.quorum)
+        return self.health_confirmed[r]
+
+    def _report_health(self, action: ReportHealth, state: RunState) -> None:
+        key = keys.health_key(self.run_id, action.round, self.pid)
+        self.remote.put_json(key, {"unhealthy": list(action.unhealthy)}, f"sending the round {action.round} health "
+                             "report")
+        self.journal.health_reported[action.round] = list(action.unhealthy)
+        self.journal_file.save(self.journal)
+        scores = ", ".join(f"{p} ({state.health.get(p, 0)})" for p in action.unhealthy)
+        log.warning("round %d: health report sent: %s attested by fewer than %d witness(es)", action.round, scores,
+                    state.health_quorum)
 
     def _skip(self, round_no: int) -> None:
         self.skipped.add(round_no)

@@ -2,7 +2,7 @@
 
 `decide(state, local)` returns one action; the daemon carries it out and asks again. Keeping the
 protocol's rules here, free of I/O, lets every case (selected or not, already uploaded, dropped,
-late joiner, warmup, finished) be unit-tested without AWS or torch.
+late joiner, warmup, witness duty, health reports, finished) be unit-tested without AWS or torch.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.state import MemberStatus, Phase, RunState
+
+LIVE_PHASES = frozenset({Phase.WARMUP, Phase.TRAIN, Phase.WITNESS})
 
 JOIN_RETRY_SECONDS = 15.0  # re-send the join request if it has not been recorded after this long
 READY_RETRY_SECONDS = 2.0  # re-send "ready" if the coordinator has not recorded it after this long
@@ -29,6 +31,13 @@ class Local:
     ready_recorded: int = 0  # the ready epoch the coordinator has recorded for us (read during warmup)
     uploaded: frozenset[int] = field(default_factory=frozenset)  # rounds whose update we uploaded
     recorded: bool = False  # an update of ours is recorded (or stored) for state.round
+    # witness duty for state.round (gathered only while we are one of its witnesses with a proof to send)
+    witnessed: frozenset[int] = field(default_factory=frozenset)  # rounds whose witness proof we sent
+    witness_missing: int = 0  # selected participants with no recorded update yet
+    witness_unchecked: int = 0  # recorded, accepted updates we have not evaluated yet
+    # health reports about state.health_round
+    health_reported: frozenset[int] = field(default_factory=frozenset)  # rounds we sent a health report about
+    health_confirmed: bool = False  # that round's witness proofs reached their quorum (its scores mean something)
 
 
 # --- actions -------------------------------------------------------------------------------------
@@ -78,6 +87,30 @@ class Train:
 
 
 @dataclass(frozen=True)
+class CheckUpdates:
+    """As a witness of `round`: download, verify and evaluate every recorded update not yet evaluated."""
+
+    round: int
+
+
+@dataclass(frozen=True)
+class SendProof:
+    """As a witness of `round`: upload the proof of what we attested; `complete`: every selected
+    participant's update was recorded (and evaluated)."""
+
+    round: int
+    complete: bool
+
+
+@dataclass(frozen=True)
+class ReportHealth:
+    """Upload a health report naming the members the witnesses of `round` did not attest."""
+
+    round: int
+    unhealthy: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Finish:
     """The run is over: evaluate the final global model (if any) and exit."""
 
@@ -85,7 +118,28 @@ class Finish:
     digest: str
 
 
-Action = Wait | Join | OfferModel | Fetch | ReportReady | Train | Finish
+Action = Wait | Join | OfferModel | Fetch | ReportReady | Train | CheckUpdates | SendProof | ReportHealth | Finish
+
+
+def unhealthy(state: RunState, pid: str) -> tuple[str, ...]:
+    """Active members (other than `pid`) that fewer than a quorum of witnesses attested in the last
+    witnessed round: the ones a health report names."""
+    if state.health_round < 0 or not state.health:
+        return ()
+    return tuple(sorted(
+        p for p, score in state.health.items()
+        if score < state.health_quorum and p != pid
+        and (m := state.members.get(p)) is not None and m.status is MemberStatus.ACTIVE
+    ))
+
+
+def is_witness_duty(state: RunState, local: Local) -> bool:
+    """We are an elected witness of the current round and still owe its proof."""
+    return (
+        state.phase in (Phase.TRAIN, Phase.WITNESS)
+        and local.pid in state.witnesses
+        and state.round not in local.witnessed
+    )
 
 
 def decide(state: RunState, local: Local) -> Action:
@@ -112,6 +166,8 @@ def decide(state: RunState, local: Local) -> Action:
     if member.status is MemberStatus.DROPPED:
         why = f" ({member.reason})" if member.reason else ""
         return Wait(f"dropped from epoch {state.epoch}{why}: admitted again at the next epoch")
+    if (report := _health_report(state, local)) is not None:
+        return report
     if state.phase is Phase.WARMUP:
         if local.held != state.global_digest:
             return Fetch(state.round, state.global_digest)
@@ -123,15 +179,40 @@ def decide(state: RunState, local: Local) -> Action:
     if state.phase is Phase.TRAIN:
         if pid not in state.selected:
             return Wait(f"not selected for round {state.round}")
+        if state.round not in local.uploaded and not local.recorded:
+            if local.held != state.global_digest:
+                return Fetch(state.round, state.global_digest)
+            return Train(state.round, state.epoch, state.seed, tuple(state.selected), state.global_digest)
+        if is_witness_duty(state, local):
+            return _witness(state, local)
         if state.round in local.uploaded:
             return Wait(f"update for round {state.round} uploaded; waiting for the round to close")
-        if local.recorded:
-            return Wait(f"an update for round {state.round} is already stored; waiting for the round to close")
-        if local.held != state.global_digest:
-            return Fetch(state.round, state.global_digest)
-        return Train(state.round, state.epoch, state.seed, tuple(state.selected), state.global_digest)
+        return Wait(f"an update for round {state.round} is already stored; waiting for the round to close")
     if state.phase is Phase.WITNESS:
+        if is_witness_duty(state, local):
+            return _witness(state, local)
         return Wait(f"round {state.round} closed; waiting for its aggregation")
     if state.phase is Phase.COOLDOWN:
         return Wait(f"epoch {state.epoch} ended; cooldown")
     return Wait(f"phase {state.phase}")
+
+
+def _witness(state: RunState, local: Local) -> Action:
+    """Evaluate what has been recorded; send the proof once everything is in, or when the round closes."""
+    if local.held != state.global_digest:  # the evaluation's reference (after a restart we may not hold it)
+        return Fetch(state.round, state.global_digest)
+    if local.witness_unchecked:
+        return CheckUpdates(state.round)
+    if local.witness_missing == 0:
+        return SendProof(state.round, complete=True)
+    if state.phase is Phase.WITNESS:
+        return SendProof(state.round, complete=False)
+    return Wait(f"witness of round {state.round}: {local.witness_missing} update(s) still to come")
+
+
+def _health_report(state: RunState, local: Local) -> ReportHealth | None:
+    """Once per witnessed round whose proofs reached the quorum: name the members it did not attest."""
+    if state.phase not in LIVE_PHASES or state.health_round in local.health_reported or not local.health_confirmed:
+        return None
+    named = unhealthy(state, local.pid)
+    return ReportHealth(state.health_round, named) if named else None

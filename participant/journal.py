@@ -1,7 +1,8 @@
 """The participant's memory across its own restarts: a small JSON file in its state directory.
 
-It records which rounds' updates were uploaded (never redone after a restart) and which round was
-being trained (retrained, deterministically, if the process died mid-round). `joined_at` ties the
+It records which rounds' updates were uploaded (never redone after a restart), which round was
+being trained (retrained, deterministically, if the process died mid-round), and which witness proofs
+and health reports were sent (each is sent once per round; the coordinator refuses a second). `joined_at` ties the
 file to one incarnation of the run: a run recreated under the same id (a restarted local stack) has
 a new join time, and the old progress is discarded instead of skipping rounds that never happened.
 """
@@ -27,6 +28,8 @@ class Journal:
     uploaded: dict[int, dict[str, Any]] = field(default_factory=dict)  # round -> {digest, samples, at, ...}
     training: dict[str, Any] | None = None  # {round, digest, started} while a round is being trained
     outcomes: dict[int, str] = field(default_factory=dict)  # round -> "accepted" or the refusal reason
+    witnessed: dict[int, dict[str, Any]] = field(default_factory=dict)  # round -> {complete, attested, at}
+    health_reported: dict[int, list[str]] = field(default_factory=dict)  # round -> the members it named
 
     @property
     def uploaded_rounds(self) -> frozenset[int]:
@@ -37,6 +40,8 @@ class Journal:
         body["schema"] = SCHEMA
         body["uploaded"] = {str(k): v for k, v in sorted(self.uploaded.items())}
         body["outcomes"] = {str(k): v for k, v in sorted(self.outcomes.items())}
+        body["witnessed"] = {str(k): v for k, v in sorted(self.witnessed.items())}
+        body["health_reported"] = {str(k): v for k, v in sorted(self.health_reported.items())}
         return json.dumps(body, indent=1, sort_keys=True)
 
     @classmethod
@@ -51,6 +56,8 @@ class Journal:
             uploaded={int(k): v for k, v in body.get("uploaded", {}).items()},
             training=body.get("training"),
             outcomes={int(k): v for k, v in body.get("outcomes", {}).items()},
+            witnessed={int(k): v for k, v in body.get("witnessed", {}).items()},
+            health_reported={int(k): list(v) for k, v in body.get("health_reported", {}).items()},
         )
 
 

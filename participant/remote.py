@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import random
 import threading
 from collections.abc import Callable
@@ -27,8 +28,9 @@ from shared import keys
 from shared.blobs import Bucket, NotFound
 from shared.config import RunConfig
 from shared.connection import Connection
+from shared.records import round_sk, summary_from_body
 from shared.signing import Signer
-from shared.state import RunState
+from shared.state import RoundSummary, RunState
 from shared.store import StateStore
 
 log = logging.getLogger("participant")
@@ -140,22 +142,48 @@ class Remote:
         """Our participant record (joined_at, last_seen, ready_epoch), or None before the join is recorded."""
         return self.retry.call("reading our participant record", self.store.participant, self.pid)
 
-    def update_record(self, round_no: int) -> Any | None:
-        return self.retry.call(f"reading our round {round_no} record", self.store.update_record, round_no, self.pid)
+    def update_record(self, round_no: int, pid: str | None = None) -> Any | None:
+        """The coordinator's record of our update of a round (or, for a witness, another participant's)."""
+        who = pid or self.pid
+        return self.retry.call(f"reading the round {round_no} record of {who}", self.store.update_record, round_no,
+                               who)
 
-    def update_stored(self, round_no: int) -> bool:
-        key = keys.update_key(self.run_id, round_no, self.pid)
-        return self.retry.call(f"checking for our round {round_no} update", self.bucket.head, key) is not None
+    def round_summary(self, round_no: int) -> RoundSummary | None:
+        """A closed round's summary (one GetItem); None if it is not recorded."""
+        return self.retry.call(f"reading the summary of round {round_no}", self._round_summary, round_no)
 
-    def download(self, key: str, progress: ByteProgress | None = None) -> bytes:
-        """GET an object in chunks (reporting progress); a fault mid-stream restarts the download."""
-        return self.retry.call(f"downloading {key}", self._download_once, key, progress)
+    def _round_summary(self, round_no: int) -> RoundSummary | None:
+        from pynamodb.exceptions import DoesNotExist
 
-    def _download_once(self, key: str, progress: ByteProgress | None) -> bytes:
         try:
-            resp = self.client.get_object(Bucket=self.conn.bucket, Key=key)
+            item = self.store.m.round.get(self.store.pk, round_sk(round_no), consistent_read=True)
+        except DoesNotExist:
+            return None
+        return summary_from_body(item.body)
+
+    def update_stored(self, round_no: int, since: float | None = None) -> bool:
+        return self.stored_since(keys.update_key(self.run_id, round_no, self.pid), since)
+
+    def stored_since(self, key: str, since: float | None = None) -> bool:
+        """Whether the object exists (and, with `since`, was written at or after that time: an object left by
+        an earlier incarnation of the run, before its state was restored, does not count)."""
+        head = self.retry.call(f"checking for {key}", self.bucket.head, key)
+        if head is None:
+            return False
+        modified = head.get("LastModified")
+        return since is None or modified is None or modified.timestamp() >= math.floor(since)
+
+    def download(self, key: str, progress: ByteProgress | None = None, version_id: str = "") -> bytes:
+        """GET an object (a given version if named) in chunks, reporting progress; a fault mid-stream restarts
+        the download."""
+        return self.retry.call(f"downloading {key}", self._download_once, key, progress, version_id)
+
+    def _download_once(self, key: str, progress: ByteProgress | None, version_id: str = "") -> bytes:
+        extra = {"VersionId": version_id} if version_id else {}
+        try:
+            resp = self.client.get_object(Bucket=self.conn.bucket, Key=key, **extra)
         except ClientError as exc:
-            if _error_code(exc) in {"NoSuchKey", "404"}:
+            if _error_code(exc) in {"NoSuchKey", "NoSuchVersion", "404"}:
                 raise NotFound(key) from None
             raise
         total = int(resp["ContentLength"])

@@ -7,15 +7,19 @@ import pytest
 from participant.decide import (
     JOIN_RETRY_SECONDS,
     READY_RETRY_SECONDS,
+    CheckUpdates,
     Fetch,
     Finish,
     Join,
     Local,
     OfferModel,
+    ReportHealth,
     ReportReady,
+    SendProof,
     Train,
     Wait,
     decide,
+    unhealthy,
 )
 from shared.state import Member, MemberStatus, Phase, RunState
 
@@ -140,3 +144,71 @@ class TestStartAndEnd:
     def test_finished_without_a_model(self) -> None:
         s = state(phase=Phase.FINISHED, members=(), selected=(), digest="", round_no=0)
         assert decide(s, local(held="")) == Finish(0, "")
+
+
+class TestWitnessDuty:
+    def witness_state(self, phase: Phase = Phase.TRAIN) -> RunState:
+        return state(phase=phase, members=(ME, "bob", "carol"), selected=(ME, "bob", "carol"),
+                     witnesses=("bob", ME))
+
+    def test_own_training_comes_first(self) -> None:
+        assert isinstance(decide(self.witness_state(), local(witness_missing=2)), Train)
+
+    def test_after_uploading_it_verifies_what_was_recorded(self) -> None:
+        action = decide(self.witness_state(), local(uploaded=frozenset({3}), witness_unchecked=1, witness_missing=1))
+        assert action == CheckUpdates(3)
+
+    def test_it_waits_for_the_missing_updates_while_the_round_is_open(self) -> None:
+        action = decide(self.witness_state(), local(uploaded=frozenset({3}), witness_missing=1))
+        assert isinstance(action, Wait) and "witness of round 3: 1 update(s) still to come" in action.reason
+
+    def test_everything_recorded_and_verified_sends_a_complete_proof(self) -> None:
+        assert decide(self.witness_state(), local(recorded=True)) == SendProof(3, complete=True)
+
+    def test_the_round_closing_first_sends_what_it_has(self) -> None:
+        s = self.witness_state(Phase.WITNESS)
+        assert decide(s, local(uploaded=frozenset({3}), witness_missing=1)) == SendProof(3, complete=False)
+        # even if our own training never finished
+        assert decide(s, local(witness_missing=2)) == SendProof(3, complete=False)
+
+    def test_the_global_model_is_fetched_first_after_a_restart(self) -> None:
+        s = self.witness_state(Phase.WITNESS)
+        assert decide(s, local(held="", witness_missing=1)) == Fetch(3, G)
+
+    def test_a_proof_is_sent_once(self) -> None:
+        action = decide(self.witness_state(Phase.WITNESS), local(witnessed=frozenset({3})))
+        assert isinstance(action, Wait) and "aggregation" in action.reason
+
+    def test_a_non_witness_has_no_duty(self) -> None:
+        s = self.witness_state().evolve(witnesses=("bob", "carol"))
+        action = decide(s, local(uploaded=frozenset({3})))
+        assert isinstance(action, Wait) and "uploaded" in action.reason
+
+
+class TestHealthReports:
+    def scored(self, **kw: object) -> RunState:
+        s = state(members=(ME, "bob", "carol", "dave"), selected=(ME, "bob"), health_round=2,
+                  health={ME: 2, "bob": 2, "carol": 0, "dave": 1}, health_quorum=2)
+        return s.evolve(**kw)
+
+    def test_names_active_members_below_the_quorum_except_itself(self) -> None:
+        s = self.scored(health={ME: 0, "bob": 2, "carol": 0, "dave": 1})
+        assert unhealthy(s, ME) == ("carol", "dave")
+
+    def test_a_confirmed_round_is_reported_once_before_anything_else(self) -> None:
+        assert decide(self.scored(), local(health_confirmed=True)) == ReportHealth(2, ("carol", "dave"))
+        assert isinstance(decide(self.scored(), local(health_confirmed=True, health_reported=frozenset({2}))), Train)
+
+    def test_a_round_whose_proofs_missed_the_quorum_is_not_reported(self) -> None:
+        assert isinstance(decide(self.scored(), local(health_confirmed=False)), Train)
+
+    def test_dropped_peers_are_not_named_again(self) -> None:
+        s = self.scored()
+        s = s.evolve(members={**s.members, "carol": Member(MemberStatus.DROPPED, 1.0, "health check")})
+        assert decide(s, local(health_confirmed=True)) == ReportHealth(2, ("dave",))
+
+    def test_nobody_reports_outside_an_epoch_or_when_not_a_member(self) -> None:
+        assert isinstance(decide(self.scored(phase=Phase.COOLDOWN), local(health_confirmed=True)), Wait)
+        s = self.scored()
+        s = s.evolve(members={p: m for p, m in s.members.items() if p != ME})
+        assert isinstance(decide(s, local(health_confirmed=True)), Wait)

@@ -15,6 +15,8 @@ def test_round_trip(tmp_path: Path) -> None:
     journal.uploaded[3] = {"digest": "d" * 64, "samples": 359}
     journal.training = {"round": 4, "digest": "e" * 64}
     journal.outcomes[3] = "accepted"
+    journal.witnessed[3] = {"complete": True, "attested": ["alice", "bob"], "at": 1700000001.0}
+    journal.health_reported[2] = ["carol"]
     f.save(journal)
     again, why = f.load()
     assert why == "" and again == journal

@@ -1,0 +1,216 @@
+"""Witness duty: check the round's updates for meaning, and say which ones passed in a proof.
+
+The coordinator (no torch) checks an update's structure when it arrives; an elected witness (with
+torch and the task's held-out data) checks what it would do to the model. As each update the
+coordinator recorded as accepted comes in, the witness
+
+1. downloads exactly the recorded object version and checks its SHA-256 against the recorded digest;
+2. checks its tensors' names, shapes and dtypes against the round's global model, and that they are finite;
+3. keeps the verified bytes on disk (memory stays O(model) however many participants there are).
+
+When it writes its proof (every selected participant's update recorded, or the round closed first) it
+evaluates, on the task's held-out data, the round's aggregate `A` (the sample-weighted mean of every
+verified update, as FedAvg would make it) and, for each update `i`, the aggregate without it `A - i`
+(the round's global model if `i` is alone). It attests `i` if
+
+    loss(A) <= loss(A - i) * (1 + witness_tolerance)
+
+that is, if applying the update to the rest of the round does not make the model clearly worse.
+
+Why not compare each update alone with the global model: measured on digits, an honest update trained
+on 1/n of the data is itself a worse model than the global once the run has converged (its loss
+reaches 2x the global's), so that test refuses honest work late in a run; and from a random first
+model even a poisoned update (a scaled, sign-flipped delta) lowers the loss when applied at its 1/n
+share (0.98-1.11x the global's in round 0), so that test misses it when it matters most, in the first
+round. Leaving it out of the round's aggregate separates them (6 participants, learning rate 0.1, 2
+local epochs, 10 rounds, 3 seeds: honest updates 1.04x at worst, the poisoned one 1.34x in round 0 and
+1.16x at least; with 4 participants over 20 rounds honest updates reach 1.14x late in the run, so
+small runs want a larger tolerance).
+
+The proof (shared.witness.Proof) carries bloom filters over the attested participants and over
+`participant:digest`, the witness's own training loss and throughput, and its evaluations: for each
+participant the loss of the aggregate without its update, and the global model's under "global" (a
+reserved participant id, so it cannot collide).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.wire import WireError, digest, parse_header
+
+GLOBAL = "global"  # the evaluations' key for the round's global model (a reserved participant id)
+
+
+@dataclass(frozen=True)
+class PeerUpdate:
+    """What the coordinator recorded about one participant's update of the round."""
+
+    pid: str
+    accepted: bool
+    digest: str = ""
+    version_id: str = ""
+    samples: int = 0
+    reason: str = ""
+
+    @classmethod
+    def from_record(cls, item: Any) -> PeerUpdate:
+        return cls(str(item.pid), bool(item.accepted), str(item.digest or ""), str(item.version_id or ""),
+                   int(item.samples or 0), str(item.reason or ""))
+
+
+@dataclass(frozen=True)
+class Check:
+    """The outcome of verifying one downloaded update (before any evaluation)."""
+
+    pid: str
+    digest: str
+    samples: int
+    problem: str = ""  # why it cannot be attested; "" when verified
+    path: Path | None = None  # the verified bytes, kept for the evaluation
+
+
+@dataclass(frozen=True)
+class Verdict:
+    pid: str
+    digest: str
+    attested: bool
+    loss_without: float | None  # loss of the round's aggregate without this update
+    reason: str  # why it was not attested, or ""
+
+
+@dataclass
+class RoundWitness:
+    """One round's witness work in progress: the records seen, the updates verified, the verdicts."""
+
+    round: int
+    global_digest: str
+    workdir: Path
+    records: dict[str, PeerUpdate] = field(default_factory=dict)
+    checks: dict[str, Check] = field(default_factory=dict)
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    global_loss: float = math.nan
+    aggregate_loss: float = math.nan
+    evaluation_seconds: float = 0.0
+
+    def missing(self, selected: Iterable[str]) -> list[str]:
+        """Selected participants with no recorded update yet."""
+        return [p for p in selected if p not in self.records]
+
+    def unchecked(self, selected: Iterable[str]) -> list[PeerUpdate]:
+        """Accepted updates of selected participants not yet verified."""
+        return [r for p in selected if (r := self.records.get(p)) is not None and r.accepted
+                and (p not in self.checks or self.checks[p].digest != r.digest)]
+
+    def attested(self, selected: Iterable[str]) -> dict[str, str]:
+        chosen = set(selected)
+        return {p: v.digest for p, v in sorted(self.verdicts.items()) if v.attested and p in chosen}
+
+    def evaluations(self) -> dict[str, float]:
+        out = {p: v.loss_without for p, v in sorted(self.verdicts.items())
+               if v.loss_without is not None and math.isfinite(v.loss_without)}
+        if math.isfinite(self.global_loss):
+            out[GLOBAL] = self.global_loss
+        return out
+
+    def verify(self, rec: PeerUpdate, data: bytes | None, reference: bytes) -> Check:
+        """Check downloaded bytes (None: not in the bucket) against the record and the global model."""
+        if data is None:
+            check = Check(rec.pid, rec.digest, rec.samples, "the recorded version is not in the bucket")
+        elif (got := digest(data)) != rec.digest:
+            check = Check(rec.pid, rec.digest, rec.samples, f"sha256 {got[:12]} is not the recorded {rec.digest[:12]}")
+        elif problem := structure_problem(data, reference) or non_finite(data):
+            check = Check(rec.pid, rec.digest, rec.samples, problem)
+        else:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            path = self.workdir / f"{rec.pid}.safetensors"
+            path.write_bytes(data)
+            check = Check(rec.pid, rec.digest, rec.samples, "", path)
+        self.checks[rec.pid] = check
+        return check
+
+    def evaluate(self, task: Any, device: Any, build_seed: int, reference: bytes, global_loss: float,
+                 tolerance: float, selected: Iterable[str], stopping: Callable[[], bool] = lambda: False) -> None:
+        """Decide every verified update of `selected`: leave-one-out against the round's aggregate."""
+        from participant.tensors import from_bytes
+
+        started = time.perf_counter()
+        self.global_loss = global_loss
+        chosen = set(selected)
+        checks = [c for p, c in sorted(self.checks.items()) if p in chosen]
+        self.verdicts = {c.pid: Verdict(c.pid, c.digest, False, None, c.problem) for c in checks if c.problem}
+        good = [c for c in checks if not c.problem and c.path is not None]
+        if not good:
+            return
+        base = from_bytes(reference)
+        weights = {c.pid: float(max(c.samples, 1)) for c in good}
+        total = sum(weights.values())
+        sums = {name: t.double() * 0 for name, t in base.items() if t.is_floating_point()}
+        for c in good:  # pass 1: the weighted sum of every verified update
+            update = from_bytes(c.path.read_bytes())  # type: ignore[union-attr]
+            for name in sums:
+                sums[name] += weights[c.pid] * update[name].double()
+
+        def loss_of(tensors: dict[str, Any]) -> float:
+            if stopping():
+                raise InterruptedError("stopping")
+            model = task.build_model(build_seed)
+            model.load_state_dict({**base, **{n: t.to(base[n].dtype) for n, t in tensors.items()}}, strict=True)
+            return float(task.evaluate(model, device).get("test_loss", math.nan))
+
+        self.aggregate_loss = loss_of({n: s / total for n, s in sums.items()})
+        for c in good:  # pass 2: each update left out in turn
+            if len(good) == 1:
+                without = global_loss
+            else:
+                update = from_bytes(c.path.read_bytes())  # type: ignore[union-attr]
+                rest = total - weights[c.pid]
+                without = loss_of({n: (s - weights[c.pid] * update[n].double()) / rest for n, s in sums.items()})
+            bound = without * (1 + tolerance)
+            if not math.isfinite(self.aggregate_loss) or not math.isfinite(without):
+                self.verdicts[c.pid] = Verdict(c.pid, c.digest, False, None, "its evaluation is not finite")
+            elif self.aggregate_loss > bound:
+                why = (f"the round's aggregate has loss {self.aggregate_loss:.4f} with it, {without:.4f} without "
+                       f"(tolerance x{1 + tolerance:g})")
+                self.verdicts[c.pid] = Verdict(c.pid, c.digest, False, without, why)
+            else:
+                self.verdicts[c.pid] = Verdict(c.pid, c.digest, True, without, "")
+        self.evaluation_seconds = time.perf_counter() - started
+
+    def discard(self) -> None:
+        """Remove the verified bytes kept on disk (after the proof was sent)."""
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def structure_problem(update: bytes, reference: bytes) -> str:
+    """Why the update's tensors do not match the global model's names, shapes and dtypes, or ""."""
+    try:
+        mine, ref = parse_header(update).tensors, parse_header(reference).tensors
+    except WireError as exc:
+        return str(exc)
+    if set(mine) != set(ref):
+        missing, extra = sorted(set(ref) - set(mine)), sorted(set(mine) - set(ref))
+        return f"tensor names differ from the global model's: missing {missing[:5]}, unexpected {extra[:5]}"
+    for name, spec in ref.items():
+        if mine[name] != spec:
+            return (f"tensor {name}: {mine[name].dtype} {list(mine[name].shape)}, the global model has "
+                    f"{spec.dtype} {list(spec.shape)}")
+    return ""
+
+
+def non_finite(data: bytes) -> str:
+    """A tensor with NaN or infinite values, named; "" if all are finite."""
+    import torch
+
+    from participant.tensors import from_bytes
+
+    for name, t in from_bytes(data).items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"tensor {name} has non-finite values"
+    return ""

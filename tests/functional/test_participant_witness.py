@@ -1,0 +1,53 @@
+"""Participant daemons (threads, in-process moto) doing witness duty and sending health reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from participant.journal import JournalFile
+from shared.state import MemberStatus, Phase
+from shared.witness import Proof
+from tests.functional.conftest import Harness
+from tests.functional.test_participant_daemon import Participant, run  # noqa: F401 (the `run` fixture)
+
+POISONED = "participant.tasks.poisoned:task"
+
+
+def test_witnesses_refuse_a_poisoned_update_and_a_health_report_drops_it(
+    run: Callable[..., Harness], tmp_path: Path  # noqa: F811
+) -> None:
+    # Given four participants, three elected witnesses per round, and carol uploading poisoned updates
+    harness = run(total_rounds=3, min_clients=3, min_per_round=3, min_updates=2, witness_nodes=3,
+                  round_witness_time=60, witness_tolerance=0.3)
+    names = ["alice", "bob", "carol", "dave"]
+    people = {pid: Participant(harness, pid, tmp_path / pid, task=POISONED if pid == "carol" else None)
+              for pid in names}
+
+    # When the run goes to the end
+    for p in people.values():
+        assert p.wait().finished
+
+    # Then carol's update was never aggregated: no witness attested it
+    state = harness.state()
+    assert state.phase is Phase.FINISHED and state.aggregated == 3
+    rounds = sorted(harness.deps.store.rounds(), key=lambda s: s.round)
+    assert all("carol" not in s.counted for s in rounds)
+    first = rounds[0]
+    assert first.aggregated and first.proofs == 3 and first.health["carol"] == 0
+    assert all(first.health[p] == 3 for p in ("alice", "bob", "dave"))
+    # And a member's health report dropped her, the coordinator's witness records agreeing
+    carol = state.members["carol"]
+    assert carol.status is MemberStatus.DROPPED and carol.reason.startswith("health check: round 0"), carol.reason
+    assert any("carol" in s.dropped for s in rounds)
+    reports = harness.deps.store.health_reports(0)
+    assert reports and all(named == ("carol",) for named in reports.values())
+    # And each proof was sent once per round by each elected witness, with its evaluations and throughput
+    proofs = harness.deps.store.proofs(0)
+    assert set(proofs) == set(first.witnesses)
+    for pid, proof in proofs.items():
+        assert isinstance(proof, Proof) and proof.complete and proof.throughput > 0
+        assert set(proof.evaluations) >= {"global", "alice", "bob", "carol", "dave"}
+        journal, _ = JournalFile(tmp_path / pid, harness.config.run_id, pid).load()
+        assert journal.witnessed[0]["complete"] and "carol" not in journal.witnessed[0]["attested"]
+        assert not (tmp_path / pid / "witness" / "000000").exists()  # verified bytes removed after the proof
