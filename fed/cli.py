@@ -1,4 +1,5 @@
-"""`fed`: run the coordinator on this machine (`local`, `demo`) and look at any run (`status`)."""
+"""`fed`: run the coordinator on this machine (`local`, `demo`), look at any run (`status`, `verify`) and
+operate it (`run pause|resume|restore`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ app = typer.Typer(
     help=(
         "A serverless, event-driven federated-training coordinator on S3 + DynamoDB.\n\n"
         "`fed local` and `fed demo` run the whole system on this machine, with moto's server standing in for "
-        "AWS; `fed status` shows a run, local or deployed."
+        "AWS; `fed status` shows a run, local or deployed; `fed verify` recomputes its global models from the "
+        "bucket; `fed run pause|resume|restore` operate it."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -25,6 +27,25 @@ app = typer.Typer(
 )
 console = Console()
 err = Console(stderr=True)
+
+run_app = typer.Typer(
+    name="run",
+    help=(
+        "Operate on a run, local or deployed: pause it, resume it, or restore it from its latest checkpoint.\n\n"
+        "Each command writes the run's state with the same conditional write a tick uses, then ticks, so the "
+        "change shows at once in `fed status`. The run is named by `--connection FILE` (a local run; default "
+        f"{DEFAULT_LOCAL_FILE}) or `--stack NAME` (a deployed run; AWS credentials from the standard chain)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+)
+app.add_typer(run_app, name="run")
+
+CONNECTION_HELP = f"A local run's connection file (default {DEFAULT_LOCAL_FILE}, written by `fed local`)."
+STACK_HELP = "A deployed run's CloudFormation stack; AWS through the standard credential chain."
+REGION_HELP = "AWS region of --stack (default: from your AWS config)."
+RUN_ARG_HELP = "The run id you mean; refused if the connection is for another run (optional)."
 
 
 def _load(config: Path | None) -> RunConfig | None:
@@ -119,39 +140,22 @@ def demo(
 
 @app.command()
 def status(
-    connection_file: Path | None = typer.Option(
-        None, "--connection",
-        help=f"A local run's connection file (default {DEFAULT_LOCAL_FILE}, written by `fed local`).",
-    ),
-    stack: str | None = typer.Option(
-        None, "--stack", help="A deployed run's CloudFormation stack; AWS through the standard credential chain."
-    ),
-    region: str | None = typer.Option(None, "--region", help="AWS region of --stack (default: from your AWS config)."),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C."),
     interval: float = typer.Option(1.0, "--interval", min=0.2, help="Seconds between refreshes with --watch."),
     as_json: bool = typer.Option(False, "--json", help="Print the status as JSON (once) instead of tables."),
 ) -> None:
     """Show a run: phase, epoch, round and the phase's deadline; each participant's state (pending, active,
     dropped and why), whether it is selected this round and has uploaded or been refused, and when it was last
-    seen; refused uploads with their reasons; and the last rounds' loss and accuracy."""
+    seen; refused uploads with their reasons; and the last rounds' loss and accuracy.
+
+    With witnessing on: the current round's witnesses and which proofs are in, the last witnessed round's health
+    scores (how many witnesses attested each participant) against its quorum, and who was dropped, when and why."""
     from fed.status import collect, render, render_json
 
-    if connection_file is not None and stack is not None:
-        err.print("[red]give either --connection or --stack, not both[/]")
-        raise typer.Exit(2)
-    try:
-        conn = (Connection.from_stack(stack, region) if stack else
-                Connection.load(connection_file or DEFAULT_LOCAL_FILE))
-    except ConnectionError_ as exc:
-        err.print(f"[red]{exc}[/]")
-        raise typer.Exit(1) from None
-    if conn.endpoint:
-        from infra.local.stack import client_environment
-
-        os.environ.update(client_environment(conn.region))
-        if not _reachable(conn.endpoint):
-            err.print(f"[red]nothing answers at {conn.endpoint}[/]: is `fed local` (or `fed demo`) still running?")
-            raise typer.Exit(1)
+    conn = _connect(connection_file, stack, region)
     try:
         if as_json:
             console.print_json(render_json(collect(conn)))
@@ -177,6 +181,175 @@ def status(
         if conn.endpoint:
             err.print(f"is `fed local` still running on {conn.endpoint}?")
         raise typer.Exit(1) from None
+
+
+def _connect(connection_file: Path | None, stack: str | None, region: str | None, run: str | None = None
+             ) -> Connection:
+    """The run's connection from --connection or --stack (exit 1 with the reason if it cannot be had); for a
+    local endpoint, throwaway credentials in the environment and a quick check that it answers."""
+    if connection_file is not None and stack is not None:
+        err.print("[red]give either --connection or --stack, not both[/]")
+        raise typer.Exit(2)
+    try:
+        conn = (Connection.from_stack(stack, region) if stack else
+                Connection.load(connection_file or DEFAULT_LOCAL_FILE))
+    except ConnectionError_ as exc:
+        err.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from None
+    except Exception as exc:  # botocore: no credentials, no such stack
+        err.print(f"[red]cannot read stack {stack}: {exc}[/]")
+        raise typer.Exit(1) from None
+    if run is not None and run != conn.run_id:
+        err.print(f"[red]run {run!r}: the connection ({stack or connection_file or DEFAULT_LOCAL_FILE}) is for run "
+                  f"{conn.run_id!r}[/]")
+        raise typer.Exit(2)
+    if conn.endpoint:
+        from infra.local.stack import client_environment
+
+        os.environ.update(client_environment(conn.region))
+        if not _reachable(conn.endpoint):
+            err.print(f"[red]nothing answers at {conn.endpoint}[/]: is `fed local` (or `fed demo`) still running?")
+            raise typer.Exit(1)
+    return conn
+
+
+def _deps(conn: Connection):  # type: ignore[no-untyped-def]
+    from fed.operate import OperateError, deps_for
+
+    try:
+        return deps_for(conn)
+    except OperateError as exc:
+        err.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from None
+    except Exception as exc:  # an endpoint that is gone, a bucket that does not exist
+        err.print(f"[red]cannot read run {conn.run_id}: {type(exc).__name__}: {exc}[/]")
+        raise typer.Exit(1) from None
+
+
+def _set_paused(run: str | None, connection_file: Path | None, stack: str | None, region: str | None,
+                paused: bool) -> None:
+    from functions.operations import OperationError, set_paused
+
+    conn = _connect(connection_file, stack, region, run)
+    deps = _deps(conn)
+    try:
+        result = set_paused(deps, paused)
+    except OperationError as exc:
+        err.print(f"[red]cannot {'pause' if paused else 'resume'} run {conn.run_id}: {exc}[/]")
+        raise typer.Exit(1) from None
+    s = result.state
+    if paused:
+        console.print(f"run {conn.run_id} paused: phase {s.phase}, epoch {s.epoch}, round {s.round}, "
+                      f"{s.aggregated} round(s) aggregated. Participants keep polling; `fed run resume` goes on.")
+    else:
+        console.print(f"run {conn.run_id} resumed: phase {s.phase}, epoch {s.epoch}, round {s.round}. A new epoch "
+                      f"starts as soon as {deps.config.min_clients} participants are live.")
+
+
+@run_app.command("pause")
+def run_pause(
+    run: str | None = typer.Argument(None, metavar="[RUN]", help=RUN_ARG_HELP),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+) -> None:
+    """Pause the run. The next tick closes an open round without aggregating it (its updates are not counted)
+    and enters Paused; uploads are refused meanwhile. Participants stay up and wait. Undo with `fed run resume`.
+    Exits 1 if the run has no state yet or is finished."""
+    _set_paused(run, connection_file, stack, region, True)
+
+
+@run_app.command("resume")
+def run_resume(
+    run: str | None = typer.Argument(None, metavar="[RUN]", help=RUN_ARG_HELP),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+) -> None:
+    """Resume a paused run. It goes back to WaitingForMembers and starts a new epoch, at the next round number,
+    with every live participant, as soon as `min_clients` are there."""
+    _set_paused(run, connection_file, stack, region, False)
+
+
+@run_app.command("restore")
+def run_restore(
+    run: str | None = typer.Argument(None, metavar="[RUN]", help=RUN_ARG_HELP),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+    force: bool = typer.Option(
+        False, "--force", help="Replace the run's current state (refused without it, so a live run is not rolled "
+        "back by mistake). Needed when the coordinator has ticked since the table was recreated.",
+    ),
+) -> None:
+    """Rebuild the run's state from its latest checkpoint (`checkpoints/latest.json`, written at the end of each
+    epoch), after its table's items were lost.
+
+    The run restarts in WaitingForMembers at the checkpoint's round, with the checkpoint's global model copied back
+    to that round's key. Participants still polling find their records gone, join again, and the next epoch admits
+    them; rounds after the checkpoint are trained again. Exits 1 if there is no checkpoint, if its model does not
+    match its digest, or if the run has state and --force was not given."""
+    from functions.operations import OperationError, restore
+
+    conn = _connect(connection_file, stack, region, run)
+    deps = _deps(conn)
+    try:
+        restored = restore(deps, force)
+    except OperationError as exc:
+        err.print(f"[red]cannot restore run {conn.run_id}: {exc}[/]")
+        raise typer.Exit(1) from None
+    console.print(f"run {conn.run_id} restored from the checkpoint of epoch {restored.epoch}: round {restored.round}, "
+                  f"{restored.aggregated} round(s) aggregated, global model {restored.global_digest[:16]}. It waits "
+                  f"for {deps.config.min_clients} participants to join again.")
+
+
+@app.command()
+def verify(
+    run: str | None = typer.Argument(None, metavar="[RUN]", help=RUN_ARG_HELP),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON (full digests) instead of a table."),
+) -> None:
+    """Recompute every aggregated round's global model from the bucket and compare digests.
+
+    For each round: the updates its summary counted, read by the object version the coordinator accepted (and
+    checked against the recorded digest), combined by the run's strategy with the coordinator's own code; the
+    result's SHA-256 is compared with the digest the round recorded and with the object stored at
+    `rounds/<round+1>/global`. Exit status 0 when every round matches, 1 on any mismatch or unreadable input."""
+    import json
+
+    from rich.table import Table
+
+    from fed.operate import VerifyLine
+    from functions.verify import verify_run
+
+    conn = _connect(connection_file, stack, region, run)
+    deps = _deps(conn)
+    try:
+        lines = [VerifyLine.of(c) for c in verify_run(deps)]
+    except Exception as exc:
+        err.print(f"[red]cannot verify run {conn.run_id}: {type(exc).__name__}: {exc}[/]")
+        raise typer.Exit(1) from None
+    bad = [line for line in lines if not line.ok]
+    if as_json:
+        console.print_json(json.dumps({"run_id": conn.run_id, "ok": not bad, "rounds": [v.to_json() for v in lines]}))
+    elif not lines:
+        console.print(f"run {conn.run_id}: no aggregated round to verify yet")
+    else:
+        table = Table(title=f"run {conn.run_id}: global models recomputed from the bucket", title_justify="left")
+        for col in ("round", "recorded", "recomputed", "stored", "result"):
+            table.add_column(col)
+        for v in lines:
+            result = "[green]ok[/]" if v.ok else "[red]MISMATCH[/]"
+            table.add_row(str(v.round), v.recorded[:16] or "-", v.recomputed[:16] or "-", v.stored[:16] or "-", result)
+        console.print(table)
+        for v in bad:
+            console.print(f"[red]round {v.round}: {v.problem}[/]", soft_wrap=True)
+        summary = f"{len(lines) - len(bad)} of {len(lines)} round(s) match"
+        console.print(f"[red]{summary}[/]" if bad else f"[green]{summary}[/]")
+    if bad:
+        raise typer.Exit(1)
 
 
 def _reachable(endpoint: str, timeout: float = 1.0) -> bool:

@@ -22,6 +22,7 @@ from shared.config import RunConfig
 from shared.connection import Connection
 from shared.state import MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
 from shared.store import StateStore
+from shared.witness import Proof, quorum
 
 RECENT_ROUNDS = 10
 
@@ -36,6 +37,8 @@ class ParticipantLine:
     round_detail: str  # refusal reason, or the update's training loss
     last_seen_ago: float | None
     silent: bool  # no sign of life for more than half the liveness timeout
+    witness: str = ""  # this round: "" | "witness" | "proof in" | "proof in (incomplete)"
+    health: int | None = None  # witnesses that attested it in the last witnessed round (None: not scored)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,27 @@ class RoundLine:
     loss: float | None
     accuracy: float | None
     seconds: float
+    proofs: int = 0  # valid witness proofs received
+    witnesses: int = 0  # elected
+
+
+@dataclass(frozen=True)
+class DropLine:
+    round: int | None  # the round during which it was dropped; None: the current round
+    pid: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class WitnessInfo:
+    """The current round's witnesses and their proofs, and the last witnessed round's health scores."""
+
+    witnesses: list[str]
+    proofs: dict[str, bool]  # witness -> its proof says it saw every update (complete)
+    quorum: int
+    health_round: int  # -1: no witnessed round yet
+    health: dict[str, int]
+    health_quorum: int
 
 
 @dataclass(frozen=True)
@@ -76,6 +100,8 @@ class Status:
     eta_seconds: float | None
     endpoint: str | None = None
     notes: list[str] = field(default_factory=list)
+    witnessing: WitnessInfo | None = None  # None: the run has no witnesses
+    drops: list[DropLine] = field(default_factory=list)  # who was dropped and why, most recent last
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,9 +117,12 @@ def describe(
     config: RunConfig | None,
     now: float,
     endpoint: str | None = None,
+    proofs: Mapping[str, Proof] | None = None,
 ) -> Status:
     """Everything `fed status` shows, from the run's records and the time now. Pure."""
     timeout = config.liveness_timeout if config else None
+    proofs = {w: p for w, p in (proofs or {}).items() if p.round == state.round}
+    scored = state.health_round >= 0 and bool(state.health)
     lines = []
     for pid in sorted(set(participants) | set(state.members)):
         view, member = participants.get(pid), state.members.get(pid)
@@ -117,14 +146,35 @@ def describe(
             round_status, round_detail = "-", ""
         ago = now - view.last_seen if view is not None else None
         silent = bool(ago is not None and timeout and ago > timeout / 2 and st != "dropped")
-        lines.append(ParticipantLine(pid, st, reason, selected, round_status, round_detail, ago, silent))
+        witness = ""
+        if pid in state.witnesses:
+            proof = proofs.get(pid)
+            witness = "witness" if proof is None else "proof in" if proof.complete else "proof in (incomplete)"
+        health = state.health.get(pid) if scored else None
+        lines.append(ParticipantLine(pid, st, reason, selected, round_status, round_detail, ago, silent, witness,
+                                     health))
 
     recent = sorted(rounds, key=lambda r: r.round)[-RECENT_ROUNDS:]
     round_lines = [
         RoundLine(r.round, len(r.selected), len(r.counted), len(r.refused), len(r.dropped), r.aggregated,
-                  r.loss, r.accuracy, r.seconds)
+                  r.loss, r.accuracy, r.seconds, r.proofs, len(r.witnesses))
         for r in recent
     ]
+    drops = [DropLine(r.round, pid, why) for r in sorted(rounds, key=lambda r: r.round) for pid, why in
+             sorted(r.dropped.items())]
+    recorded = {(d.pid, d.reason) for d in drops}
+    drops += [DropLine(None, pid, m.reason) for pid, m in sorted(state.members.items())
+              if m.status is MemberStatus.DROPPED and (pid, m.reason) not in recorded]
+    witnessing = None
+    if state.witnesses or scored or (config is not None and config.witness_nodes > 0):
+        witnessing = WitnessInfo(
+            witnesses=list(state.witnesses),
+            proofs={w: p.complete for w, p in sorted(proofs.items())},
+            quorum=quorum(len(state.witnesses)),
+            health_round=state.health_round if scored else -1,
+            health=dict(sorted(state.health.items())) if scored else {},
+            health_quorum=state.health_quorum,
+        )
     done = [r.seconds for r in recent if r.aggregated]
     round_seconds = sum(done) / len(done) if done else None
     total = config.total_rounds if config else None
@@ -153,6 +203,8 @@ def describe(
         eta_seconds=eta,
         endpoint=endpoint,
         notes=notes,
+        witnessing=witnessing,
+        drops=drops,
     )
 
 
@@ -171,8 +223,9 @@ def collect(connection: Connection, now: float | None = None) -> Status:
         if not u.accepted
     ]
     refusals = [RefusalLine(None, r.pid, r.key, r.reason, float(r.at)) for r in store.refusals()]
+    proofs = store.proofs(state.round) if state.witnesses else {}
     return describe(state, participants, updates, refused_updates, refusals, rounds, config,
-                    time.time() if now is None else now, connection.endpoint)
+                    time.time() if now is None else now, connection.endpoint, proofs)
 
 
 def read_config(bucket: Bucket, run_id: str) -> RunConfig | None:
@@ -218,24 +271,49 @@ def render(status: Status) -> RenderableType:
         head.append(f"\n{status.round_seconds:.1f}s per round   ETA {_seconds(status.eta_seconds)}")
     for note in status.notes:
         head.append(f"\n{note}", style="yellow")
+    w = status.witnessing
+    if w is not None:
+        if w.witnesses:
+            head.append(f"\nwitnesses {', '.join(w.witnesses)}: {len(w.proofs)} of {len(w.witnesses)} proofs in "
+                        f"({sum(w.proofs.values())} complete), quorum {w.quorum}")
+        if w.health_round >= 0:
+            low = [p for p, score in w.health.items() if score < w.health_quorum]
+            scores = ", ".join(f"{p} {score}" for p, score in w.health.items())
+            head.append(f"\nround {w.health_round} health (witnesses attesting; quorum {w.health_quorum}): {scores}")
+            if low:
+                head.append(f"\nbelow the quorum: {', '.join(low)}", style="red")
 
     people = Table(title="participants", title_justify="left", expand=False)
-    for col in ("participant", "state", "selected", "this round", "last seen", "detail"):
+    columns = ["participant", "state", "selected", "this round", "last seen", "detail"]
+    if w is not None:
+        columns[4:4] = ["witness", "health"]
+    for col in columns:
         people.add_column(col)
     for p in status.participants:
         seen = "never" if p.last_seen_ago is None else f"{_seconds(p.last_seen_ago)} ago"
-        people.add_row(
+        cells: list[RenderableType] = [
             p.pid,
             Text(p.state, style=STATE_STYLE.get(p.state, "")),
             "yes" if p.selected else "",
             Text(p.round_status, style=ROUND_STYLE.get(p.round_status, "")),
             Text(seen, style="red" if p.silent else ""),
             p.reason or p.round_detail,
-        )
+        ]
+        if w is not None:
+            low = p.health is not None and p.health < w.health_quorum
+            cells[4:4] = [p.witness, Text("-" if p.health is None else str(p.health), style="red" if low else "")]
+        people.add_row(*cells)
 
     if not status.participants:
-        people.add_row("(nobody has joined yet)", "", "", "", "", "")
+        people.add_row("(nobody has joined yet)", *[""] * (len(columns) - 1))
     parts: list[RenderableType] = [head, people]
+    if status.drops:
+        dropped = Table(title="dropped", title_justify="left")
+        for col in ("round", "participant", "why"):
+            dropped.add_column(col)
+        for d in status.drops[-RECENT_ROUNDS:]:
+            dropped.add_row("now" if d.round is None else str(d.round), d.pid, Text(d.reason, style="red"))
+        parts.append(dropped)
     if status.refusals:
         refused = Table(title="refused uploads", title_justify="left")
         for col in ("round", "participant", "key", "reason"):
@@ -245,13 +323,19 @@ def render(status: Status) -> RenderableType:
         parts.append(refused)
     if status.rounds:
         rounds = Table(title="recent rounds", title_justify="left")
-        for col in ("round", "participants", "accepted", "refused", "dropped", "loss", "accuracy", "seconds"):
+        cols = ["round", "participants", "accepted", "refused", "dropped", "loss", "accuracy", "seconds"]
+        if w is not None:
+            cols.insert(5, "proofs")
+        for col in cols:
             rounds.add_column(col, justify="right")
         for r in status.rounds:
-            rounds.add_row(
-                str(r.round), str(r.participants), str(r.accepted) if r.aggregated else f"{r.accepted} (retried)",
+            row = [
+                str(r.round), str(r.participants), str(r.accepted) if r.aggregated else f"{r.accepted} (not counted)",
                 str(r.refused), str(r.dropped), _num(r.loss), _num(r.accuracy), f"{r.seconds:.1f}",
-            )
+            ]
+            if w is not None:
+                row.insert(5, f"{r.proofs}/{r.witnesses}" if r.witnesses else "-")
+            rounds.add_row(*row)
         parts.append(rounds)
     return Group(*parts)
 

@@ -73,3 +73,36 @@ def test_a_finished_run_has_no_deadline_or_eta() -> None:
     status = describe(state, {}, {}, [], [], [summary(9, 1.0)], CONFIG, NOW)
     assert status.deadline_in is None and status.eta_seconds is None
     assert all(p.round_status == "-" for p in status.participants)
+
+
+def test_witnesses_proofs_health_and_drops_are_described() -> None:
+    from shared.witness import Proof
+
+    # Given round 4 witnessed by a and b (a's proof in), and round 3's health: c attested by none
+    config = CONFIG.model_copy(update={"witness_nodes": 2})
+    state = RunState(
+        "status-run", version=9, phase=Phase.TRAIN, epoch=1, round=4, aggregated=4, deadline=NOW + 10,
+        members={"a": Member(), "b": Member(),
+                 "c": Member(MemberStatus.DROPPED, 995.0, "health check: round 3 attested by 0 of 2 witnesses needed")},
+        selected=("a", "b"), witnesses=("a", "b"), health_round=3, health={"a": 2, "b": 2, "c": 0}, health_quorum=2,
+    )
+    proofs = {"a": Proof.build("status-run", 4, "a", 0, {"a": "d" * 64}, 2, complete=True)}
+    rounds = [summary(3, 2.0, selected=("a", "b", "c"), witnesses=("a", "b"), proofs=2, quorum=2,
+                      dropped={"c": state.members["c"].reason})]
+
+    # When it is described and rendered
+    status = describe(state, {}, {}, [], [], rounds, config, NOW, proofs=proofs)
+    console = Console(width=200, record=True)
+    console.print(render(status))
+    text = console.export_text()
+
+    # Then the witnesses, the proofs in, the health scores and the drop with its reason are all there
+    w = status.witnessing
+    assert w is not None and w.witnesses == ["a", "b"] and w.proofs == {"a": True} and w.quorum == 2
+    assert (w.health_round, w.health, w.health_quorum) == (3, {"a": 2, "b": 2, "c": 0}, 2)
+    lines = {p.pid: p for p in status.participants}
+    assert (lines["a"].witness, lines["b"].witness, lines["c"].witness) == ("proof in", "witness", "")
+    assert (lines["a"].health, lines["c"].health) == (2, 0)
+    assert [(d.round, d.pid) for d in status.drops] == [(3, "c")] and status.drops[0].reason.startswith("health check")
+    assert "1 of 2 proofs in" in text and "round 3 health" in text and "below the quorum: c" in text
+    assert "health check: round 3 attested by 0" in text and "2/2" in text

@@ -1,0 +1,65 @@
+"""Operator commands against a run, local or deployed: `fed run pause|resume|restore` and `fed verify`.
+
+They call the same functions the coordinator's handlers use (`functions.operations`,
+`functions.verify`) with a `functions.settings.Deps` built from the connection (a local connection
+file, or a deployed stack's outputs) and the run's configuration as its first tick published it
+(`runs/<run>/config.json`): so they need no copy of the run file, and cannot disagree with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from functions.settings import Deps
+from functions.verify import RoundCheck
+from shared import keys
+from shared.blobs import Bucket, NotFound, s3_client
+from shared.config import RunConfig
+from shared.connection import Connection
+from shared.store import StateStore
+
+
+class OperateError(RuntimeError):
+    """Something the operator must fix first; the message says what."""
+
+
+def deps_for(conn: Connection) -> Deps:
+    """The run's config and stores, as the functions see them, from a connection."""
+    bucket = Bucket(conn.bucket, s3_client(conn.endpoint, conn.region))
+    try:
+        blob = bucket.get(keys.config_key(conn.run_id))
+    except NotFound:
+        raise OperateError(
+            f"run {conn.run_id} has not published its configuration ({keys.config_key(conn.run_id)}): the "
+            "coordinator writes it on its first tick; has the stack started?"
+        ) from None
+    config = RunConfig.model_validate_json(blob.data)
+    if config.run_id != conn.run_id:
+        raise OperateError(f"the bucket's config is for run {config.run_id!r}, the connection for {conn.run_id!r}")
+    return Deps(config, StateStore(conn.table, conn.run_id, conn.endpoint, conn.region), bucket)
+
+
+@dataclass(frozen=True)
+class VerifyLine:
+    round: int
+    recorded: str
+    recomputed: str
+    stored: str
+    ok: bool
+    problem: str
+
+    @classmethod
+    def of(cls, check: RoundCheck) -> VerifyLine:
+        problem = check.problem
+        if not problem and not check.ok:
+            parts = []
+            if check.recomputed != check.expected:
+                parts.append("recomputed differs from recorded")
+            if check.stored != check.expected:
+                parts.append("stored object differs from recorded")
+            problem = "; ".join(parts)
+        return cls(check.round, check.expected, check.recomputed, check.stored, check.ok, problem)
+
+    def to_json(self) -> dict[str, object]:
+        return {"round": self.round, "recorded": self.recorded, "recomputed": self.recomputed,
+                "stored": self.stored, "ok": self.ok, "problem": self.problem}

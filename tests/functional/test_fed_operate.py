@@ -1,0 +1,92 @@
+"""`fed run pause|resume|restore` and `fed verify` against a run on in-process moto."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import boto3
+import numpy as np
+from typer.testing import CliRunner
+
+from fed.cli import app
+from infra.local.resources import create_resources
+from shared import keys, wire
+from shared.connection import Connection
+from shared.state import Phase
+from tests.functional.conftest import MODEL, Harness
+
+
+def model(k: float) -> dict[str, np.ndarray]:
+    return {name: (arr + k).astype(arr.dtype) for name, arr in MODEL.items()}
+
+
+def connection_file(h: Harness, tmp_path: Path) -> Path:
+    path = tmp_path / "connection.json"
+    Connection(run_id=h.config.run_id, bucket=h.res.bucket, table=h.res.table).save(path)
+    return path
+
+
+def fed(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+def test_pause_and_resume_through_the_cli(harness: Harness, tmp_path: Path) -> None:
+    harness.start(["alice", "bob"])
+    conn = str(connection_file(harness, tmp_path))
+    # When the operator pauses mid-round
+    code, out = fed("run", "pause", "--connection", conn)
+    # Then the run is Paused at once, and says so
+    assert code == 0, out
+    assert "paused" in out and harness.state().phase is Phase.PAUSED
+    # And resume starts a new epoch with the live participants
+    code, out = fed("run", "resume", harness.config.run_id, "--connection", conn)
+    assert code == 0, out
+    assert "resumed" in out and harness.state().phase is Phase.TRAIN and harness.state().epoch == 2
+    # A run id other than the connection's is refused before anything is done
+    code, out = fed("run", "pause", "other-run", "--connection", conn)
+    assert code == 2 and "is for run" in out and harness.state().phase is Phase.TRAIN
+
+
+def test_restore_needs_a_checkpoint_then_force_when_the_run_has_state(harness_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(rounds_per_epoch=1, total_rounds=3, cooldown_time=600)
+    h.start(["alice", "bob"])
+    conn = str(connection_file(h, tmp_path))
+    code, out = fed("run", "restore", "--connection", conn, "--force")
+    assert code == 1 and "no checkpoint" in out
+    h.upload("alice", model(1))
+    h.upload("bob", model(2))
+    before = h.state()
+    assert before.phase is Phase.COOLDOWN and before.aggregated == 1
+    code, out = fed("run", "restore", "--connection", conn)
+    assert code == 1 and "--force" in out
+    # When the table is lost and recreated, restore rebuilds the state from the checkpoint
+    boto3.client("dynamodb", region_name="us-east-1").delete_table(TableName=h.res.table)
+    create_resources(h.config.run_id)
+    code, out = fed("run", "restore", "--connection", conn)
+    assert code == 0, out
+    assert "restored" in out and "round 1" in out
+    state = h.state()
+    assert (state.phase, state.round, state.global_digest) == (Phase.WAITING, 1, before.global_digest)
+
+
+def test_verify_prints_each_round_and_fails_on_a_mismatch(harness: Harness, tmp_path: Path) -> None:
+    harness.start(["alice", "bob"])
+    for r in range(2):
+        harness.upload("alice", model(1 + r))
+        harness.upload("bob", model(2 + r))
+    conn = str(connection_file(harness, tmp_path))
+    code, out = fed("verify", "--connection", conn)
+    assert code == 0, out
+    assert "2 of 2 round(s) match" in out
+    code, out = fed("verify", "--connection", conn, "--json")
+    body = json.loads(out)
+    assert code == 0 and body["ok"] and [r["round"] for r in body["rounds"]] == [0, 1]
+    assert all(r["recorded"] == r["recomputed"] == r["stored"] and len(r["stored"]) == 64 for r in body["rounds"])
+    # When round 1's aggregate in the bucket is replaced by other bytes
+    harness.s3.put_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 2),
+                          Body=wire.encode(model(9)))
+    code, out = fed("verify", "--connection", conn)
+    # Then verify says which round and exits 1
+    assert code == 1 and "MISMATCH" in out and "stored object differs" in out and "1 of 2" in out
