@@ -94,7 +94,9 @@ START_HELP = (
     "Joins (offering the task's initial model if the run has none yet) and heartbeats so the coordinator "
     "knows it is alive. In each round it is selected for, it downloads the global model (cached by digest), "
     "trains exactly the samples the round assigns it, and uploads its update with the sample count and metrics "
-    "(loss, test accuracy). Late joiners and dropped participants wait and are admitted at the next epoch. "
+    "(loss, test accuracy). When elected a round's witness it checks the round's updates on the task's held-out "
+    "data and uploads a proof of those it attests; after a witnessed round it reports members the witnesses did "
+    "not attest. Late joiners and dropped participants wait and are admitted at the next epoch. "
     "When the run is finished it prints the final model's test accuracy and exits."
 )
 

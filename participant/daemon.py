@@ -108,6 +108,20 @@ def resolve_device(name: str) -> Any:
     return torch.device(name)
 
 
+def warm_up_autograd(device: Any) -> None:
+    """One backward pass and optimizer step on a throwaway layer: torch initialises autograd and the optimizers
+    lazily, which costs about a second on a CPU (several on a busy one). Paid here, at start-up, it does not
+    make the first round slower than the others (and miss a tight deadline)."""
+    import torch
+
+    layer = torch.nn.Linear(4, 2).to(device)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    loss = torch.nn.functional.cross_entropy(layer(torch.zeros(3, 4, device=device)),
+                                             torch.zeros(3, dtype=torch.long, device=device))
+    loss.backward()
+    opt.step()
+
+
 class Daemon:
     def __init__(self, conn: Connection, options: Options, stop: threading.Event, reporter: Reporter) -> None:
         keys.validate_participant_id(options.pid)
@@ -153,12 +167,15 @@ class Daemon:
         try:
             self._join()
             self.config = self._wait_for_config()
+            # Alive from now on: loading torch and the task's data can take longer than the liveness timeout on a
+            # busy host, and an epoch admits only participants it has heard from recently.
+            self.activity = "loading the task"
+            heart = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+            heart.start()
             self._prepare_task(self.config)
             if self.journal.training:
                 log.info("round %s was being trained when this participant last stopped; it is retrained if "
                          "the round is still open", self.journal.training.get("round"))
-            heart = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
-            heart.start()
             return self._loop()
         except Stopped:
             log.info("stopped; progress is saved in %s", self.journal_file.path)
@@ -386,6 +403,7 @@ class Daemon:
         self.device = resolve_device(self.opt.device)
         started = time.perf_counter()
         fresh = self.task.evaluate(self.task.build_model(config.seed), self.device)  # loads the data now
+        warm_up_autograd(self.device)
         log.info("task %s: %d training samples, data loaded in %.1fs (untrained model: test accuracy %.4f); "
                  "device %s, %d torch thread(s)", spec, self.dataset_size, time.perf_counter() - started,
                  fresh.get("test_accuracy", math.nan), self.device, torch.get_num_threads())
@@ -560,7 +578,8 @@ class Daemon:
 
     def _witness_facts(self, state: RunState, recorded: bool) -> tuple[int, int]:
         """As a witness owing the round's proof (after our own update): read the records not yet seen (a
-        GetItem each) and return how many selected participants have none, and how many are unevaluated."""
+        GetItem each) and return how many selected participants have none (as far as we know), and how many
+        recorded updates are not verified yet."""
         r = state.round
         if not is_witness_duty(state, Local(pid=self.pid, witnessed=frozenset(self.journal.witnessed))):
             return 0, 0
@@ -572,11 +591,16 @@ class Daemon:
                 w.discard()
             workdir = Path(self.opt.state_dir) / "witness" / f"{r:06d}"
             w = self.witness = RoundWitness(r, state.global_digest, workdir)
+        # Records are written once and never change. While the round is open, read them in order and stop at the
+        # first one not there yet (one GetItem per poll while waiting, however many are missing); once it has
+        # closed, no more can come: read every one still unseen.
         for pid in state.selected:
             if pid not in w.records:
                 item = self.remote.update_record(r, pid)
                 if item is not None:
                     w.records[pid] = PeerUpdate.from_record(item)
+                elif state.phase is Phase.TRAIN:
+                    break
         return len(w.missing(state.selected)), len(w.unchecked(state.selected))
 
     def _global_eval(self) -> dict[str, float]:
@@ -664,8 +688,9 @@ class Daemon:
 
     def _health_confirmed(self, state: RunState) -> bool:
         """Whether a health report about state.health_round is due and would mean something: we are an active
-        member, someone was attested by fewer than a quorum, and that round's proofs reached the quorum (a
-        round whose witnesses did not show up scores everyone low: that confirms nothing)."""
+        member, someone was attested by fewer than a quorum, that round's proofs reached the quorum (a round
+        whose witnesses did not show up scores everyone low: that confirms nothing), and it is a round of this
+        epoch (a new epoch admits again those dropped in the last one)."""
         r = state.health_round
         member = state.members.get(self.pid)
         if (state.phase not in LIVE_PHASES or r < 0 or r in self.journal.health_reported or member is None
@@ -675,10 +700,14 @@ class Daemon:
             summary = self.remote.round_summary(r)
             if summary is None:
                 return False
-            self.health_confirmed[r] = summary.quorum > 0 and summary.proofs >= summary.quorum
-            if not self.health_confirmed[r]:
+            quorate = summary.quorum > 0 and summary.proofs >= summary.quorum
+            self.health_confirmed[r] = quorate and summary.epoch == state.epoch
+            if not quorate:
                 log.info("round %d: %d of %d witness proofs arrived (quorum %d): its health scores confirm nothing; "
                          "no health report", r, summary.proofs, len(summary.witnesses), summary.quorum)
+            elif summary.epoch != state.epoch:
+                log.info("round %d belongs to epoch %d: a new epoch admits everyone again; no health report", r,
+                         summary.epoch)
         return self.health_confirmed[r]
 
     def _report_health(self, action: ReportHealth, state: RunState) -> None:

@@ -7,12 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
 from fed.demo import Participants, await_joins, check_processes
 from fed.localrun import store_for, wait_until
 from infra.local.stack import LocalStack
 from participant.tasks import digits_meta
+from shared import keys
+from shared.blobs import Bucket, s3_client
 from shared.config import RunConfig
+from shared.state import RunState
 from shared.store import StateStore
 
 
@@ -37,12 +41,26 @@ class Run:
         stack.connection.save(self.connection_file)
         self.procs = Participants(self.connection_file, workdir)
         self.store: StateStore = store_for(stack.connection)
+        c = stack.connection
+        self.bucket = Bucket(c.bucket, s3_client(c.endpoint, c.region))
 
-    def start_participants(self, names: list[str]) -> None:
-        """Spawn them; deliver events once all have asked to join, so the first epoch admits them all."""
-        self.procs.spawn(names)
+    @property
+    def config(self) -> RunConfig:
+        return self.stack.config
+
+    def state(self) -> RunState:
+        return self.store.read_state()
+
+    def start_participants(self, names: list[str], tasks: dict[str, str] | None = None) -> None:
+        """Spawn them (some with another --task); deliver events once all have asked to join, so the first
+        epoch admits them all."""
+        self.procs.spawn(names, {n: ["--task", t] for n, t in (tasks or {}).items()})
         await_joins(self.stack, names, self.procs, timeout=90)
         self.stack.release_events()
+
+    def spawn(self, name: str) -> None:
+        """Start one more participant process now (events are already flowing: a late joiner)."""
+        self.procs.spawn([name])
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
         """Poll `predicate` (failing at once if a participant process dies) until it holds or `timeout` passes."""
@@ -51,8 +69,27 @@ class Run:
             check_processes(self.procs)
             return predicate()
 
-        if not wait_until(check, timeout, interval=0.05):
+        # (not much more often: the stack's server and dispatcher share this process, and its interpreter lock)
+        if not wait_until(check, timeout, interval=0.25):
             state = self.store.read_state()
             logs = "\n".join(f"--- {n}\n{self.procs.tail(n)}" for n in self.procs.procs)
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; phase {state.phase}, round "
                         f"{state.round}, aggregated {state.aggregated}\n{logs}")
+
+    def fed(self, *args: str) -> tuple[int, str]:
+        """Run a `fed` command (in this process) against the run: exit status and output."""
+        from fed.cli import app
+
+        result = CliRunner().invoke(app, [*args, "--connection", str(self.connection_file)])
+        return result.exit_code, result.output
+
+    def accuracy(self, round_no: int) -> float:
+        """Test accuracy of rounds/<round_no>/global, evaluated with the digits task in this process."""
+        import torch
+
+        from participant.tasks.digits import task
+        from participant.tensors import load_into
+
+        data = self.bucket.get(keys.global_key(self.config.run_id, round_no)).data
+        model = load_into(task.build_model(0), data)
+        return float(task.evaluate(model, torch.device("cpu"))["test_accuracy"])

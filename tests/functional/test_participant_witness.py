@@ -51,3 +51,34 @@ def test_witnesses_refuse_a_poisoned_update_and_a_health_report_drops_it(
         journal, _ = JournalFile(tmp_path / pid, harness.config.run_id, pid).load()
         assert journal.witnessed[0]["complete"] and "carol" not in journal.witnessed[0]["attested"]
         assert not (tmp_path / pid / "witness" / "000000").exists()  # verified bytes removed after the proof
+
+
+def test_a_stalled_participant_is_dropped_by_health_reports_after_incomplete_proofs(
+    run: Callable[..., Harness], tmp_path: Path  # noqa: F811
+) -> None:
+    # Given four participants, three witnesses, and dave whose training blocks from his second round on
+    harness = run(total_rounds=3, min_clients=3, min_per_round=3, min_updates=2, witness_nodes=3,
+                  max_round_train_time=3, round_witness_time=3, witness_tolerance=0.5)
+    people = {pid: Participant(harness, pid, tmp_path / pid,
+                               task="participant.tasks.stalled:task" if pid == "dave" else None)
+              for pid in ("alice", "bob", "carol", "dave")}
+
+    # When the others finish the run
+    for pid in ("alice", "bob", "carol"):
+        assert people[pid].wait().finished
+
+    # Then the round dave stalled in was closed at its deadline, witnessed with incomplete proofs of the others'
+    # updates, aggregated from them, and dave dropped by a health report
+    state = harness.state()
+    assert state.aggregated == 3
+    dave = state.members["dave"]
+    assert dave.status is MemberStatus.DROPPED and dave.reason.startswith("health check: round 1"), dave.reason
+    stalled = next(s for s in harness.deps.store.rounds() if s.round == 1)
+    assert stalled.aggregated and set(stalled.counted) == {"alice", "bob", "carol"} and stalled.health["dave"] == 0
+    proofs = harness.deps.store.proofs(1)
+    assert proofs and not any(p.complete for p in proofs.values())
+    assert all(p.attests(pid, harness.deps.store.update_record(1, pid).digest)
+               for p in proofs.values() for pid in ("alice", "bob", "carol"))
+    # And dave, stuck in training, stops cleanly when asked
+    people["dave"].stop.set()
+    assert people["dave"].wait().reason == "stopped"

@@ -1,0 +1,84 @@
+"""Witnesses and health checks end to end: real participant processes on the local stack."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from shared.state import MemberStatus, Phase
+from shared.witness import quorum
+from tests.e2e.harness import Run, e2e_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+POISONED = "participant.tasks.poisoned:task"
+STALLED = "participant.tasks.stalled:task"
+
+
+def test_a_poisoned_participant_is_not_attested_not_aggregated_and_dropped(local_run: Callable[..., Run]) -> None:
+    # Given six participants, three witnesses per round, and p6 uploading scaled sign-flipped updates
+    config = e2e_config(min_clients=5, min_per_round=5, min_updates=3, total_rounds=6, witness_nodes=3,
+                        witness_tolerance=0.3, round_witness_time=10, max_round_train_time=30, liveness_timeout=10,
+                        learning_rate=0.1, local_epochs=2, batch_size=16)
+    run = local_run(config)
+    names = [f"p{i}" for i in range(1, 7)]
+
+    # When they train the run to the end
+    run.start_participants(names, tasks={"p6": POISONED})
+    run.wait_for(lambda: run.state().phase is Phase.FINISHED, 150, "the run to finish")
+
+    # Then no witness attested p6's update: it was never aggregated, and its health score stayed below the quorum
+    state = run.state()
+    rounds = sorted(run.store.rounds(), key=lambda r: r.round)
+    assert state.aggregated == config.total_rounds
+    assert all("p6" not in r.counted for r in rounds)
+    with_p6 = [r for r in rounds if "p6" in r.health]
+    assert with_p6, "p6 was never selected"
+    for r in with_p6:
+        assert r.proofs >= quorum(len(r.witnesses)) and r.health["p6"] == 0, (r.round, r.health, r.proofs)
+    first = rounds[0]
+    assert first.aggregated and set(first.counted) == set(names) - {"p6"}
+    assert all(first.health[p] == len(first.witnesses) for p in first.counted)  # honest: attested by every witness
+    # And it was dropped through a member's health report, which the coordinator's witness records confirmed
+    p6 = state.members["p6"]
+    assert p6.status is MemberStatus.DROPPED and p6.reason.startswith("health check: round"), p6.reason
+    assert any(r.dropped.get("p6") == p6.reason for r in rounds)
+    assert all(state.members[p].status is MemberStatus.ACTIVE for p in names[:5])
+    # And the run reached the clean demo's accuracy bar
+    final = run.accuracy(state.round)
+    assert final >= 0.95, final
+    assert run.procs.wait_exit(30) and all(p.process.returncode == 0 for p in run.procs.procs.values())
+
+
+def test_a_participant_that_stops_working_is_dropped_through_the_health_path(local_run: Callable[..., Run]) -> None:
+    # Given four participants, three witnesses, and p4 whose training blocks from its second round on (its
+    # heartbeats go on, so the liveness check never drops it)
+    config = e2e_config(min_clients=3, min_per_round=3, min_updates=2, total_rounds=3, witness_nodes=3,
+                        witness_tolerance=0.5, round_witness_time=4, max_round_train_time=6, liveness_timeout=6)
+    run = local_run(config)
+    run.start_participants(["p1", "p2", "p3", "p4"], tasks={"p4": STALLED})
+
+    # When the run goes on
+    run.wait_for(lambda: run.state().phase is Phase.FINISHED, 120, "the run to finish without p4")
+
+    # Then p4 trained round 0, delivered nothing after, and was dropped by a confirmed health report
+    state = run.state()
+    rounds = sorted(run.store.rounds(), key=lambda r: r.round)
+    assert "p4" in rounds[0].counted
+    p4 = state.members["p4"]
+    assert p4.status is MemberStatus.DROPPED and p4.reason.startswith("health check"), p4.reason
+    stalled = next(r for r in rounds if r.round >= 1 and "p4" in r.selected)
+    assert stalled.health.get("p4", 0) < stalled.quorum and "p4" not in stalled.counted
+    assert all(r.aggregated for r in rounds) and state.aggregated == config.total_rounds
+    assert all("p4" not in r.counted for r in rounds[1:])
+    # And `fed status` shows the drop with its reason
+    code, out = run.fed("status")
+    assert code == 0 and "health check" in out
+    # And the others exit on their own, while the stuck one waits until it is asked to stop, then stops cleanly
+    others = [run.procs.procs[p].process for p in ("p1", "p2", "p3")]
+    run.wait_for(lambda: all(p.poll() is not None for p in others), 30, "p1-p3 to exit")
+    assert [p.returncode for p in others] == [0, 0, 0]
+    assert run.procs.procs["p4"].process.poll() is None
+    run.procs.stop(grace=10)
+    assert run.procs.procs["p4"].process.returncode == 0
