@@ -141,6 +141,13 @@ class ParticipantAccess(Construct):
                 actions=["s3:GetObject"],
                 resources=[bucket.arn_for_objects(key) for key in layout.participant_reads(run_id, witnessing)],
             ),
+            *(
+                # A witness downloads each update by the version the coordinator accepted (GetObject with a
+                # VersionId needs s3:GetObjectVersion), so an upload that replaced it cannot be evaluated instead.
+                [iam.PolicyStatement(sid="ReadAcceptedUpdateVersions", actions=["s3:GetObjectVersion"],
+                                     resources=[bucket.arn_for_objects(layout.round_objects(run_id))])]
+                if witnessing else []
+            ),
             iam.PolicyStatement(
                 sid="ReadStackOutputs",
                 # `fed-participant start --stack NAME` finds bucket, table and run id in this stack's outputs,

@@ -622,11 +622,13 @@ class Daemon:
                 raise Stopped()
             self.activity = f"witnessing round {action.round}: checking the update of {rec.pid}"
             key = keys.update_key(self.run_id, action.round, rec.pid)
+            started = time.perf_counter()
             try:
                 data: bytes | None = self.remote.download(key, version_id=rec.version_id)
             except NotFound:
                 data = None
             check = w.verify(rec, data, self.held_bytes)
+            w.verify_seconds += time.perf_counter() - started
             if check.problem:
                 log.warning("round %d: witness: the update of %s cannot be attested: %s", action.round, rec.pid,
                             check.problem)
@@ -662,9 +664,10 @@ class Daemon:
             refused = sorted(p for p, v in w.verdicts.items() if not v.attested and p in state.selected)
             missing = w.missing(state.selected)
             log.info("round %d: witness proof sent (%s): attested %d of %d selected (aggregate loss %.4f, global "
-                     "%.4f; %d evaluations in %.2fs)%s%s", r,
+                     "%.4f; %d update(s) downloaded and verified in %.3fs, %d evaluations in %.3fs)%s%s", r,
                      "complete" if action.complete else "incomplete: the round closed first", len(attested),
-                     len(state.selected), w.aggregate_loss, global_loss, len(w.verdicts) + 1, w.evaluation_seconds,
+                     len(state.selected), w.aggregate_loss, global_loss, len(w.checks), w.verify_seconds,
+                     len(w.verdicts) + 1, w.evaluation_seconds,
                      f"; not attested: {', '.join(refused)}" if refused else "",
                      f"; no update from: {', '.join(missing)}" if missing else "")
         w.discard()

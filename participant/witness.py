@@ -98,6 +98,7 @@ class RoundWitness:
     global_loss: float = math.nan
     aggregate_loss: float = math.nan
     evaluation_seconds: float = 0.0
+    verify_seconds: float = 0.0  # downloads and checks, all updates together
 
     def missing(self, selected: Iterable[str]) -> list[str]:
         """Selected participants with no recorded update yet."""

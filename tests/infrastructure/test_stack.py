@@ -435,3 +435,6 @@ def test_with_witnessing_participants_may_read_the_rounds_updates(tmp_path: Path
     reads = next(s for s in statements if s["Action"] == "s3:GetObject")
     assert any("runs/infra-witness/rounds/*" in json.dumps(r) and "PrincipalTag" not in json.dumps(r)
                for r in as_list(reads["Resource"]))  # fmt: skip
+    # and read them by version id: witnesses fetch exactly the version the coordinator accepted
+    versions = next(s for s in statements if s["Action"] == "s3:GetObjectVersion")
+    assert all("runs/infra-witness/rounds/*" in json.dumps(r) for r in as_list(versions["Resource"]))
