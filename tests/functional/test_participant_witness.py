@@ -82,3 +82,47 @@ def test_a_stalled_participant_is_dropped_by_health_reports_after_incomplete_pro
     # And dave, stuck in training, stops cleanly when asked
     people["dave"].stop.set()
     assert people["dave"].wait().reason == "stopped"
+
+
+def test_a_proof_is_sent_once_across_restarts_and_again_for_a_restored_run(harness: Harness, tmp_path: Path) -> None:
+    import threading
+    import time
+
+    import torch
+
+    from participant.daemon import Daemon, Options
+    from participant.decide import SendProof
+    from participant.tasks.digits import task
+    from participant.tensors import model_bytes
+    from participant.ui import Reporter
+    from shared import keys
+    from shared.connection import Connection
+    from shared.state import RunState
+    from shared.wire import digest
+    from tests.functional.test_participant_daemon import versions
+
+    # Given a witness of round 0 holding the round's global model
+    conn = Connection(run_id=harness.config.run_id, bucket=harness.res.bucket, table=harness.res.table)
+    daemon = Daemon(conn, Options(pid="alice", state_dir=tmp_path / "alice"), threading.Event(), Reporter(bars=False))
+    daemon.config, daemon.task, daemon.device = harness.config, task, torch.device("cpu")
+    daemon.held_bytes = model_bytes(task.build_model(0))
+    daemon.held, daemon.joined_at = digest(daemon.held_bytes), time.time() - 60
+    state = RunState(harness.config.run_id, phase=Phase.WITNESS, round=0, selected=("alice", "bob"),
+                     witnesses=("bob", "alice"), global_digest=daemon.held)
+    key = keys.witness_key(harness.config.run_id, 0, "alice")
+
+    # When it sends its proof, and (its journal lost) is asked to again
+    daemon._send_proof(SendProof(0, complete=False), state)
+    assert daemon.journal.witnessed[0]["complete"] is False
+    proof = Proof.from_json(harness.s3.get_object(Bucket=harness.res.bucket, Key=key)["Body"].read())
+    assert (proof.round, proof.witness, proof.position, proof.complete) == (0, "alice", 1, False)
+    daemon.journal.witnessed.clear()
+    daemon._send_proof(SendProof(0, complete=False), state)
+    # Then the proof in the bucket stands for it: one upload, and the journal says it was sent
+    assert versions(harness, key) == 1 and 0 in daemon.journal.witnessed
+
+    # But in a new incarnation of the run (restored after its table was lost: joined again since), it is sent anew
+    daemon.journal.witnessed.clear()
+    daemon.joined_at = time.time() + 2
+    daemon._send_proof(SendProof(0, complete=False), state)
+    assert versions(harness, key) == 2
