@@ -84,6 +84,8 @@ def demo_config(participants: int, rounds: int = DEFAULT_ROUNDS, kill_one: bool 
         learning_rate=0.1,
     )
     values.update(overrides)
+    if not values["witness_nodes"] and "round_witness_time" not in overrides:
+        values["round_witness_time"] = 0.0  # nobody to wait for: a witness phase would only add its full length
     return RunConfig(**values)
 
 
