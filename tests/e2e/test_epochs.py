@@ -30,7 +30,7 @@ def test_two_epochs_write_a_checkpoint_and_admit_a_late_joiner_at_the_second(loc
     # Given a run of two epochs of two rounds, with witnesses, started by three participants
     # (a long cooldown: on a loaded machine p4 may take a while to start, and must join before epoch 2 does)
     config = e2e_config(total_rounds=4, rounds_per_epoch=2, cooldown_time=15, witness_nodes=2, witness_tolerance=0.5,
-                        round_witness_time=4, max_round_train_time=10)
+                        round_witness_time=4, max_round_train_time=30, liveness_timeout=15)
     run = local_run(config)
     run.start_participants(["p1", "p2", "p3"])
 
@@ -61,7 +61,7 @@ def test_two_epochs_write_a_checkpoint_and_admit_a_late_joiner_at_the_second(loc
 def test_pause_resume_and_restore_after_the_table_is_lost(local_run: Callable[..., Run]) -> None:
     # Given a run whose every round is an epoch (a checkpoint after each), with witnesses, and three participants
     config = e2e_config(total_rounds=4, rounds_per_epoch=1, cooldown_time=1, witness_nodes=2, witness_tolerance=0.5,
-                        round_witness_time=4, max_round_train_time=10)
+                        round_witness_time=4, max_round_train_time=30, liveness_timeout=15)
     run = local_run(config)
     names = ["p1", "p2", "p3"]
     run.start_participants(names)
