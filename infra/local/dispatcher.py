@@ -6,6 +6,10 @@ dispatcher long-polls it and hands each envelope (the message body is exactly th
 the very same handler, on a small thread pool so that deliveries race as Lambda invocations do. A
 message is deleted only after its handler returned; a handler that raises leaves it on the queue, and it
 is delivered again once its visibility timeout passes (Lambda's retry of a failed async invocation).
+
+A `FaultPlan` (tests, chaos runs) can make the dispatcher misbehave as EventBridge and Lambda are allowed
+to: deliver an event late (hold it back in the queue, so later events overtake it), deliver it to two
+invocations at once, or deliver it again a while after it succeeded.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import boto3
 from botocore.config import Config
@@ -68,6 +72,24 @@ def _local_invocation(handler: Handler) -> Handler:
     return invoke
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """What to do with one received message. The default: deliver it once, then delete it."""
+
+    hold: int = 0  # > 0: deliver nothing now; the message becomes visible again after this many seconds
+    copies: int = 1  # deliver it to this many invocations at once (duplicate events racing each other)
+    again_after: int = 0  # > 0: after delivering, leave it queued: it is delivered again after this many seconds
+
+
+DELIVER_ONCE = Delivery()
+
+
+class FaultPlan(Protocol):
+    """Consulted for every received message; what it returns is carried out (see `Delivery`)."""
+
+    def delivery(self, event: dict[str, Any], receive_count: int) -> Delivery: ...
+
+
 @dataclass
 class DispatchStats:
     """What the dispatcher has done so far (read by tests and `fed local`'s shutdown line)."""
@@ -101,6 +123,7 @@ class Dispatcher:
         poll_wait: int = 1,
         ingest: Handler | None = None,
         tick: Handler | None = None,
+        faults: FaultPlan | None = None,
     ) -> None:
         if tick_interval <= 0:
             raise ValueError("tick_interval must be positive")
@@ -111,6 +134,9 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.poll_wait = poll_wait
         self._ingest, self._tick = ingest, tick
+        self.faults = faults
+        self._injected: dict[str, int] = {}  # message id -> receives caused by the fault plan, not by failures
+        self._injected_lock = threading.Lock()
         self.stats = DispatchStats()
         self._stop = threading.Event()
         self._delivering = threading.Event()
@@ -212,11 +238,18 @@ class Dispatcher:
         return list(resp.get("Messages", []))
 
     def _deliver(self, message: dict[str, Any]) -> None:
-        attempt = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+        received = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+        with self._injected_lock:
+            attempt = received - self._injected.get(message.get("MessageId", ""), 0)
+        plan = DELIVER_ONCE
         try:
             event = json.loads(message["Body"])
-            assert self._ingest is not None
-            self._ingest(event, LocalContext(function_name="fed-local-ingest"))
+            if self.faults is not None:
+                plan = self.faults.delivery(event, received)
+            if plan.hold > 0:
+                self._requeue(message, plan.hold)  # late: later events overtake it
+                return
+            self._invoke(event, plan.copies)
         except Exception as exc:
             self.stats.add("failed", f"ingest: {type(exc).__name__}: {exc}")
             if attempt < self.max_attempts:
@@ -229,12 +262,53 @@ class Dispatcher:
                 self.stats.add("dropped")
                 self._delete(message)
         else:
-            self._delete(message)
+            if plan.again_after > 0:
+                self._requeue(message, plan.again_after)  # delivered again later: an at-least-once duplicate
+            else:
+                self._delete(message)
             self.stats.add("delivered")
         finally:
             self._slots.release()
 
+    def _invoke(self, event: dict[str, Any], copies: int) -> None:
+        """Call ingest with the event in `copies` invocations at once; raise the first failure."""
+        assert self._ingest is not None
+        if copies <= 1:
+            self._ingest(event, LocalContext(function_name="fed-local-ingest"))
+            return
+        errors: list[BaseException] = []
+
+        def one() -> None:
+            try:
+                assert self._ingest is not None
+                self._ingest(event, LocalContext(function_name="fed-local-ingest"))
+            except BaseException as exc:  # re-raised in the delivering thread
+                errors.append(exc)
+
+        extra = [threading.Thread(target=one, name="ingest-duplicate", daemon=True) for _ in range(copies - 1)]
+        for t in extra:
+            t.start()
+        one()
+        for t in extra:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _requeue(self, message: dict[str, Any], seconds: int) -> None:
+        """Leave a message on the queue, visible again in `seconds`; the receive this causes is no retry."""
+        with self._injected_lock:
+            mid = message.get("MessageId", "")
+            self._injected[mid] = self._injected.get(mid, 0) + 1
+        try:
+            self._sqs.change_message_visibility(
+                QueueUrl=self.resources.queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=seconds
+            )
+        except Exception as exc:  # it comes back after the visibility timeout anyway
+            log.warning("could not requeue a message: %s", exc)
+
     def _delete(self, message: dict[str, Any]) -> None:
+        with self._injected_lock:
+            self._injected.pop(message.get("MessageId", ""), None)
         try:
             self._sqs.delete_message(QueueUrl=self.resources.queue_url, ReceiptHandle=message["ReceiptHandle"])
         except Exception as exc:  # a duplicate delivery later is harmless: ingest is idempotent

@@ -4,18 +4,27 @@ moto's DynamoDB does not check a condition and write in one step, so two concurr
 can both succeed (see FACTS.md). The coordinator relies on those conditions (the state's version, "record
 an update once"), so every DynamoDB request is served under one lock: DynamoDB becomes serial, as
 atomic as the real service, while S3 transfers stay concurrent.
+
+With `count_requests`, every request is also counted by service and operation (`LocalServer.requests`,
+and for other processes `GET /_fed/requests` on the endpoint, itself not counted): what a run costs in AWS
+requests (the load test's figures, the cost model's inputs).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import parse_qs
 
 from werkzeug.serving import BaseWSGIServer, make_server
 
 LOOPBACK = "127.0.0.1"
+COUNTS_PATH = "/_fed/requests"  # GET: the request counts so far, as JSON [[service, operation, count], ...]
 DYNAMODB_TARGET_PREFIX = "DynamoDB_"  # X-Amz-Target of every DynamoDB API call ("DynamoDB_20120810.PutItem")
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -41,11 +50,74 @@ class SerialDynamoDB:
                     close()
 
 
+_CREDENTIAL_SCOPE = re.compile(r"Credential=[^/,]+/\d{8}/[^/,]+/([^/,]+)/aws4_request")
+
+
+def classify(environ: dict[str, Any]) -> tuple[str, str]:
+    """(service, operation) of one request, from its SigV4 credential scope and its target or S3 shape."""
+    auth = environ.get("HTTP_AUTHORIZATION", "") or environ.get("QUERY_STRING", "").replace("X-Amz-", "")
+    match = _CREDENTIAL_SCOPE.search(auth.replace("%2F", "/"))
+    service = match.group(1) if match else "other"
+    target = environ.get("HTTP_X_AMZ_TARGET", "")
+    if target:
+        return service, target.rsplit(".", 1)[-1]
+    if service != "s3":
+        action = parse_qs(environ.get("QUERY_STRING", "")).get("Action", [""])[0]
+        return service, action or environ.get("REQUEST_METHOD", "?")
+    return service, _s3_operation(environ)
+
+
+def _s3_operation(environ: dict[str, Any]) -> str:
+    method = environ.get("REQUEST_METHOD", "?")
+    path = environ.get("PATH_INFO", "/").lstrip("/")
+    on_object = "/" in path and not path.endswith("/")  # path-style: bucket/key
+    query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    if not on_object:
+        if method == "GET" and not (set(query) - {"list-type", "prefix", "continuation-token", "max-keys",
+                                                  "delimiter", "start-after", "encoding-type"}):
+            return "ListObjects"
+        if method == "GET" and "versions" in query:
+            return "ListObjectVersions"
+        return f"{method.capitalize()}Bucket"
+    if method == "PUT" and environ.get("HTTP_X_AMZ_COPY_SOURCE"):
+        return "CopyObject"
+    if "uploads" in query or "uploadId" in query:
+        return f"{method.capitalize()}Multipart"
+    return {"GET": "GetObject", "PUT": "PutObject", "HEAD": "HeadObject", "DELETE": "DeleteObject"}.get(
+        method, f"{method.capitalize()}Object"
+    )
+
+
+class RequestCounter:
+    """WSGI middleware: count requests by (service, operation); `snapshot()` reads the counts so far."""
+
+    def __init__(self, app: WSGIApp) -> None:
+        self.app = app
+        self._lock = threading.Lock()
+        self._counts: Counter[tuple[str, str]] = Counter()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == COUNTS_PATH and environ.get("REQUEST_METHOD") == "GET":
+            body = json.dumps([[svc, op, n] for (svc, op), n in sorted(self.snapshot().items())]).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        key = classify(environ)
+        with self._lock:
+            self._counts[key] += 1
+        return self.app(environ, start_response)
+
+    def snapshot(self) -> Counter[tuple[str, str]]:
+        with self._lock:
+            return Counter(self._counts)
+
+
 class LocalServer:
     """moto's server on 127.0.0.1 (port 0: any free port) in a background thread; `stop()` shuts it down."""
 
-    def __init__(self, port: int = 0, host: str = LOOPBACK) -> None:
+    def __init__(self, port: int = 0, host: str = LOOPBACK, count_requests: bool = False) -> None:
         self.host, self.port = host, port
+        self.count_requests = count_requests
+        self.requests: RequestCounter | None = None  # with count_requests: every request served, by service
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -60,7 +132,9 @@ class LocalServer:
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log line per request
-        app = SerialDynamoDB(DomainDispatcherApplication(create_backend_app))
+        app: WSGIApp = SerialDynamoDB(DomainDispatcherApplication(create_backend_app))
+        if self.count_requests:
+            app = self.requests = RequestCounter(app)
         try:
             self._server = make_server(self.host, self.port, app, threaded=True, request_handler=MotoRequestHandler)
         except SystemExit:  # werkzeug prints a hint and exits when the port is taken

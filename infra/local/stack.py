@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from infra.local.dispatcher import Dispatcher
+from infra.local.dispatcher import Dispatcher, FaultPlan
 from infra.local.resources import LocalResources, create_resources
 from infra.local.server import LocalServer
 from shared.config import RunConfig
@@ -79,6 +79,9 @@ class LocalStack:
     log_file: Path | None = None  # the functions' logs; None: this process's stdout
     region: str = LOCAL_REGION
     hold_events: bool = False  # True: tick, but deliver no S3 event until `release_events()`
+    dispatch: bool = True  # False: no dispatcher in this process (another process delivers events and ticks)
+    faults: FaultPlan | None = None  # the dispatcher's fault plan (chaos tests); None: deliver faithfully
+    count_requests: bool = False  # True: the server counts requests by service (`server.requests`)
     server: LocalServer | None = field(default=None, init=False)
     resources: LocalResources | None = field(default=None, init=False)
     dispatcher: Dispatcher | None = field(default=None, init=False)
@@ -102,7 +105,7 @@ class LocalStack:
     def start(self) -> LocalStack:
         try:
             self._set_env({**client_environment(self.region), **{name: None for name in _CLEARED}})
-            self.server = LocalServer(self.port).start()
+            self.server = LocalServer(self.port, count_requests=self.count_requests).start()
             _reset_moto(self.server.endpoint)  # a fresh run, even if this process ran one before
             self.resources = create_resources(self.config.run_id, self.server.endpoint, self.region)
             self._set_env(function_environment(self.resources, self.config, self.log_level))
@@ -110,8 +113,9 @@ class LocalStack:
                 self.log_file.parent.mkdir(parents=True, exist_ok=True)
                 self._log_stream = self.log_file.open("a", buffering=1)
             self._previous_logs = route_function_logs(self.log_level, self._log_stream)
-            self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers)
-            self.dispatcher.start(deliver=not self.hold_events)
+            if self.dispatch:
+                self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers, faults=self.faults)
+                self.dispatcher.start(deliver=not self.hold_events)
         except BaseException:
             self.stop()
             raise
