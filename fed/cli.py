@@ -46,6 +46,7 @@ CONNECTION_HELP = f"A local run's connection file (default {DEFAULT_LOCAL_FILE},
 STACK_HELP = "A deployed run's CloudFormation stack; AWS through the standard credential chain."
 REGION_HELP = "AWS region of --stack (default: from your AWS config)."
 RUN_ARG_HELP = "The run id you mean; refused if the connection is for another run (optional)."
+RESTORE_ATTEMPTS = 6
 
 
 def _load(config: Path | None) -> RunConfig | None:
@@ -237,6 +238,9 @@ def _set_paused(run: str | None, connection_file: Path | None, stack: str | None
     except OperationError as exc:
         err.print(f"[red]cannot {'pause' if paused else 'resume'} run {conn.run_id}: {exc}[/]")
         raise typer.Exit(1) from None
+    except Exception as exc:  # an endpoint that is gone, a table that does not exist
+        err.print(f"[red]cannot {'pause' if paused else 'resume'} run {conn.run_id}: {type(exc).__name__}: {exc}[/]")
+        raise typer.Exit(1) from None
     s = result.state
     if paused:
         console.print(f"run {conn.run_id} paused: phase {s.phase}, epoch {s.epoch}, round {s.round}, "
@@ -290,14 +294,24 @@ def run_restore(
     them; rounds after the checkpoint are trained again. Exits 1 if there is no checkpoint, if its model does not
     match its digest, or if the run has state and --force was not given."""
     from functions.operations import OperationError, restore
+    from shared.store import Conflict
 
     conn = _connect(connection_file, stack, region, run)
     deps = _deps(conn)
-    try:
-        restored = restore(deps, force)
-    except OperationError as exc:
-        err.print(f"[red]cannot restore run {conn.run_id}: {exc}[/]")
-        raise typer.Exit(1) from None
+    for attempt in range(1, RESTORE_ATTEMPTS + 1):
+        try:
+            restored = restore(deps, force)
+            break
+        except Conflict:  # with --force, a tick (a participant joining again) committed between read and write
+            if attempt == RESTORE_ATTEMPTS:
+                err.print(f"[red]cannot restore run {conn.run_id}: its state kept changing; try again[/]")
+                raise typer.Exit(1) from None
+        except OperationError as exc:
+            err.print(f"[red]cannot restore run {conn.run_id}: {exc}[/]")
+            raise typer.Exit(1) from None
+        except Exception as exc:  # the table missing or not ready, an endpoint that is gone
+            err.print(f"[red]cannot restore run {conn.run_id}: {type(exc).__name__}: {exc}[/]")
+            raise typer.Exit(1) from None
     console.print(f"run {conn.run_id} restored from the checkpoint of epoch {restored.epoch}: round {restored.round}, "
                   f"{restored.aggregated} round(s) aggregated, global model {restored.global_digest[:16]}. It waits "
                   f"for {deps.config.min_clients} participants to join again.")

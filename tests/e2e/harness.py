@@ -81,7 +81,9 @@ class Run:
         from fed.cli import app
 
         result = CliRunner().invoke(app, [*args, "--connection", str(self.connection_file)])
-        return result.exit_code, result.output
+        crash = f"\n{type(result.exception).__name__}: {result.exception}" if result.exit_code == 1 and \
+            result.exception is not None and not isinstance(result.exception, SystemExit) else ""
+        return result.exit_code, result.output + crash
 
     def accuracy(self, round_no: int) -> float:
         """Test accuracy of rounds/<round_no>/global, evaluated with the digits task in this process."""

@@ -90,3 +90,24 @@ def test_verify_prints_each_round_and_fails_on_a_mismatch(harness: Harness, tmp_
     code, out = fed("verify", "--connection", conn)
     # Then verify says which round and exits 1
     assert code == 1 and "MISMATCH" in out and "stored object differs" in out and "1 of 2" in out
+
+
+def test_restore_retries_when_a_tick_commits_between_its_read_and_its_write(
+    harness: Harness, tmp_path: Path, monkeypatch  # type: ignore[no-untyped-def]
+) -> None:
+    import functions.operations as operations
+    from functions.operations import Restored
+    from shared.store import Conflict
+
+    calls: list[bool] = []
+
+    def racing(deps, force):  # type: ignore[no-untyped-def]
+        calls.append(force)
+        if len(calls) == 1:
+            raise Conflict("state changed since version 3")
+        return Restored(2, 4, 4, "e" * 64)
+
+    monkeypatch.setattr(operations, "restore", racing)
+    harness.scheduled_tick()  # publishes the config
+    code, out = fed("run", "restore", "--connection", str(connection_file(harness, tmp_path)), "--force")
+    assert code == 0 and calls == [True, True] and "round 4" in out, out
