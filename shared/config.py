@@ -49,7 +49,8 @@ class RunConfig(BaseModel):
     epoch_time: float = Field(0.0, ge=0, description="Seconds after which an epoch ends at its next round; 0: off.")
     witness_nodes: int = Field(0, ge=0, description="Witnesses elected per round; 0 turns witnessing off.")
     witness_tolerance: float = Field(
-        0.1, ge=0, description="A witness attests an update whose loss is at most (1 + this) x the global's."
+        0.1, ge=0, description="A witness attests update i if the round's aggregate is at most (1 + this) x worse "
+        "on its held-out data with i than without it (leave-one-out)."
     )
     norm_outlier_factor: float = Field(
         10.0, ge=0, description="Refuse an update whose distance from the global is this x the round's median; 0: off."

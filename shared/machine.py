@@ -184,6 +184,7 @@ def _start_epoch(c: Ctx) -> None:
         counted=(),
         rounds_in_epoch=0,
         epoch_started=c.now,
+        health={},  # last epoch's health records cannot drop anyone just admitted again
         deadline=c.now + c.config.warmup_time,
     )
     if not s.has_model:
@@ -268,8 +269,11 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
     s = c.state
     updates = c.updates()
     counted = _attested(c) if aggregated else ()
-    health = {pid: 0 for pid in s.selected} | _health(c) if s.witnesses else {}
     proofs = len(c.proofs())
+    # Health scores only from a round whose proofs reached the quorum: otherwise everyone would score low
+    # and one member's report could drop them all.
+    witnessed = bool(s.witnesses) and proofs >= quorum(len(s.witnesses))
+    health = {pid: 0 for pid in s.selected} | _health(c) if witnessed else {}
     dropped = {
         pid: m.reason
         for pid, m in s.members.items()
