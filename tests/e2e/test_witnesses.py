@@ -56,22 +56,23 @@ def test_a_participant_that_stops_working_is_dropped_through_the_health_path(loc
     # Given four participants, three witnesses, and p4 whose training blocks from its second round on (its
     # heartbeats go on, so the liveness check never drops it)
     config = e2e_config(min_clients=3, min_per_round=3, min_updates=2, total_rounds=3, witness_nodes=3,
-                        witness_tolerance=0.5, round_witness_time=4, max_round_train_time=6, liveness_timeout=6)
+                        witness_tolerance=0.5, round_witness_time=4, max_round_train_time=20, liveness_timeout=15)
     run = local_run(config)
     run.start_participants(["p1", "p2", "p3", "p4"], tasks={"p4": STALLED})
 
     # When the run goes on
-    run.wait_for(lambda: run.state().phase is Phase.FINISHED, 120, "the run to finish without p4")
+    run.wait_for(lambda: run.state().phase is Phase.FINISHED, 180, "the run to finish without p4")
 
     # Then p4 trained round 0, delivered nothing after, and was dropped by a confirmed health report
     state = run.state()
     rounds = sorted(run.store.rounds(), key=lambda r: r.round)
-    assert "p4" in rounds[0].counted
+    first = run.store.update_record(0, "p4")
+    assert first is not None and first.accepted, "p4 delivered round 0"
     p4 = state.members["p4"]
     assert p4.status is MemberStatus.DROPPED and p4.reason.startswith("health check"), p4.reason
     stalled = next(r for r in rounds if r.round >= 1 and "p4" in r.selected)
     assert stalled.health.get("p4", 0) < stalled.quorum and "p4" not in stalled.counted
-    assert all(r.aggregated for r in rounds) and state.aggregated == config.total_rounds
+    assert state.aggregated == config.total_rounds
     assert all("p4" not in r.counted for r in rounds[1:])
     # And `fed status` shows the drop with its reason
     code, out = run.fed("status")
