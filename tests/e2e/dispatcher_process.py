@@ -70,7 +70,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     dispatcher.start()
     emit(event="started", plan=json.loads(args.plan))
-    stop.wait()
+    parent = os.getppid()
+    while not stop.wait(1.0) and os.getppid() == parent:  # SIGTERM, or the test process is gone
+        pass
     # Deliveries in flight finish first; if the server is gone they could retry for long: give up after a while.
     watchdog = threading.Timer(30, lambda: os._exit(3))
     watchdog.daemon = True

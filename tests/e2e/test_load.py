@@ -1,0 +1,238 @@
+"""Load: 200 simulated participants join and upload in one round against the local stack.
+
+The participants are threads of this process following the daemon's protocol (tests/e2e/load_support.py)
+with a tiny numpy model, each with its own signing key; they start over a few seconds, not all in the
+same instant. moto's server and the dispatcher (the functions) run in processes of their own, as S3,
+DynamoDB and Lambda run apart from the participants: in this process, moto would have to win the
+interpreter lock against 200 threads for every request it serves, and it is the bottleneck here.
+
+Every request is counted twice: at the participants (botocore event hooks on their clients) and at the
+server (the local server's request counter); the coordinator's share is the server's total minus the
+participants'. Printed: the wall time, and the AWS requests per participant per round by service and
+originator.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import numpy as np
+import pytest
+
+from fed.localrun import store_for
+from functions.settings import deps_from_env
+from functions.verify import verify_run
+from infra.local.stack import client_environment, function_environment
+from shared import keys, wire
+from shared.config import RunConfig
+from shared.state import Phase
+from tests.e2e.chaos_support import DispatcherPlan, DispatcherProcess
+from tests.e2e.load_support import Clients, RequestCounter, SimParticipant, StackProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+N = int(os.environ.get("LOAD_PARTICIPANTS", "200"))
+POLL_MAX = float(os.environ.get("LOAD_POLL_MAX", "15.0"))  # --poll-max of every participant
+STAGGER = float(os.environ.get("LOAD_STAGGER", "30.0"))  # seconds over which the participants start
+# Re-send an unrecorded join / ready report after this long (the daemon: after 15 s and 2 s). The local stack
+# ingests a few events a second, so 200 participants starting within seconds wait longer than 15 s for their
+# join to be recorded; the daemon's re-sends (each also resetting its poll delay to 0.2 s) then multiply the
+# events and reads until the coordinator starves: measured, 4,600 join uploads from 200 participants and 80
+# DynamoDB reads a second after 12 minutes, with the epoch still not started.
+JOIN_RETRY = float(os.environ.get("LOAD_JOIN_RETRY", "300"))
+READY_RETRY = float(os.environ.get("LOAD_READY_RETRY", "60"))
+TICK_INTERVAL = 5.0  # the schedule is a safety net; the events drive the run
+RUN_TIMEOUT = 900.0
+
+
+def load_config() -> RunConfig:
+    """All of them in the one round; a generous deadline, so only a lost update could leave one out."""
+    return RunConfig(
+        run_id="load", min_clients=N, fraction_per_round=1.0, min_per_round=N, min_updates=N, total_rounds=1,
+        warmup_time=5, max_round_train_time=RUN_TIMEOUT, round_witness_time=0, cooldown_time=0,
+        liveness_timeout=1800, dataset_size=100 * N, max_participants=2 * N,
+    )
+
+
+@pytest.fixture()
+def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StackProcess]:
+    """The server in its own process; this process (and the dispatcher's) get the functions' environment."""
+    config = load_config()
+    server = StackProcess(config, tmp_path / "stack.log")
+    try:
+        for name, value in {**client_environment(), **function_environment(server.resources, config,
+                                                                              "WARNING")}.items():
+            monkeypatch.setenv(name, value)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_two_hundred_participants_upload_in_one_round_and_none_is_lost(stack: StackProcess, tmp_path: Path) -> None:
+    config = load_config()
+    conn = stack.connection
+    counter = RequestCounter()
+    clients = Clients(conn, counter)
+    sims = [SimParticipant(f"sim{i:03d}", conn, clients, counter, config.dataset_size, poll_max=POLL_MAX,
+                           timeout=RUN_TIMEOUT, join_retry=JOIN_RETRY, ready_retry=READY_RETRY) for i in range(N)]
+    plan = DispatcherPlan(tick_interval=TICK_INTERVAL, visibility_timeout=120)
+
+    # Given 200 participants that join, each in its own thread, and the dispatcher delivering their events
+    before = stack.requests()
+    began = time.monotonic()
+    dispatcher = DispatcherProcess(stack.resources, plan, tmp_path / "dispatcher.log")
+    progress = Progress(stack, began)
+    try:
+        threads = [threading.Thread(target=s.run, args=(i * STAGGER / N,), name=s.pid, daemon=True)
+                   for i, s in enumerate(sims)]
+        for t in threads:
+            t.start()
+
+        # When they train and upload one round, and wait for the run to finish
+        for t in threads:
+            t.join(max(1.0, began + RUN_TIMEOUT + 30 - time.monotonic()))
+        wall = time.monotonic() - began
+    finally:
+        progress.stop()
+        stats = dispatcher.stop()
+    total = stack.requests() - before - progress.counter.snapshot()
+    participants = counter.snapshot()
+
+    store = store_for(conn)
+    state = store.read_state()
+    rounds = store.rounds()
+    counted = set(rounds[0].counted) if rounds else set()
+    uploaded = {s.pid for s in sims if s.uploaded.get(0)}
+    lost = len(uploaded - counted)
+    sent = sum((s.actions for s in sims), Counter())
+    print_figures(wall, total, participants, counter.by_phase, stats, lost, progress.phases, sent)
+    if "RoundTrain 0" in progress.served:  # the round itself: from the first sight of RoundTrain to the end
+        in_round = stack.requests() - progress.counter.snapshot() - progress.served["RoundTrain 0"]
+        mine = Counter({svc: n for (phase, svc), n in counter.by_phase_service.items() if phase == "round"})
+        print_round_table(in_round, mine)
+
+    # Then every participant uploaded, the round counted every one of the 200 updates, and each participant saw
+    # its update accepted and the run finish with the committed model
+    errors = [f"{s.pid}: {type(s.error).__name__}: {s.error}" for s in sims if s.error is not None]
+    assert not errors, errors[:5]
+    assert not any(t.is_alive() for t in threads), "participants still running"
+    assert len(uploaded) == N and lost == 0
+    assert state.phase is Phase.FINISHED and state.aggregated == 1
+    assert len(rounds) == 1 and rounds[0].aggregated
+    summary = rounds[0]
+    assert summary.counted == tuple(sorted(s.pid for s in sims))
+    assert not summary.refused and not summary.dropped
+    assert all(s.outcomes.get(0) == "accepted" for s in sims)
+    assert all(s.finished_digest == state.global_digest for s in sims)
+
+    # and the global model is the FedAvg of the 200 updates as the participants sent them
+    updates = {s.pid: wire.decode(s.sent[0]) for s in sims}
+    weights = np.array([int(updates[p][1].metadata["fed.samples"]) for p in sorted(updates)], np.float64)
+    s3 = boto3.client("s3", endpoint_url=conn.endpoint, region_name=conn.region)
+    body = s3.get_object(Bucket=conn.bucket, Key=keys.global_key(config.run_id, 1))["Body"].read()
+    stored, _ = wire.decode(body)
+    for name, value in stored.items():
+        rows = np.stack([updates[p][0][name].astype(np.float64) for p in sorted(updates)])
+        expected = np.average(rows, axis=0, weights=weights).astype(value.dtype)
+        assert np.allclose(expected, value, rtol=1e-5, atol=1e-6), name
+    assert all(check.ok for check in verify_run(deps_from_env()))
+
+
+class Progress:
+    """Prints the run's phase as it changes, and the requests served so far. Its own reads are counted
+    apart (`counter`), so they are charged to no one."""
+
+    def __init__(self, stack: StackProcess, began: float) -> None:
+        self.stack, self.began = stack, began
+        self.counter = RequestCounter()
+        c = stack.connection
+        self.probe = SimParticipant("observer", c, Clients(c, self.counter, pool=2), self.counter, 0)
+        self.phases: dict[str, float] = {}  # "<phase> <round>" -> seconds after the start, first seen
+        self.served: dict[str, Counter[tuple[str, str]]] = {}  # "<phase> <round>" -> requests served by then
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        last = None
+        while not self._stop.wait(1.0):
+            try:
+                s = self.probe.read_state()
+                counts = self.stack.requests()
+            except Exception as exc:  # progress is only informative
+                print(f"  progress: {type(exc).__name__}: {exc}")
+                continue
+            served = sum(counts.values())
+            at = time.monotonic() - self.began
+            self.phases.setdefault(f"{s.phase.value} {s.round}", at)
+            self.served.setdefault(f"{s.phase.value} {s.round}", counts - self.counter.snapshot())
+            now = (s.phase.value, s.round, served // 10000)
+            if now != last:
+                print(f"  {at:6.1f}s {s.phase.value} round {s.round}: {served} requests served", flush=True)
+                last = now
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def print_round_table(served: Counter[tuple[str, str]], participants: Counter[str]) -> None:
+    total: Counter[str] = Counter()
+    for (service, _), n in served.items():
+        total[service] += n
+    print("of which in the round itself (from RoundTrain to the end; participants' requests by the phase they "
+          "had last seen):")
+    print(f"{'service':<10}{'participants':>14}{'coordinator':>14}{'total':>14}")
+    for service in sorted(total):
+        print(f"{service:<10}{participants[service] / N:14.2f}{(total[service] - participants[service]) / N:14.2f}"
+              f"{total[service] / N:14.2f}")
+    t, p = sum(total.values()), sum(participants.values())
+    print(f"{'all':<10}{p / N:14.2f}{(t - p) / N:14.2f}{t / N:14.2f}")
+
+
+def print_figures(wall: float, total: Counter[tuple[str, str]], participants: Counter[tuple[str, str]],
+                  by_phase: Counter[str], stats: dict[str, Any], lost: int, phases: dict[str, float],
+                  sent: Counter[str]) -> None:
+    coordinator = total - participants
+
+    def by_service(counts: Counter[tuple[str, str]]) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for (service, _), n in counts.items():
+            out[service] += n
+        return out
+
+    services = sorted(set(by_service(total)) | set(by_service(participants)))
+    sides = {"participants": by_service(participants), "coordinator": by_service(coordinator),
+             "total": by_service(total)}
+    print(f"\nload test: {N} participants (--poll-max {POLL_MAX:g}s, started over {STAGGER:g}s, re-sending an "
+          f"unrecorded join after {JOIN_RETRY:g}s, ready after {READY_RETRY:g}s), 1 round: "
+          f"{wall:.1f}s wall time from the first join to the last participant seeing the run finished; "
+          f"updates lost: {lost}")
+    print("phases first seen at: " + ", ".join(f"{k} {v:.0f}s" for k, v in phases.items()))
+    print(f"AWS requests per participant per round (the one round: joining and warmup included), N = {N}")
+    print(f"{'service':<10}" + "".join(f"{side:>14}" for side in sides))
+    for service in services:
+        print(f"{service:<10}" + "".join(f"{counts[service] / N:14.2f}" for counts in sides.values()))
+    print(f"{'all':<10}" + "".join(f"{sum(counts.values()) / N:14.2f}" for counts in sides.values()))
+    print("participant requests by operation (per participant): " + ", ".join(
+        f"{svc}:{op} {n / N:.2f}" for (svc, op), n in sorted(participants.items(), key=lambda kv: -kv[1])))
+    print("coordinator requests by operation (per participant): " + ", ".join(
+        f"{svc}:{op} {n / N:.2f}" for (svc, op), n in sorted(coordinator.items(), key=lambda kv: -kv[1])))
+    print("participant uploads by kind (per participant): " + ", ".join(
+        f"{kind} {n / N:.2f}" for kind, n in sorted(sent.items())))
+    print("participant requests by phase (per participant): " + ", ".join(
+        f"{phase} {n / N:.2f}" for phase, n in sorted(by_phase.items())))
+    delivered = int(stats.get("delivered", 0))
+    print(f"function invocations: {delivered} S3 events delivered to ingest ({delivered / N:.2f} per participant), "
+          f"{stats.get('ticks')} scheduled ticks, {stats.get('failed')} failed deliveries (sqs above is the "
+          "local stand-in for EventBridge invoking Lambda: no requests of the run's on AWS)")
+    missing = {k: v for k, v in (participants - total).items() if v}
+    if missing:
+        print(f"counted at the participants but not at the server: {missing}")
