@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PARTICIPANTS ?= 4
 
-.PHONY: venv demo test test-fast test-slow synth lint clean
+.PHONY: venv demo test test-slow bench synth lint clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,10 @@ test-slow: $(STAMP)
 synth: $(STAMP)
 	@[ -x node_modules/.bin/cdk ] || npm ci --no-audit --no-fund
 	JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 npx --no-install cdk synth --quiet $(if $(CONFIG),-c config=$(CONFIG))
+
+# Streaming FedAvg vs hold-everything averaging: GB/s and peak memory, measured in one run.
+bench: $(STAMP)
+	$(PY) benchmarks/aggregation.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
