@@ -119,8 +119,8 @@ class Evaluator:
         finally:
             self._ready.set()
 
-    def accuracy(self, round_no: int, expect_digest: str = "") -> float:
-        """Test accuracy of rounds/<round_no>/global (its digest checked when given)."""
+    def accuracy(self, round_no: int, model_digest: str) -> float:
+        """Test accuracy of the global model of round `round_no` (the one with this digest)."""
         import torch
 
         from participant.tensors import load_into
@@ -128,8 +128,8 @@ class Evaluator:
         self._ready.wait()
         if self._error is not None:
             raise DemoFailed(f"cannot evaluate with task {self.config.task!r}: {self._error}") from self._error
-        data = self.bucket.get(keys.global_key(self.config.run_id, round_no)).data
-        if expect_digest and digest(data) != expect_digest:
+        data = self.bucket.get(keys.global_key(self.config.run_id, round_no, model_digest)).data
+        if digest(data) != model_digest:
             raise DemoFailed(f"the global model of round {round_no} does not match the digest the run recorded")
         load_into(self._model, data)
         return float(self._task.evaluate(self._model, torch.device("cpu"))["test_accuracy"])
@@ -427,7 +427,7 @@ def _follow(stack: LocalStack, config: RunConfig, opts: DemoOptions, procs: Part
 
 
 def _row(summary: RoundSummary, evaluator: Evaluator) -> RoundRow:
-    accuracy = evaluator.accuracy(summary.round + 1, summary.global_digest if summary.aggregated else "")
+    accuracy = evaluator.accuracy(summary.round + 1, summary.global_digest)
     return RoundRow(summary.round, len(summary.selected), len(summary.counted), len(summary.refused), summary.loss,
                     accuracy, summary.seconds, summary.aggregated, dict(summary.dropped), summary.proofs,
                     len(summary.witnesses))

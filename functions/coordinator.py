@@ -77,17 +77,25 @@ def run_tick(deps: Deps, now: float | None = None) -> TickResult:
 
 
 def carry_out_before_commit(deps: Deps, decision: Decision) -> Decision:
-    """Write every object the new state will point to. Writes are idempotent: same key, same bytes."""
+    """Write every object the new state will point to.
+
+    Global models are content-addressed (`keys.global_key`): a tick that loses its commit leaves at most an
+    orphan under its own digest, and can never replace the model the winner committed to.
+    """
     run_id = deps.config.run_id
+    written = ""  # digest of an aggregate written by this tick (a carry in the same tick copies it)
     for effect in decision.effects:
         if isinstance(effect, AdoptInitialModel):
             adopt_initial_model(deps, effect)
         elif isinstance(effect, Aggregate):
             data = aggregate_round(deps, effect)
-            deps.bucket.put(keys.global_key(run_id, effect.round + 1), data)
-            decision = resolve(decision, digest(data))
+            written = digest(data)
+            deps.bucket.put(keys.global_key(run_id, effect.round + 1, written), data)
+            decision = resolve(decision, written)
         elif isinstance(effect, CarryGlobal):
-            deps.bucket.copy(keys.global_key(run_id, effect.round), keys.global_key(run_id, effect.round + 1))
+            carried = effect.digest or written
+            deps.bucket.copy(keys.global_key(run_id, effect.round, carried),
+                             keys.global_key(run_id, effect.round + 1, carried))
         elif isinstance(effect, WriteCheckpoint):
             write_checkpoint(deps, effect, decision.state)
     return decision
@@ -96,7 +104,8 @@ def carry_out_before_commit(deps: Deps, decision: Decision) -> Decision:
 def write_checkpoint(deps: Deps, effect: WriteCheckpoint, state: RunState) -> None:
     """Global weights and the run's state at the end of an epoch, and a pointer to them."""
     run_id = deps.config.run_id
-    deps.bucket.copy(keys.global_key(run_id, effect.round), keys.checkpoint_global_key(run_id, effect.epoch))
+    source = keys.global_key(run_id, effect.round, state.global_digest)
+    deps.bucket.copy(source, keys.checkpoint_global_key(run_id, effect.epoch))
     body = {
         "schema": 1,
         "epoch": effect.epoch,
@@ -118,7 +127,7 @@ def adopt_initial_model(deps: Deps, effect: AdoptInitialModel) -> None:
         raise CorruptInput(f"initial model offer of {effect.participant} changed after it was recorded")
     manifest = Manifest.of(parse_header(blob.data))
     deps.bucket.put(keys.manifest_key(run_id), manifest.to_json().encode())
-    deps.bucket.put(keys.global_key(run_id, effect.round), blob.data)
+    deps.bucket.put(keys.global_key(run_id, effect.round, effect.digest), blob.data)
 
 
 def load_manifest(deps: Deps) -> Manifest:
@@ -148,7 +157,7 @@ def aggregate_round(deps: Deps, effect: Aggregate) -> bytes:
         for i in effect.inputs
     ]
     def load_reference() -> dict[str, np.ndarray]:  # the round's global model (for clipped_fedavg)
-        arrays, _ = decode(deps.bucket.get(keys.global_key(run_id, effect.round)).data)
+        arrays, _ = decode(deps.bucket.get(keys.global_key(run_id, effect.round, effect.base_digest)).data)
         return arrays
 
     return aggregate_file(deps.config, manifest, effect.round + 1, inputs, load_reference)

@@ -283,7 +283,7 @@ _GLOBAL_CACHE: dict[str, dict[str, np.ndarray]] = {}
 def _global_arrays(deps: Deps, state: RunState) -> dict[str, np.ndarray]:
     """The round's global model, kept across invocations of a warm function (one model at most)."""
     if state.global_digest not in _GLOBAL_CACHE:
-        blob = deps.bucket.get(keys.global_key(deps.config.run_id, state.round))
+        blob = deps.bucket.get(keys.global_key(deps.config.run_id, state.round, state.global_digest))
         _GLOBAL_CACHE.clear()
         _GLOBAL_CACHE[state.global_digest] = decode(blob.data)[0]
     return _GLOBAL_CACHE[state.global_digest]

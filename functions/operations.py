@@ -74,7 +74,7 @@ def restore(deps: Deps, force: bool = False) -> Restored:
     model = deps.bucket.get(body["global_key"]).data
     if digest(model) != body["global_digest"]:
         raise OperationError("the checkpoint's global model does not match its recorded digest")
-    deps.bucket.put(keys.global_key(run_id, saved.round), model)
+    deps.bucket.put(keys.global_key(run_id, saved.round, body["global_digest"]), model)
     state = RunState(
         run_id,
         phase=Phase.WAITING,

@@ -46,7 +46,7 @@ def verify_run(deps: Deps) -> list[RoundCheck]:
                     raise LookupError(f"no accepted update record for {pid}")
                 inputs.append(AggregateInput(pid, int(rec.samples), rec.digest, rec.version_id))
             recomputed = digest(aggregate_round(deps, Aggregate(summary.round, tuple(inputs))))
-            stored = digest(deps.bucket.get(keys.global_key(run_id, summary.round + 1)).data)
+            stored = digest(deps.bucket.get(keys.global_key(run_id, summary.round + 1, summary.global_digest)).data)
             checks.append(RoundCheck(summary.round, summary.global_digest, recomputed, stored))
         except (LookupError, NotFound, RuntimeError, ValueError) as exc:
             checks.append(RoundCheck(summary.round, summary.global_digest, "", "", f"{type(exc).__name__}: {exc}"))

@@ -30,7 +30,9 @@ from shared.records import run_pk
 TAG = f"aws:PrincipalTag/{PARTICIPANT_TAG}"
 REQUEST_TAG = f"aws:RequestTag/{PARTICIPANT_TAG}"
 # Participant ids are letters, digits, '_' and '-' (shared.keys); session tag values may also hold these.
-FORBIDDEN_IN_ID = ("*/*", "*.*", "*:*", "*=*", "*+*", "*@*", "* *")
+# Longer than 63 characters (no participant id is): a 64-character tag could otherwise write a global
+# model's content-addressed key rounds/<r>/global/<sha256>.
+FORBIDDEN_IN_ID = ("*/*", "*.*", "*:*", "*=*", "*+*", "*@*", "* *", "?" * 64 + "*")
 
 
 # Assuming the role takes exactly one session tag, the participant id; checked on AssumeRole and TagSession.

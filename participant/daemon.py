@@ -464,7 +464,7 @@ class Daemon:
                 data = b""
         source = "cache"
         if not data:
-            key = keys.global_key(self.run_id, action.round)
+            key = keys.global_key(self.run_id, action.round, action.digest)
             self.activity = f"downloading the global model of round {action.round}"
             started = time.perf_counter()
             try:

@@ -3,7 +3,7 @@
     runs/<run>/join/<participant>              join request (JSON)
     runs/<run>/init/<participant>              initial-model offer (safetensors), used if the run has none
     runs/<run>/heartbeat/<participant>         liveness and readiness (JSON)
-    runs/<run>/rounds/<round>/global           global model that round <round> trains from
+    runs/<run>/rounds/<round>/global/<digest>  global model that round <round> trains from, by its SHA-256
     runs/<run>/rounds/<round>/<participant>    participant's trained model for round <round>
     runs/<run>/rounds/<round>/witness/<participant>   a witness's proof for round <round> (JSON)
     runs/<run>/rounds/<round>/health/<participant>    a health report about round <round> (JSON)
@@ -26,6 +26,7 @@ from enum import StrEnum
 PARTICIPANT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 RESERVED_IDS = frozenset({"global", "manifest", "config", "witness", "health", "state", "checkpoint", "checkpoints"})
 ROUND_DIGITS = 6
+DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 
 
 class KeyError_(ValueError):
@@ -79,8 +80,16 @@ def round_prefix(run_id: str, round_no: int) -> str:
     return f"{run_prefix(run_id)}rounds/{round_no:0{ROUND_DIGITS}d}/"
 
 
-def global_key(run_id: str, round_no: int) -> str:
-    return f"{round_prefix(run_id, round_no)}global"
+def global_key(run_id: str, round_no: int, digest: str) -> str:
+    """Content-addressed: a key never holds two different models, so a racing tick that writes before its
+    (failing) commit can leave an orphan but never replace the model the run committed to."""
+    if not DIGEST_PATTERN.match(digest):
+        raise KeyError_(f"global model digest must be 64 hex characters, got {digest!r}")
+    return f"{global_prefix(run_id, round_no)}{digest}"
+
+
+def global_prefix(run_id: str, round_no: int) -> str:
+    return f"{round_prefix(run_id, round_no)}global/"
 
 
 def update_key(run_id: str, round_no: int, pid: str) -> str:
@@ -151,6 +160,8 @@ def parse_key(key: str) -> ParsedKey:
         return ParsedKey(simple[rest[0]], run_id, participant=validate_participant_id(rest[1]))
     if rest[0] == "checkpoints" and len(rest) in (2, 3):
         return ParsedKey(ObjectKind.CHECKPOINT, run_id)
+    if len(rest) == 4 and rest[0] == "rounds" and rest[2] == "global":
+        return ParsedKey(ObjectKind.GLOBAL, run_id, round=_round_of(key, rest[1]))
     if len(rest) == 4 and rest[0] == "rounds" and rest[2] in ("witness", "health"):
         kind = ObjectKind.WITNESS if rest[2] == "witness" else ObjectKind.HEALTH
         return ParsedKey(kind, run_id, participant=validate_participant_id(rest[3]), round=_round_of(key, rest[1]))

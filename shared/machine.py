@@ -292,6 +292,7 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         started=s.round_started,
         ended=c.now,
         aggregated=aggregated,
+        global_digest="" if aggregated else s.global_digest,  # the aggregate's is filled in by resolve()
         witnesses=s.witnesses,
         proofs=proofs,
         quorum=quorum(len(s.witnesses)),
@@ -299,9 +300,9 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
     )
     if aggregated:
         inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest, updates[p].version_id) for p in counted)
-        c.effects.append(Aggregate(s.round, inputs))
+        c.effects.append(Aggregate(s.round, inputs, s.global_digest))
     else:
-        c.effects.append(CarryGlobal(s.round))
+        c.effects.append(CarryGlobal(s.round, s.global_digest))
     c.effects.append(RecordRound(summary))
     c.state = s.evolve(
         round=s.round + 1,
@@ -460,7 +461,8 @@ def tick(snap: Snapshot, config: RunConfig, now: float) -> Decision:
 def resolve(decision: Decision, aggregate_digest: str) -> Decision:
     """Fill in the digest of the aggregate an `Aggregate` effect wrote (known only after writing it)."""
     effects = tuple(
-        RecordRound(_with_digest(e.summary, aggregate_digest)) if isinstance(e, RecordRound) and e.summary.aggregated
+        RecordRound(_with_digest(e.summary, aggregate_digest))
+        if isinstance(e, RecordRound) and not e.summary.global_digest
         else e
         for e in decision.effects
     )

@@ -143,6 +143,7 @@ class Aggregate:
 
     round: int
     inputs: tuple[AggregateInput, ...]
+    base_digest: str = ""  # the round's own global model (clipped_fedavg measures deltas from it)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class CarryGlobal:
     """A round that could not be aggregated: its global model becomes the next round's unchanged."""
 
     round: int
+    digest: str  # of the model carried over; "" when it is the aggregate this same tick writes
 
 
 @dataclass(frozen=True)

@@ -596,7 +596,9 @@ def recompute_fedavg(s3: Any, bucket: str, run_id: str, summary: RoundSummary, r
             problems.append(f"round {summary.round} {pid}: file says {samples} samples, record {rec.samples}")
         arrays.append(load(body))
         weights.append(samples)
-    stored = s3.get_object(Bucket=bucket, Key=keys.global_key(run_id, summary.round + 1))["Body"].read()
+    stored = s3.get_object(Bucket=bucket, Key=keys.global_key(run_id, summary.round + 1, summary.global_digest))[
+        "Body"
+    ].read()
     header = safetensors_header(stored)["__metadata__"]
     listed = [(p, int(n)) for p, n, _ in json.loads(header["fed.inputs"])]
     if listed != sorted(zip(summary.counted, weights, strict=True)):

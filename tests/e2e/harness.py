@@ -85,13 +85,13 @@ class Run:
             result.exception is not None and not isinstance(result.exception, SystemExit) else ""
         return result.exit_code, result.output + crash
 
-    def accuracy(self, round_no: int) -> float:
-        """Test accuracy of rounds/<round_no>/global, evaluated with the digits task in this process."""
+    def accuracy(self, round_no: int, model_digest: str) -> float:
+        """Test accuracy of round `round_no`'s global model, evaluated with the digits task in this process."""
         import torch
 
         from participant.tasks.digits import task
         from participant.tensors import load_into
 
-        data = self.bucket.get(keys.global_key(self.config.run_id, round_no)).data
+        data = self.bucket.get(keys.global_key(self.config.run_id, round_no, model_digest)).data
         model = load_into(task.build_model(0), data)
         return float(task.evaluate(model, torch.device("cpu"))["test_accuracy"])

@@ -284,7 +284,7 @@ class SimParticipant:
         self.outcomes[r] = "accepted" if rec["accepted"]["BOOL"] else rec.get("reason", {}).get("S", "refused")
 
     def _fetch(self, action: Fetch) -> None:
-        data = self._get(keys.global_key(self.run_id, action.round))
+        data = self._get(keys.global_key(self.run_id, action.round, action.digest))
         if data is None or wire.digest(data) != action.digest:
             time.sleep(1.0)  # not there yet (or not yet the committed one): the daemon waits and asks again
             return

@@ -46,7 +46,7 @@ def test_two_epochs_write_a_checkpoint_and_admit_a_late_joiner_at_the_second(loc
     checkpoint = latest_checkpoint(run)
     assert checkpoint is not None and checkpoint["epoch"] == 1 and checkpoint["round"] == 2
     saved = run.bucket.get(str(checkpoint["global_key"])).data
-    assert saved == run.bucket.get(keys.global_key(config.run_id, 2)).data
+    assert saved == run.bucket.get(keys.global_key(config.run_id, 2, str(checkpoint["global_digest"]))).data
     # And epoch 2 admits p4, which trains its rounds, and the run finishes
     run.wait_for(lambda: run.state().phase is Phase.FINISHED, 120, "the run to finish")
     rounds = sorted(run.store.rounds(), key=lambda r: r.round)

@@ -38,7 +38,8 @@ def test_a_run_with_three_participants_finishes(local_run: Callable[..., Run]) -
     assert all(r.loss is not None and r.loss > 0 for r in rounds)
     assert rounds[-1].loss < rounds[0].loss
     c = run.stack.connection
-    final = Bucket(c.bucket, s3_client(c.endpoint, c.region)).get(keys.global_key(config.run_id, state.round))
+    final_key = keys.global_key(config.run_id, state.round, state.global_digest)
+    final = Bucket(c.bucket, s3_client(c.endpoint, c.region)).get(final_key)
     assert digest(final.data) == state.global_digest == rounds[-1].global_digest
     # and every participant noticed the end and exited cleanly
     assert run.procs.wait_exit(30), "participants still running after the run finished"

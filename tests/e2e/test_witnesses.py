@@ -46,7 +46,7 @@ def test_a_poisoned_participant_is_not_attested_not_aggregated_and_dropped(local
     assert any(r.dropped.get("p6") == p6.reason for r in rounds)
     assert all(state.members[p].status is MemberStatus.ACTIVE for p in names[:5])
     # And the run reached the clean demo's accuracy bar
-    final = run.accuracy(state.round)
+    final = run.accuracy(state.round, state.global_digest)
     print(f"final test accuracy {final:.4f} after {state.aggregated} rounds")
     assert final >= 0.95, final
     assert run.procs.wait_exit(30) and all(p.process.returncode == 0 for p in run.procs.procs.values())

@@ -148,8 +148,23 @@ class Harness:
         self.offer(pids[0])
         return self.state()
 
+    def global_digest(self, round_no: int) -> str:
+        """The digest of the global model round `round_no` trained (or trains) from, as the run recorded it."""
+        s = self.state()
+        if s.round == round_no:
+            return s.global_digest
+        for summary in self.deps.store.rounds():
+            if summary.round == round_no - 1:
+                return summary.global_digest
+        if round_no == 0:
+            return self.deps.store.participants()[s.model_source].init_digest
+        raise LookupError(f"no record of round {round_no}'s global model")
+
+    def global_key(self, round_no: int) -> str:
+        return keys.global_key(self.config.run_id, round_no, self.global_digest(round_no))
+
     def global_model(self, round_no: int) -> dict[str, np.ndarray]:
-        body = self.s3.get_object(Bucket=self.res.bucket, Key=keys.global_key(self.config.run_id, round_no))
+        body = self.s3.get_object(Bucket=self.res.bucket, Key=self.global_key(round_no))
         return wire.decode(body["Body"].read())[0]
 
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from fed.cli import app
 from infra.local.resources import create_resources
-from shared import keys, wire
+from shared import wire
 from shared.connection import Connection
 from shared.state import Phase
 from tests.functional.conftest import MODEL, Harness
@@ -85,7 +85,7 @@ def test_verify_prints_each_round_and_fails_on_a_mismatch(harness: Harness, tmp_
     assert code == 0 and body["ok"] and [r["round"] for r in body["rounds"]] == [0, 1]
     assert all(r["recorded"] == r["recomputed"] == r["stored"] and len(r["stored"]) == 64 for r in body["rounds"])
     # When round 1's aggregate in the bucket is replaced by other bytes
-    harness.s3.put_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 2),
+    harness.s3.put_object(Bucket=harness.res.bucket, Key=harness.global_key(2),
                           Body=wire.encode(model(9)))
     code, out = fed("verify", "--connection", conn)
     # Then verify says which round and exits 1

@@ -53,7 +53,7 @@ def test_a_round_end_to_end_and_the_global_equals_fedavg_of_accepted_files(harne
         np.testing.assert_array_equal(got[name], expected[name])
     np.testing.assert_allclose(got["dense.bias"], np.full(4, (30 * 1.0 + 10 * 3.0) / 40))
     # And the state points at exactly those bytes
-    raw = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 1))["Body"]
+    raw = harness.s3.get_object(Bucket=harness.res.bucket, Key=harness.global_key(1))["Body"]
     assert wire.digest(raw.read()) == state.global_digest
     (summary,) = harness.deps.store.rounds()
     assert summary.counted == ("alice", "bob") and summary.samples == 40
@@ -165,5 +165,5 @@ def test_events_that_are_not_s3_uploads_are_ignored(harness: Harness) -> None:
 
 def test_coordinator_objects_are_not_treated_as_uploads(harness: Harness) -> None:
     harness.start(["alice", "bob"])
-    out = harness.deliver(harness.put(keys.global_key(harness.config.run_id, 5), b"x"))
+    out = harness.deliver(harness.put(keys.global_key(harness.config.run_id, 5, "0" * 64), b"x"))
     assert out["recorded"] is False and harness.deps.store.refusals() == []

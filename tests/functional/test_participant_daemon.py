@@ -213,7 +213,7 @@ def test_interrupted_training_is_retrained_identically(run: Callable[..., Harnes
     assert summary.selected == ("alice", "bob") and state.phase is Phase.FINISHED
     update = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.update_key(harness.config.run_id, 0, "alice"))
     uploaded = from_bytes(update["Body"].read())
-    global0 = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 0))
+    global0 = harness.s3.get_object(Bucket=harness.res.bucket, Key=harness.global_key(0))
     model = load_into(task.build_model(0), global0["Body"].read())
     seed = _round_seed(harness, 0)
     indices = assignment(seed, task.train_size, summary_selection(harness, 0), "alice")
@@ -280,11 +280,11 @@ def test_the_final_model_is_the_one_evaluated(run: Callable[..., Harness], tmp_p
         assert p.wait().finished
     late = Participant(harness, "dave", tmp_path / "dave").wait()
     assert late.finished and late.rounds == 0
-    raw = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 1))
+    raw = harness.s3.get_object(Bucket=harness.res.bucket, Key=harness.global_key(1))
     model = load_into(task.build_model(0), raw["Body"].read())
     assert late.final == task.evaluate(model, torch.device("cpu"))
     assert wire.digest(
-        harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 1))["Body"].read()
+        harness.s3.get_object(Bucket=harness.res.bucket, Key=harness.global_key(1))["Body"].read()
     ) == harness.state().global_digest
     assert np.isfinite(late.final["test_loss"])
 

@@ -5,6 +5,7 @@ write the next round's global model to the same key before committing. B commits
 after B's commit and replaces the committed model with A's (a different set of updates, or the carried
 model), then A loses its commit. The run then points to a digest the bucket no longer holds: invariant 2
 breaks, `fed verify` reports it, and participants cannot fetch the model (its digest never matches).
+Global models are now content-addressed (`shared.keys.global_key`), so A's write can only add an orphan.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import threading
 from typing import Any
 
 import numpy as np
-import pytest
 
 import functions.coordinator as coordinator
 from functions.coordinator import run_tick
@@ -21,11 +21,6 @@ from functions.verify import verify_run
 from shared import keys
 from shared.wire import digest
 from tests.functional.conftest import MODEL
-
-pytestmark = pytest.mark.xfail(
-    strict=True,
-    reason="a losing tick's global-model write can land after the winner's commit (reported to the lead)",
-)
 
 
 def scaled(x: float) -> dict[str, np.ndarray]:
@@ -72,7 +67,8 @@ def test_the_committed_global_survives_a_racing_tick_with_an_older_snapshot(harn
 
     # Then the bucket still holds the global model the run committed
     state = harness.state()
-    stored = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 1))
+    key = keys.global_key(harness.config.run_id, 1, state.global_digest)
+    stored = harness.s3.get_object(Bucket=harness.res.bucket, Key=key)
     assert digest(stored["Body"].read()) == state.global_digest
     assert all(check.ok for check in verify_run(harness.deps))
 
@@ -89,6 +85,7 @@ def test_the_committed_global_survives_a_racing_tick_that_carries_the_model_over
 
     # Then the bucket still holds the global model the run committed
     state = harness.state()
-    stored = harness.s3.get_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 1))
+    key = keys.global_key(harness.config.run_id, 1, state.global_digest)
+    stored = harness.s3.get_object(Bucket=harness.res.bucket, Key=key)
     assert state.aggregated == 1
     assert digest(stored["Body"].read()) == state.global_digest

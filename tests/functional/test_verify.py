@@ -21,7 +21,7 @@ def test_verify_matches_then_finds_a_tampered_global(harness: Harness) -> None:
     checks = verify_run(harness.deps)
     assert [c.round for c in checks] == [0, 1] and all(c.ok for c in checks), checks
     # When someone overwrites a global model in the bucket
-    harness.s3.put_object(Bucket=harness.res.bucket, Key=keys.global_key(harness.config.run_id, 2),
+    harness.s3.put_object(Bucket=harness.res.bucket, Key=harness.global_key(2),
                           Body=wire.encode(model(0)))
     checks = verify_run(harness.deps)
     assert checks[0].ok and not checks[1].ok

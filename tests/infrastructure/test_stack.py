@@ -188,7 +188,7 @@ def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> N
             "s3:GetObjectVersion": {f"{run}*"},
             "s3:ListBucket": {bucket},
             "s3:PutObject": {
-                f"{run}rounds/*/global",
+                f"{run}rounds/*/global/*",
                 f"{run}manifest.json",
                 f"{run}config.json",
                 f"{run}checkpoints/*",
@@ -273,7 +273,8 @@ def test_participant_policy_writes_only_keys_carrying_its_own_id(synth: Synth) -
         "s3:PutObject": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}", f"{run}rounds/*/{SELF}"},
         "s3:AbortMultipartUpload": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}",
                                     f"{run}rounds/*/{SELF}"},
-        "s3:GetObject": {f"{run}rounds/*/global", f"{run}manifest.json", f"{run}config.json", f"{run}rounds/*/{SELF}"},
+        "s3:GetObject": {f"{run}rounds/*/global/*", f"{run}manifest.json", f"{run}config.json",
+                         f"{run}rounds/*/{SELF}"},
         "dynamodb:GetItem": {table},
         "cloudformation:DescribeStacks": {"<AWS::StackId>"},
     }  # fmt: skip
@@ -407,7 +408,7 @@ def test_participant_write_patterns_admit_exactly_its_own_keys_of_the_layout(syn
                 found.append(getattr(keys, name)(run, 3, pid))
         return found
 
-    coordinators = [keys.global_key(run, 3), keys.manifest_key(run), keys.config_key(run)]
+    coordinators = [keys.global_key(run, 3, "ab" * 32), keys.manifest_key(run), keys.config_key(run)]
     # When alice's session asks to write them
     # Then it may write each of its own keys, none of bob's and none of the coordinator's
     assert all(iam_allows(allowed["s3:PutObject"], bucket, k, "alice") for k in own("alice"))

@@ -19,11 +19,13 @@ from shared.wire import Manifest, UpdateMeta, WireError, decode, encode, non_fin
 
 
 def test_keys_contain_round_global_and_round_participant() -> None:
-    assert keys.global_key("r1x", 3).endswith("000003/global")
+    assert keys.global_key("r1x", 3, "ab" * 32).endswith("000003/global/" + "ab" * 32)
     assert keys.update_key("r1x", 3, "alice").endswith("000003/alice")
     parsed = keys.parse_key(keys.update_key("r1x", 3, "alice"))
     assert parsed == keys.ParsedKey(keys.ObjectKind.UPDATE, "r1x", "alice", 3)
-    assert keys.parse_key(keys.global_key("r1x", 7)).kind is keys.ObjectKind.GLOBAL
+    assert keys.parse_key(keys.global_key("r1x", 7, "ab" * 32)).kind is keys.ObjectKind.GLOBAL
+    with pytest.raises(keys.KeyError_):
+        keys.global_key("r1x", 7, "not-a-digest")
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", "a%2Fb", "", "global", "Config", "x" * 64, "-lead", "sp ace", "é"])

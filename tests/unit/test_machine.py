@@ -254,7 +254,7 @@ def test_aggregate_effect_lists_exactly_the_counted_updates() -> None:
 def test_retry_carries_the_model_and_uses_a_new_round_number() -> None:
     snap = SCENARIOS["round_retry"][0]
     d = tick(snap, CFG, T0)
-    assert CarryGlobal(0) in d.effects
+    assert CarryGlobal(0, "g0") in d.effects
     assert d.state.round == 1 and d.state.aggregated == 0
     assert d.state.global_digest == "g0"
 
@@ -358,7 +358,7 @@ def test_epoch_time_ends_the_epoch() -> None:
 def test_pause_closes_an_open_round_and_resume_waits_for_members() -> None:
     snap = SCENARIOS["pause_train"][0]
     d = tick(snap, CFG, T0)
-    assert d.state.phase is Phase.PAUSED and CarryGlobal(0) in d.effects and d.state.members == {}
+    assert d.state.phase is Phase.PAUSED and CarryGlobal(0, "g0") in d.effects and d.state.members == {}
     assert not tick(Snapshot(d.state, snap.participants), CFG, T0 + 999).changed, "a paused run stays paused"
     resumed = tick(Snapshot(d.state.evolve(pause_requested=False), snap.participants), CFG, T0)
     assert resumed.fired[:2] == ("resume", "epoch_start")
