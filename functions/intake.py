@@ -282,11 +282,13 @@ _GLOBAL_CACHE: dict[str, dict[str, np.ndarray]] = {}
 
 def _global_arrays(deps: Deps, state: RunState) -> dict[str, np.ndarray]:
     """The round's global model, kept across invocations of a warm function (one model at most)."""
-    if state.global_digest not in _GLOBAL_CACHE:
+    cached = _GLOBAL_CACHE.get(state.global_digest)  # one read: concurrent invocations may replace the entry
+    if cached is None:
         blob = deps.bucket.get(keys.global_key(deps.config.run_id, state.round, state.global_digest))
+        cached = decode(blob.data)[0]
         _GLOBAL_CACHE.clear()
-        _GLOBAL_CACHE[state.global_digest] = decode(blob.data)[0]
-    return _GLOBAL_CACHE[state.global_digest]
+        _GLOBAL_CACHE[state.global_digest] = cached
+    return cached
 
 
 def _distance(update: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> float:
