@@ -136,7 +136,7 @@ def test_two_hundred_participants_upload_in_one_round_and_none_is_lost(stack: St
     updates = {s.pid: wire.decode(s.sent[0]) for s in sims}
     weights = np.array([int(updates[p][1].metadata["fed.samples"]) for p in sorted(updates)], np.float64)
     s3 = boto3.client("s3", endpoint_url=conn.endpoint, region_name=conn.region)
-    body = s3.get_object(Bucket=conn.bucket, Key=keys.global_key(config.run_id, 1))["Body"].read()
+    body = s3.get_object(Bucket=conn.bucket, Key=keys.global_key(config.run_id, 1, state.global_digest))["Body"].read()
     stored, _ = wire.decode(body)
     for name, value in stored.items():
         rows = np.stack([updates[p][0][name].astype(np.float64) for p in sorted(updates)])
