@@ -25,6 +25,7 @@ from typing import Any
 
 from participant.decide import (
     LIVE_PHASES,
+    Action,
     CheckUpdates,
     Fetch,
     Finish,
@@ -141,12 +142,12 @@ class Daemon:
         self.dataset_size = 0
         # what decide() needs to know about us
         self.joined_at: float | None = None
-        self.join_sent = 0.0
+        self.join_sent, self.join_sends = 0.0, 0
         self.offered = False
         self.held = ""
         self.held_bytes = b""
         self.reported_ready = 0
-        self.ready_sent = 0.0
+        self.ready_sent, self.ready_sends = 0.0, 0
         self.stored: set[int] = set()  # rounds with an update of ours found in the bucket or table
         self.skipped: set[int] = set()  # rounds trained but not sent (the round closed meanwhile)
         self.rounds_uploaded = 0
@@ -208,7 +209,8 @@ class Daemon:
                     raise Stopped()
                 delay = min(delay * POLL_GROWTH, self.opt.poll_max)
                 continue
-            delay, last_wait = POLL_FIRST, None
+            if not self._is_resend(action):  # a re-send is no progress: keep polling at the slower pace
+                delay, last_wait = POLL_FIRST, None
             if isinstance(action, Finish):
                 return self._finish(action)
             if isinstance(action, Join):
@@ -233,6 +235,9 @@ class Daemon:
                     log.info("leaving after %d uploaded round(s) (--max-rounds)", self.rounds_uploaded)
                     return Outcome(False, self.rounds_uploaded, reason="max-rounds")
 
+    def _is_resend(self, action: Action) -> bool:
+        return isinstance(action, Join) or (isinstance(action, ReportReady) and self.reported_ready >= action.epoch)
+
     def _local(self, state: RunState) -> Local:
         ready_recorded = self.reported_ready
         if self.joined_at is not None and self.pid not in state.members:
@@ -253,10 +258,12 @@ class Daemon:
             pid=self.pid,
             joined=self.joined_at is not None,
             join_age=time.monotonic() - self.join_sent,
+            join_sends=self.join_sends,
             offered=self.offered,
             held=self.held,
             reported_ready=self.reported_ready,
             ready_age=time.monotonic() - self.ready_sent,
+            ready_sends=self.ready_sends,
             ready_recorded=ready_recorded,
             uploaded=self._done(),
             recorded=recorded,
@@ -359,7 +366,7 @@ class Daemon:
         body = {"run_id": self.run_id, "participant": self.pid, "public_key": self.signer.public_key,
                 "info": self._info()}
         self.remote.put_json(keys.join_key(self.run_id, self.pid), body, "sending the join request")
-        self.join_sent = time.monotonic()
+        self.join_sent, self.join_sends = time.monotonic(), self.join_sends + 1
         log.info("join request sent for run %s", self.run_id)
 
     def _wait_for_config(self) -> RunConfig:
@@ -436,6 +443,7 @@ class Daemon:
         again = self.reported_ready >= epoch
         self._beat()
         self.reported_ready, self.ready_sent = epoch, time.monotonic()
+        self.ready_sends = self.ready_sends + 1 if again else 1
         if again:
             log.info("ready for epoch %d: not yet recorded by the coordinator, heartbeat sent again", epoch)
         else:

@@ -13,8 +13,17 @@ from shared.state import MemberStatus, Phase, RunState
 
 LIVE_PHASES = frozenset({Phase.WARMUP, Phase.TRAIN, Phase.WITNESS})
 
-JOIN_RETRY_SECONDS = 15.0  # re-send the join request if it has not been recorded after this long
-READY_RETRY_SECONDS = 2.0  # re-send "ready" if the coordinator has not recorded it after this long
+# Re-sending what the coordinator has not recorded yet: the join request first after 15 s, the ready report after
+# 2 s, each later re-send waiting twice as long as the one before, up to the cap. Every re-send is one more event
+# for the coordinator to ingest: a fixed interval lets a fleet that starts at once bury a lagging coordinator
+# under its own retries (measured with 200 participants on the local stack: 4,600 join uploads in 12 minutes).
+JOIN_RETRY_SECONDS, JOIN_RETRY_MAX_SECONDS = 15.0, 240.0
+READY_RETRY_SECONDS, READY_RETRY_MAX_SECONDS = 2.0, 60.0
+
+
+def retry_after(first: float, sends: int, cap: float) -> float:
+    """How long to wait for something sent `sends` times to be recorded before sending it again."""
+    return min(first * 2.0 ** max(sends - 1, 0), cap)
 
 
 @dataclass(frozen=True)
@@ -24,10 +33,12 @@ class Local:
     pid: str
     joined: bool = True  # the coordinator has recorded our join request
     join_age: float = 0.0  # seconds since we last sent the join request
+    join_sends: int = 1  # how many times this process has sent it
     offered: bool = False  # we sent an initial-model offer in this process
     held: str = ""  # digest of the global model we hold (downloaded and verified)
     reported_ready: int = 0  # last epoch we reported ready for in a heartbeat
     ready_age: float = 0.0  # seconds since that report
+    ready_sends: int = 1  # how many times we sent the report for that epoch
     ready_recorded: int = 0  # the ready epoch the coordinator has recorded for us (read during warmup)
     uploaded: frozenset[int] = field(default_factory=frozenset)  # rounds whose update we uploaded
     recorded: bool = False  # an update of ours is recorded (or stored) for state.round
@@ -149,7 +160,7 @@ def decide(state: RunState, local: Local) -> Action:
             return Fetch(state.round, state.global_digest)
         return Finish(state.round, state.global_digest)
     if not local.joined:
-        if local.join_age >= JOIN_RETRY_SECONDS:
+        if local.join_age >= retry_after(JOIN_RETRY_SECONDS, local.join_sends, JOIN_RETRY_MAX_SECONDS):
             return Join()
         return Wait("waiting for the join request to be recorded")
     if not state.has_model:
@@ -173,7 +184,8 @@ def decide(state: RunState, local: Local) -> Action:
             return Fetch(state.round, state.global_digest)
         if local.reported_ready < state.epoch:
             return ReportReady(state.epoch)
-        if local.ready_recorded < state.epoch and local.ready_age >= READY_RETRY_SECONDS:
+        if local.ready_recorded < state.epoch and local.ready_age >= retry_after(
+                READY_RETRY_SECONDS, local.ready_sends, READY_RETRY_MAX_SECONDS):
             return ReportReady(state.epoch)  # the heartbeat was lost or not yet processed: say it again
         return Wait(f"ready for epoch {state.epoch}; warmup ends when every member is ready")
     if state.phase is Phase.TRAIN:

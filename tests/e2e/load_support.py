@@ -155,6 +155,7 @@ class SimParticipant:
         self.offered = False
         self.held, self.held_bytes = "", b""
         self.reported_ready, self.ready_sent, self.join_sent = 0, 0.0, 0.0
+        self.join_sends, self.ready_sends = 0, 0
         self.uploaded: dict[int, str] = {}  # round -> digest
         self.outcomes: dict[int, str] = {}
         self.sent: dict[int, bytes] = {}
@@ -217,7 +218,10 @@ class SimParticipant:
                 time.sleep(delay * self.rng.uniform(0.75, 1.25))
                 delay = min(delay * POLL_GROWTH, self.poll_max)
                 continue
-            delay, last_wait = POLL_FIRST, None
+            resend = isinstance(action, Join) or (isinstance(action, ReportReady)
+                                                  and self.reported_ready >= action.epoch)
+            if not resend:  # as the daemon: a re-send is no progress, polling keeps its slower pace
+                delay, last_wait = POLL_FIRST, None
             if isinstance(action, Finish):
                 self.finished_digest = action.digest
                 return
@@ -230,6 +234,7 @@ class SimParticipant:
             elif isinstance(action, Fetch):
                 self._fetch(action)
             elif isinstance(action, ReportReady):
+                self.ready_sends = self.ready_sends + 1 if self.reported_ready >= action.epoch else 1
                 self._beat(action.epoch)
                 self.reported_ready, self.ready_sent = action.epoch, time.monotonic()
             elif isinstance(action, Train):
@@ -241,7 +246,7 @@ class SimParticipant:
         body = {"run_id": self.run_id, "participant": self.pid, "public_key": self.signer.public_key,
                 "info": {"host": "load-test"}}
         self._put(keys.join_key(self.run_id, self.pid), json.dumps(body, sort_keys=True).encode())
-        self.join_sent = time.monotonic()
+        self.join_sent, self.join_sends = time.monotonic(), self.join_sends + 1
 
     def _beat(self, ready_epoch: int) -> None:
         self.actions["ready report" if ready_epoch else "heartbeat"] += 1
@@ -267,8 +272,9 @@ class SimParticipant:
                     recorded = False
         now = time.monotonic()
         return Local(pid=self.pid, joined=self.joined, join_age=(now - self.join_sent) * self.join_scale,
-                     offered=self.offered, held=self.held, reported_ready=self.reported_ready,
-                     ready_age=(now - self.ready_sent) * self.ready_scale,
+                     join_sends=self.join_sends, offered=self.offered, held=self.held,
+                     reported_ready=self.reported_ready, ready_age=(now - self.ready_sent) * self.ready_scale,
+                     ready_sends=self.ready_sends,
                      ready_recorded=ready_recorded, uploaded=frozenset(self.uploaded), recorded=recorded)
 
     def _check_outcome(self, state: RunState) -> None:

@@ -30,6 +30,7 @@ from fed.localrun import store_for
 from functions.settings import deps_from_env
 from functions.verify import verify_run
 from infra.local.stack import client_environment, function_environment
+from participant.decide import JOIN_RETRY_SECONDS, READY_RETRY_SECONDS
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.state import Phase
@@ -41,13 +42,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 N = int(os.environ.get("LOAD_PARTICIPANTS", "200"))
 POLL_MAX = float(os.environ.get("LOAD_POLL_MAX", "15.0"))  # --poll-max of every participant
 STAGGER = float(os.environ.get("LOAD_STAGGER", "30.0"))  # seconds over which the participants start
-# Re-send an unrecorded join / ready report after this long (the daemon: after 15 s and 2 s). The local stack
-# ingests a few events a second, so 200 participants starting within seconds wait longer than 15 s for their
-# join to be recorded; the daemon's re-sends (each also resetting its poll delay to 0.2 s) then multiply the
-# events and reads until the coordinator starves: measured, 4,600 join uploads from 200 participants and 80
-# DynamoDB reads a second after 12 minutes, with the epoch still not started.
-JOIN_RETRY = float(os.environ.get("LOAD_JOIN_RETRY", "300"))
-READY_RETRY = float(os.environ.get("LOAD_READY_RETRY", "60"))
+# Re-send an unrecorded join / ready report first after this long (the daemon's defaults: 15 s and 2 s, each later
+# re-send waiting twice as long). The local stack ingests a few events a second, so 200 participants starting within
+# seconds wait minutes for their joins to be recorded; with a fixed 15 s interval their re-sends buried it (measured:
+# 4,600 join uploads from 200 participants in 12 minutes, the epoch still not started). The doubling is what this
+# test now exercises; LOAD_JOIN_RETRY / LOAD_READY_RETRY try other first intervals.
+JOIN_RETRY = float(os.environ.get("LOAD_JOIN_RETRY", str(JOIN_RETRY_SECONDS)))
+READY_RETRY = float(os.environ.get("LOAD_READY_RETRY", str(READY_RETRY_SECONDS)))
 TICK_INTERVAL = 5.0  # the schedule is a safety net; the events drive the run
 RUN_TIMEOUT = 900.0
 
@@ -212,7 +213,7 @@ def print_figures(wall: float, total: Counter[tuple[str, str]], participants: Co
     sides = {"participants": by_service(participants), "coordinator": by_service(coordinator),
              "total": by_service(total)}
     print(f"\nload test: {N} participants (--poll-max {POLL_MAX:g}s, started over {STAGGER:g}s, re-sending an "
-          f"unrecorded join after {JOIN_RETRY:g}s, ready after {READY_RETRY:g}s), 1 round: "
+          f"unrecorded join first after {JOIN_RETRY:g}s, ready after {READY_RETRY:g}s, then doubling), 1 round: "
           f"{wall:.1f}s wall time from the first join to the last participant seeing the run finished; "
           f"updates lost: {lost}")
     print("phases first seen at: " + ", ".join(f"{k} {v:.0f}s" for k, v in phases.items()))

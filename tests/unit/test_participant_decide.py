@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from participant.decide import (
+    JOIN_RETRY_MAX_SECONDS,
     JOIN_RETRY_SECONDS,
+    READY_RETRY_MAX_SECONDS,
     READY_RETRY_SECONDS,
     CheckUpdates,
     Fetch,
@@ -111,6 +115,13 @@ class TestWarmup:
         assert isinstance(decide(s, soon), Wait)
         assert decide(s, later) == ReportReady(2)
 
+    def test_ready_re_sends_back_off_up_to_the_cap(self) -> None:
+        s = state(phase=Phase.WARMUP, selected=(), epoch=2)
+        for sends, wait in [(1, READY_RETRY_SECONDS), (3, 4 * READY_RETRY_SECONDS), (50, READY_RETRY_MAX_SECONDS)]:
+            kept = local(reported_ready=2, ready_recorded=1, ready_sends=sends, ready_age=wait * 0.99)
+            assert isinstance(decide(s, kept), Wait), sends
+            assert decide(s, replace(kept, ready_age=wait)) == ReportReady(2), sends
+
     def test_non_member_in_warmup_waits(self) -> None:
         s = state(phase=Phase.WARMUP, members=("bob",), selected=())
         assert isinstance(decide(s, local(held="", reported_ready=0)), Wait)
@@ -126,6 +137,13 @@ class TestStartAndEnd:
         s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
         assert isinstance(decide(s, local(joined=False, join_age=1.0)), Wait)
         assert decide(s, local(joined=False, join_age=JOIN_RETRY_SECONDS)) == Join()
+
+    def test_join_re_sends_wait_twice_as_long_each_time_up_to_the_cap(self) -> None:
+        s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
+        for sends, wait in [(1, JOIN_RETRY_SECONDS), (2, 2 * JOIN_RETRY_SECONDS), (3, 4 * JOIN_RETRY_SECONDS),
+                            (20, JOIN_RETRY_MAX_SECONDS)]:
+            assert isinstance(decide(s, local(joined=False, join_sends=sends, join_age=wait * 0.99)), Wait), sends
+            assert decide(s, local(joined=False, join_sends=sends, join_age=wait)) == Join(), sends
 
     def test_no_offer_before_the_join_is_recorded(self) -> None:
         # the coordinator refuses offers from participants it does not know
