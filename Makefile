@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	mkdir -p reports
-	$(VENV)/bin/fed demo --participants $(PARTICIPANTS) --report reports/demo.json
+	$(VENV)/bin/fed demo --participants $(PARTICIPANTS) --report reports/demo.json --plot reports/demo.png
 
 # Everything but the long fault-injection and flood tests (those are `make test-slow`; CI runs both).
 test: $(STAMP)

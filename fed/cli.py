@@ -103,6 +103,9 @@ def demo(
     report: Path | None = typer.Option(
         None, "--report", help="Write the report JSON here: config, per-round rows, final accuracy, wall time."
     ),
+    plot: Path | None = typer.Option(
+        None, "--plot", dir_okay=False, help="Also write a PNG of loss, test accuracy and seconds per round here."
+    ),
     config: Path | None = typer.Option(
         None, "--config", "-c", exists=True, dir_okay=False,
         help="Run configuration (TOML) instead of the demo's: quick rounds of the built-in digits task.",
@@ -127,7 +130,7 @@ def demo(
     """
     from fed.demo import DemoFailed, DemoOptions, run_demo
 
-    options = DemoOptions(participants=participants, rounds=rounds, report=report, config=_load(config),
+    options = DemoOptions(participants=participants, rounds=rounds, report=report, plot=plot, config=_load(config),
                           kill_one=kill_one, timeout=timeout, tick_interval=tick_interval, workdir=workdir)
     try:
         run_demo(options, console)
@@ -147,6 +150,11 @@ def status(
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C."),
     interval: float = typer.Option(1.0, "--interval", min=0.2, help="Seconds between refreshes with --watch."),
     as_json: bool = typer.Option(False, "--json", help="Print the status as JSON (once) instead of tables."),
+    plot: Path | None = typer.Option(
+        None, "--plot", dir_okay=False,
+        help="Also write a PNG of every round's training loss, test accuracy and seconds here (again at each "
+        "refresh with --watch).",
+    ),
 ) -> None:
     """Show a run: phase, epoch, round and the phase's deadline; each participant's state (pending, active,
     dropped and why), whether it is selected this round and has uploaded or been refused, and when it was last
@@ -154,27 +162,41 @@ def status(
 
     With witnessing on: the current round's witnesses and which proofs are in, the last witnessed round's health
     scores (how many witnesses attested each participant) against its quorum, and who was dropped, when and why."""
-    from fed.status import collect, render, render_json
+    from fed.plot import PlotUnavailable
+    from fed.status import Status, collect, render, render_json, write_plot
 
     conn = _connect(connection_file, stack, region)
+    said: set[str] = set()
+
+    def collect_and_plot() -> Status:
+        status = collect(conn)
+        if plot is not None:
+            try:
+                write_plot(conn, plot)
+            except PlotUnavailable as exc:
+                if str(exc) not in said:  # once, not at every refresh
+                    said.add(str(exc))
+                    err.print(f"[yellow]no plot:[/] {exc}")
+        return status
+
     try:
         if as_json:
-            console.print_json(render_json(collect(conn)))
+            console.print_json(render_json(collect_and_plot()))
             return
         if not watch:
-            console.print(render(collect(conn)))
+            console.print(render(collect_and_plot()))
             return
         if not console.is_terminal:  # piped or logged: one full status per refresh
             while True:
                 console.rule(time.strftime("%H:%M:%S"))
-                console.print(render(collect(conn)))
+                console.print(render(collect_and_plot()))
                 time.sleep(interval)
         from rich.live import Live
 
-        with Live(render(collect(conn)), console=console, refresh_per_second=4, screen=False) as live:
+        with Live(render(collect_and_plot()), console=console, refresh_per_second=4, screen=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(render(collect(conn)))
+                live.update(render(collect_and_plot()))
     except KeyboardInterrupt:
         pass
     except Exception as exc:  # an endpoint that is gone, a table that does not exist

@@ -23,6 +23,7 @@ from typing import Any
 from rich.console import Console
 
 from fed.localrun import RoundFollower, store_for
+from fed.plot import PlotUnavailable, RoundPoint, write_png
 from infra.local.stack import LocalStack, client_environment
 from participant.tasks import digits_meta
 from shared import keys
@@ -250,6 +251,7 @@ class DemoOptions:
     participants: int = 4
     rounds: int | None = None  # None: the config's total_rounds (DEFAULT_ROUNDS without --config)
     report: Path | None = None
+    plot: Path | None = None  # a PNG of the per-round curves
     config: RunConfig | None = None
     kill_one: bool = False
     kill_after_round: int = 1  # with kill_one: kill during the first round after this many were recorded
@@ -352,9 +354,16 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         if opts.report is not None:
             opts.report.parent.mkdir(parents=True, exist_ok=True)
             opts.report.write_text(json.dumps(report, indent=1) + "\n")
+        if opts.plot is not None:
+            points = [RoundPoint(r.round, r.loss, r.accuracy, r.seconds, r.aggregated) for r in rows]
+            try:
+                write_png(points, opts.plot, f"fed demo: {opts.participants} participants, {config.task}")
+            except PlotUnavailable as exc:  # the run itself succeeded: say so, and why there is no plot
+                console.print(f"[yellow]no plot:[/] {exc}")
         console.print(f"[green]finished[/]: {final.aggregated} rounds in {wall:.1f}s, "
                       f"final test accuracy {final_accuracy:.4f}"
-                      + (f"; report: {opts.report}" if opts.report else ""))
+                      + (f"; report: {opts.report}" if opts.report else "")
+                      + (f"; plot: {opts.plot}" if opts.plot else ""))
         ok = True
         return report
     finally:

@@ -10,12 +10,14 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from fed.plot import points_from_summaries, write_png
 from shared import keys
 from shared.blobs import Bucket, NotFound, s3_client
 from shared.config import RunConfig
@@ -226,6 +228,12 @@ def collect(connection: Connection, now: float | None = None) -> Status:
     proofs = store.proofs(state.round) if state.witnesses else {}
     return describe(state, participants, updates, refused_updates, refusals, rounds, config,
                     time.time() if now is None else now, connection.endpoint, proofs)
+
+
+def write_plot(connection: Connection, path: Path) -> Path:
+    """Every finished round's loss, accuracy and seconds as a PNG (raises fed.plot.PlotUnavailable)."""
+    store = StateStore(connection.table, connection.run_id, connection.endpoint, connection.region)
+    return write_png(points_from_summaries(store.rounds()), path, f"run {connection.run_id}")
 
 
 def read_config(bucket: Bucket, run_id: str) -> RunConfig | None:

@@ -111,3 +111,23 @@ def test_restore_retries_when_a_tick_commits_between_its_read_and_its_write(
     harness.scheduled_tick()  # publishes the config
     code, out = fed("run", "restore", "--connection", str(connection_file(harness, tmp_path)), "--force")
     assert code == 0 and calls == [True, True] and "round 4" in out, out
+
+
+def test_status_plot_writes_the_curves_of_every_finished_round(harness: Harness, tmp_path: Path) -> None:
+    import matplotlib.image
+
+    harness.start(["alice", "bob"])
+    conn = str(connection_file(harness, tmp_path))
+    png = tmp_path / "curves.png"
+    # Before any round has finished there is nothing to draw: the status is shown, the plot is explained
+    code, out = fed("status", "--connection", conn, "--plot", str(png))
+    assert code == 0 and "no finished rounds to plot yet" in out and not png.exists()
+    # After two aggregated rounds
+    for r in range(2):
+        harness.upload("alice", model(1 + r))
+        harness.upload("bob", model(2 + r))
+    code, out = fed("status", "--connection", conn, "--plot", str(png))
+    # Then the PNG is written: three stacked panels (loss, accuracy, seconds) at 700 x 800 pixels
+    assert code == 0, out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(png).shape[:2] == (800, 700)
