@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import Any
 
 from aws_lambda_powertools import Logger, Metrics
@@ -11,6 +12,8 @@ from shared.naming import METRICS_NAMESPACE
 
 logger = Logger(service="fed-coordinator")
 metrics = Metrics(namespace=METRICS_NAMESPACE, service="fed-coordinator")
+# An invocation with nothing to count (a heartbeat, a join) is normal here, not a mistake worth a log line each time.
+warnings.filterwarnings("ignore", message="No application metrics to publish", category=UserWarning)
 
 tracer: Any = None
 if importlib.util.find_spec("aws_xray_sdk") is not None:  # Tracer needs powertools' [tracer] extra
