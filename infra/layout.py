@@ -40,14 +40,9 @@ def own_updates(run_id: str) -> str:
     return _as_self(_any_round(run_id, keys.update_key(run_id, _ROUND, _PID)))
 
 
-_DIGEST = "0" * 64
-
-
 def global_models(run_id: str) -> str:
     """rounds/*/global/*: every round's global model, whatever its digest."""
-    key = keys.global_key(run_id, _ROUND, _DIGEST)
-    assert key.endswith(_DIGEST), key
-    return _any_round(run_id, key[: -len(_DIGEST)] + "*")
+    return _any_round(run_id, keys.global_prefix(run_id, _ROUND) + "*")
 
 
 def participant_reads(run_id: str, witnessing: bool = False) -> list[str]:

@@ -25,7 +25,6 @@ from typing import Any
 
 from participant.decide import (
     LIVE_PHASES,
-    Action,
     CheckUpdates,
     Fetch,
     Finish,
@@ -38,6 +37,7 @@ from participant.decide import (
     Train,
     Wait,
     decide,
+    is_resend,
     is_witness_duty,
     unhealthy,
 )
@@ -197,7 +197,8 @@ class Daemon:
                 self._log_state(state)
                 last_seen = seen
             self._check_outcome(state)
-            action = decide(state, self._local(state))
+            local = self._local(state)
+            action = decide(state, local)
             if isinstance(action, Wait):
                 marker = (state.version, action.reason)
                 if marker != last_wait:
@@ -209,7 +210,8 @@ class Daemon:
                     raise Stopped()
                 delay = min(delay * POLL_GROWTH, self.opt.poll_max)
                 continue
-            if not self._is_resend(action):  # a re-send is no progress: keep polling at the slower pace
+            resend = is_resend(action, local)
+            if not resend:  # a re-send is no progress: keep polling at the slower pace
                 delay, last_wait = POLL_FIRST, None
             if isinstance(action, Finish):
                 return self._finish(action)
@@ -222,7 +224,7 @@ class Daemon:
             elif isinstance(action, Fetch):
                 self._fetch(action)
             elif isinstance(action, ReportReady):
-                self._report_ready(action.epoch)
+                self._report_ready(action.epoch, again=resend)
             elif isinstance(action, ReportHealth):
                 self._report_health(action, state)
             elif isinstance(action, CheckUpdates):
@@ -234,9 +236,6 @@ class Daemon:
                 if self.opt.max_rounds and self.rounds_uploaded >= self.opt.max_rounds:
                     log.info("leaving after %d uploaded round(s) (--max-rounds)", self.rounds_uploaded)
                     return Outcome(False, self.rounds_uploaded, reason="max-rounds")
-
-    def _is_resend(self, action: Action) -> bool:
-        return isinstance(action, Join) or (isinstance(action, ReportReady) and self.reported_ready >= action.epoch)
 
     def _local(self, state: RunState) -> Local:
         ready_recorded = self.reported_ready
@@ -437,10 +436,9 @@ class Daemon:
             body = {"participant": self.pid, "ready_epoch": self.ready_epoch, "info": info}
             self.remote.put_json(keys.heartbeat_key(self.run_id, self.pid), body, "sending a heartbeat")
 
-    def _report_ready(self, epoch: int) -> None:
+    def _report_ready(self, epoch: int, again: bool) -> None:
         self.ready_epoch = epoch
         self.activity = f"ready for epoch {epoch}"
-        again = self.reported_ready >= epoch
         self._beat()
         self.reported_ready, self.ready_sent = epoch, time.monotonic()
         self.ready_sends = self.ready_sends + 1 if again else 1

@@ -153,6 +153,11 @@ def is_witness_duty(state: RunState, local: Local) -> bool:
     )
 
 
+def is_resend(action: Action, local: Local) -> bool:
+    """The action sends again what the coordinator has not recorded yet (no progress: polling keeps its pace)."""
+    return isinstance(action, Join) or (isinstance(action, ReportReady) and local.reported_ready >= action.epoch)
+
+
 def decide(state: RunState, local: Local) -> Action:
     pid = local.pid
     if state.phase is Phase.FINISHED:

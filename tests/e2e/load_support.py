@@ -41,6 +41,7 @@ from participant.decide import (
     Train,
     Wait,
     decide,
+    is_resend,
 )
 from shared import keys, wire
 from shared.config import RunConfig
@@ -210,7 +211,8 @@ class SimParticipant:
             if state.phase in (Phase.TRAIN, Phase.WITNESS, Phase.FINISHED) or state.aggregated:
                 self.counter.phase.name = "round"
             self._check_outcome(state)
-            action = decide(state, self._local(state))
+            local = self._local(state)
+            action = decide(state, local)
             if isinstance(action, Wait):
                 marker = (state.version, action.reason)
                 if marker != last_wait:
@@ -218,8 +220,7 @@ class SimParticipant:
                 time.sleep(delay * self.rng.uniform(0.75, 1.25))
                 delay = min(delay * POLL_GROWTH, self.poll_max)
                 continue
-            resend = isinstance(action, Join) or (isinstance(action, ReportReady)
-                                                  and self.reported_ready >= action.epoch)
+            resend = is_resend(action, local)
             if not resend:  # as the daemon: a re-send is no progress, polling keeps its slower pace
                 delay, last_wait = POLL_FIRST, None
             if isinstance(action, Finish):
@@ -234,7 +235,7 @@ class SimParticipant:
             elif isinstance(action, Fetch):
                 self._fetch(action)
             elif isinstance(action, ReportReady):
-                self.ready_sends = self.ready_sends + 1 if self.reported_ready >= action.epoch else 1
+                self.ready_sends = self.ready_sends + 1 if resend else 1
                 self._beat(action.epoch)
                 self.reported_ready, self.ready_sent = action.epoch, time.monotonic()
             elif isinstance(action, Train):
