@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PARTICIPANTS ?= 4
 
-.PHONY: venv demo test test-slow bench synth lint clean
+.PHONY: venv demo test test-slow bench bench-big synth lint clean
 
 venv: $(STAMP)
 
@@ -31,12 +31,20 @@ synth: $(STAMP)
 	@[ -x node_modules/.bin/cdk ] || npm ci --no-audit --no-fund
 	JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 npx --no-install cdk synth --quiet $(if $(CONFIG),-c config=$(CONFIG))
 
-# Streaming FedAvg vs hold-everything averaging: GB/s and peak memory, measured in one run.
+# Aggregation from files: the piece-wise path (K=1, K=2) vs Flower's algorithm and numpy, GB/s and peak memory, one run.
 bench: $(STAMP)
 	$(PY) benchmarks/aggregation.py
 
+# The whole loop with a ~1 GB update (fp32, then the same parameters in bf16), K = 1 and 2 shards: per-round
+# transfer, ingest and aggregation times, the data-movement limit measured beside them, peak memory per process.
+bench-big: $(STAMP)
+	$(PY) benchmarks/big_loop.py
+
+# ruff, mypy (strict on the core) and the layer contracts in pyproject.toml (import-linter).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) cdk.out reports build

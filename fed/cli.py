@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from shared.config import ConfigError, RunConfig, load_config
-from shared.connection import DEFAULT_LOCAL_FILE, Connection, ConnectionError_
+from store.connection import DEFAULT_LOCAL_FILE, Connection, ConnectionError_
 
 app = typer.Typer(
     name="fed",
@@ -97,18 +97,29 @@ def local(
 @app.command()
 def demo(
     participants: int = typer.Option(4, "--participants", "-n", min=1, help="Participant processes to start."),
+    task: str | None = typer.Option(
+        None, "--task", "-t",
+        help="The built-in task to train, with settings that finish in minutes on a 2-core CPU: `digits` (the "
+        "default; an MLP on scikit-learn's 8x8 digits, 20 rounds, each round's test accuracy) or `lm` (a "
+        "~1M-parameter byte-level transformer on Python's help text, 4 rounds, each round's held-out loss and "
+        "perplexity). With --config, the file's task runs (a participant.tasks.lm task is reported by its "
+        "held-out loss).",
+    ),
     rounds: int | None = typer.Option(
-        None, "--rounds", "-r", min=1, help="Rounds to aggregate. Default: 20, or the --config file's total_rounds."
+        None, "--rounds", "-r", min=1,
+        help="Rounds to aggregate. Default: 20 (digits), 4 (lm), or the --config file's total_rounds.",
     ),
     report: Path | None = typer.Option(
-        None, "--report", help="Write the report JSON here: config, per-round rows, final accuracy, wall time."
+        None, "--report", help="Write the report JSON here: config, per-round rows, final accuracy (lm: also the "
+        "held-out loss and perplexity), wall time."
     ),
     plot: Path | None = typer.Option(
-        None, "--plot", dir_okay=False, help="Also write a PNG of loss, test accuracy and seconds per round here."
+        None, "--plot", dir_okay=False,
+        help="Also write a PNG of loss, test accuracy (lm: held-out loss) and seconds per round here.",
     ),
     config: Path | None = typer.Option(
         None, "--config", "-c", exists=True, dir_okay=False,
-        help="Run configuration (TOML) instead of the demo's: quick rounds of the built-in digits task.",
+        help="Run configuration (TOML) instead of the demo's own settings (quick rounds of the --task).",
     ),
     kill_one: bool = typer.Option(
         False, "--kill-one",
@@ -125,13 +136,17 @@ def demo(
     """Train a real model on this machine: the local stack plus N `fed-participant start` processes.
 
     Prints a row per round as it finishes (participants, accepted and refused updates, training loss, the test
-    accuracy of the round's new global model, seconds) and writes the report JSON. Exits non-zero with the reason
-    if a participant process fails or the run does not finish within --timeout. Ctrl-C stops everything.
+    accuracy of the round's new global model, or with `--task lm` its held-out loss and perplexity, seconds) and
+    writes the report JSON. Exits non-zero with the reason if a participant process fails or the run does not
+    finish within --timeout. Ctrl-C stops everything.
     """
-    from fed.demo import DemoFailed, DemoOptions, run_demo
+    from fed.demo import DEMO_TASKS, DemoFailed, DemoOptions, run_demo
 
+    if task is not None and task not in DEMO_TASKS:
+        err.print(f"[red]unknown --task {task!r}[/]: choose one of {', '.join(DEMO_TASKS)}")
+        raise typer.Exit(2)
     options = DemoOptions(participants=participants, rounds=rounds, report=report, plot=plot, config=_load(config),
-                          kill_one=kill_one, timeout=timeout, tick_interval=tick_interval, workdir=workdir)
+                          kill_one=kill_one, timeout=timeout, tick_interval=tick_interval, workdir=workdir, task=task)
     try:
         run_demo(options, console)
     except DemoFailed as exc:
@@ -227,7 +242,7 @@ def _connect(connection_file: Path | None, stack: str | None, region: str | None
                   f"{conn.run_id!r}[/]")
         raise typer.Exit(2)
     if conn.endpoint:
-        from infra.local.stack import client_environment
+        from local.stack import client_environment
 
         os.environ.update(client_environment(conn.region))
         if not _reachable(conn.endpoint):
@@ -251,7 +266,7 @@ def _deps(conn: Connection):  # type: ignore[no-untyped-def]
 
 def _set_paused(run: str | None, connection_file: Path | None, stack: str | None, region: str | None,
                 paused: bool) -> None:
-    from functions.operations import OperationError, set_paused
+    from coordinator.operations import OperationError, set_paused
 
     conn = _connect(connection_file, stack, region, run)
     deps = _deps(conn)
@@ -315,8 +330,8 @@ def run_restore(
     to that round's key. Participants still polling find their records gone, join again, and the next epoch admits
     them; rounds after the checkpoint are trained again. Exits 1 if there is no checkpoint, if its model does not
     match its digest, or if the run has state and --force was not given."""
-    from functions.operations import OperationError, restore
-    from shared.store import Conflict
+    from coordinator.operations import OperationError, restore
+    from store.table import Conflict
 
     conn = _connect(connection_file, stack, region, run)
     deps = _deps(conn)
@@ -352,13 +367,16 @@ def verify(
     For each round: the updates its summary counted, read by the object version the coordinator accepted (and
     checked against the recorded digest), combined by the run's strategy with the coordinator's own code; the
     result's SHA-256 is compared with the digest the round recorded and with the object stored at
-    `rounds/<round+1>/global`. Exit status 0 when every round matches, 1 on any mismatch or unreadable input."""
+    `rounds/<round+1>/global`. A round whose objects are gone (round objects expire after `[deploy]
+    round_objects_expire_days`, 30 by default) cannot be recomputed: it is shown as expired, and checked against
+    its checkpoint where one keeps its global model. Exit status 0 when every round matches or is expired with
+    nothing contradicting its record, 1 on any mismatch or unreadable input."""
     import json
 
     from rich.table import Table
 
+    from coordinator.verify import verify_run
     from fed.operate import VerifyLine
-    from functions.verify import verify_run
 
     conn = _connect(connection_file, stack, region, run)
     deps = _deps(conn)
@@ -367,7 +385,8 @@ def verify(
     except Exception as exc:
         err.print(f"[red]cannot verify run {conn.run_id}: {type(exc).__name__}: {exc}[/]")
         raise typer.Exit(1) from None
-    bad = [line for line in lines if not line.ok]
+    bad = [line for line in lines if not line.passes]
+    expired = [line for line in lines if line.expired and line.passes]
     if as_json:
         console.print_json(json.dumps({"run_id": conn.run_id, "ok": not bad, "rounds": [v.to_json() for v in lines]}))
     elif not lines:
@@ -377,12 +396,14 @@ def verify(
         for col in ("round", "recorded", "recomputed", "stored", "result"):
             table.add_column(col)
         for v in lines:
-            result = "[green]ok[/]" if v.ok else "[red]MISMATCH[/]"
+            result = "[green]ok[/]" if v.ok else "[yellow]expired[/]" if v.passes else "[red]MISMATCH[/]"
             table.add_row(str(v.round), v.recorded[:16] or "-", v.recomputed[:16] or "-", v.stored[:16] or "-", result)
         console.print(table)
         for v in bad:
             console.print(f"[red]round {v.round}: {v.problem}[/]", soft_wrap=True)
-        summary = f"{len(lines) - len(bad)} of {len(lines)} round(s) match"
+        for v in expired:
+            console.print(f"[yellow]round {v.round}: {v.problem}[/]", soft_wrap=True)
+        summary = f"{len(lines) - len(bad) - len(expired)} of {len(lines)} round(s) match"
         console.print(f"[red]{summary}[/]" if bad else f"[green]{summary}[/]")
     if bad:
         raise typer.Exit(1)

@@ -11,12 +11,12 @@ from typing import Any
 
 from rich.console import Console
 
-from infra.local.stack import LocalStack
+from local.stack import LocalStack
 from participant.tasks import digits_meta
 from shared.config import RunConfig
-from shared.connection import DEFAULT_LOCAL_FILE, Connection
 from shared.state import RoundSummary
-from shared.store import StateStore
+from store.connection import DEFAULT_LOCAL_FILE, Connection
+from store.table import StateStore
 
 LOCAL_RUN_ID = "local"
 
@@ -130,7 +130,8 @@ def run_local(
             stack.stop()
         if dispatcher is not None:
             stats = dispatcher.stats
-            console.print(f"delivered {stats.delivered} events, {stats.ticks} scheduled ticks")
+            console.print(f"delivered {stats.delivered} events ({stats.joins_delivered} join requests, by their own "
+                          f"lane), {stats.ticks} scheduled ticks")
     return 0
 
 
@@ -138,7 +139,7 @@ def _on_signals(stop: threading.Event) -> dict[int, Any]:
     """Ctrl-C and SIGTERM set `stop` (only possible from the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    previous = {}
+    previous: dict[int, Any] = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, lambda *_: stop.set())
     return previous

@@ -1,7 +1,7 @@
 """Operator commands against a run, local or deployed: `fed run pause|resume|restore` and `fed verify`.
 
-They call the same functions the coordinator's handlers use (`functions.operations`,
-`functions.verify`) with a `functions.settings.Deps` built from the connection (a local connection
+They call the same functions the coordinator's handlers use (`coordinator.operations`,
+`coordinator.verify`) with a `coordinator.deps.Deps` built from the connection (a local connection
 file, or a deployed stack's outputs) and the run's configuration as its first tick published it
 (`runs/<run>/config.json`): so they need no copy of the run file, and cannot disagree with it.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from functions.settings import Deps
-from functions.verify import RoundCheck
+from coordinator.deps import Deps
+from coordinator.verify import RoundCheck
 from shared import keys
-from shared.blobs import Bucket, NotFound, s3_client
 from shared.config import RunConfig
-from shared.connection import Connection
-from shared.store import StateStore
+from store.blobs import Bucket, NotFound, s3_client
+from store.connection import Connection
+from store.table import StateStore
 
 
 class OperateError(RuntimeError):
@@ -47,6 +47,8 @@ class VerifyLine:
     stored: str
     ok: bool
     problem: str
+    expired: bool = False  # cannot be recomputed any more (its objects are gone); `passes` if nothing contradicts
+    passes: bool = False
 
     @classmethod
     def of(cls, check: RoundCheck) -> VerifyLine:
@@ -58,8 +60,10 @@ class VerifyLine:
             if check.stored != check.expected:
                 parts.append("stored object differs from recorded")
             problem = "; ".join(parts)
-        return cls(check.round, check.expected, check.recomputed, check.stored, check.ok, problem)
+        return cls(check.round, check.expected, check.recomputed, check.stored, check.ok, problem, check.expired,
+                   check.passes)
 
     def to_json(self) -> dict[str, object]:
         return {"round": self.round, "recorded": self.recorded, "recomputed": self.recomputed,
-                "stored": self.stored, "ok": self.ok, "problem": self.problem}
+                "stored": self.stored, "ok": self.ok, "problem": self.problem, "expired": self.expired,
+                "passes": self.passes}

@@ -1,4 +1,5 @@
-"""Training curves as a PNG: loss, test accuracy and seconds per round (`fed status --plot`, `fed demo --plot`).
+"""Training curves as a PNG: loss, test accuracy (or held-out loss) and seconds per round (`fed status --plot`,
+`fed demo --plot`).
 
 matplotlib comes with the `local` extra; it is imported only when a plot is asked for.
 """
@@ -23,6 +24,7 @@ class RoundPoint:
     accuracy: float | None  # test accuracy (the run's records, or the demo's own evaluation)
     seconds: float
     aggregated: bool
+    test_loss: float | None = None  # held-out loss of the round's global model (the demo's LM task)
 
 
 def points_from_summaries(rounds: Iterable[RoundSummary]) -> list[RoundPoint]:
@@ -30,8 +32,15 @@ def points_from_summaries(rounds: Iterable[RoundSummary]) -> list[RoundPoint]:
     return [RoundPoint(r.round, r.loss, r.accuracy, r.seconds, r.aggregated) for r in ordered]
 
 
-def write_png(points: Sequence[RoundPoint], path: Path, title: str) -> Path:
-    """Draw loss, accuracy and round time against the round number; rounds that were not aggregated are marked."""
+# What the middle panel can show: a RoundPoint field and its label
+METRICS = {"accuracy": "test accuracy", "test_loss": "held-out loss"}
+
+
+def write_png(points: Sequence[RoundPoint], path: Path, title: str, metric: str = "accuracy") -> Path:
+    """Draw loss, `metric` (test accuracy, or the held-out loss) and round time against the round number; rounds
+    that were not aggregated are marked."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(METRICS)}, not {metric!r}")
     if not points:
         raise PlotUnavailable("no finished rounds to plot yet")
     try:
@@ -46,7 +55,7 @@ def write_png(points: Sequence[RoundPoint], path: Path, title: str) -> Path:
     fig, (loss_ax, acc_ax, time_ax) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     try:
         _curve(loss_ax, points, "loss", "training loss")
-        _curve(acc_ax, points, "accuracy", "test accuracy")
+        _curve(acc_ax, points, metric, METRICS[metric])
         _curve(time_ax, points, "seconds", "seconds")
         skipped = [p.round for p in points if not p.aggregated]
         for ax in (loss_ax, acc_ax, time_ax):

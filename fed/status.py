@@ -19,12 +19,13 @@ from rich.text import Text
 
 from fed.plot import points_from_summaries, write_png
 from shared import keys
-from shared.blobs import Bucket, NotFound, s3_client
 from shared.config import RunConfig
-from shared.connection import Connection
+from shared.limits import bounded
 from shared.state import MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
-from shared.store import StateStore
 from shared.witness import Proof, quorum
+from store.blobs import Bucket, NotFound, s3_client
+from store.connection import Connection
+from store.table import StateStore
 
 RECENT_ROUNDS = 10
 
@@ -263,6 +264,16 @@ def _num(value: float | None, fmt: str = ".4f") -> str:
 
 
 STATE_STYLE = {"active": "green", "pending": "yellow", "dropped": "red"}
+MAX_SHOWN_REASON, MAX_SHOWN_KEY, MAX_SHOWN_ID = 240, 120, 64
+
+
+def shown(text: str, limit: int = MAX_SHOWN_REASON, style: str = "") -> Text:
+    """Text an uploader may have written, as the terminal shows it: bounded, control characters replaced,
+    and never read as console markup (a reason may quote a tensor name or a key)."""
+    clean = "".join(c if c.isprintable() else "?" for c in bounded(text, limit))
+    return Text(clean, style=style)
+
+
 ROUND_STYLE = {"uploaded": "green", "refused": "red", "training": "cyan"}
 
 
@@ -305,11 +316,11 @@ def render(status: Status) -> RenderableType:
             "yes" if p.selected else "",
             Text(p.round_status, style=ROUND_STYLE.get(p.round_status, "")),
             Text(seen, style="red" if p.silent else ""),
-            p.reason or p.round_detail,
+            shown(p.reason or p.round_detail),
         ]
         if w is not None:
-            low = p.health is not None and p.health < w.health_quorum
-            cells[4:4] = [p.witness, Text("-" if p.health is None else str(p.health), style="red" if low else "")]
+            unhealthy = p.health is not None and p.health < w.health_quorum
+            cells[4:4] = [p.witness, Text("-" if p.health is None else str(p.health), style="red" if unhealthy else "")]
         people.add_row(*cells)
 
     if not status.participants:
@@ -320,14 +331,15 @@ def render(status: Status) -> RenderableType:
         for col in ("round", "participant", "why"):
             dropped.add_column(col)
         for d in status.drops[-RECENT_ROUNDS:]:
-            dropped.add_row("now" if d.round is None else str(d.round), d.pid, Text(d.reason, style="red"))
+            dropped.add_row("now" if d.round is None else str(d.round), d.pid, shown(d.reason, style="red"))
         parts.append(dropped)
     if status.refusals:
         refused = Table(title="refused uploads", title_justify="left")
         for col in ("round", "participant", "key", "reason"):
             refused.add_column(col)
-        for r in status.refusals[-RECENT_ROUNDS:]:
-            refused.add_row("-" if r.round is None else str(r.round), r.pid or "?", r.key, Text(r.reason, style="red"))
+        for x in status.refusals[-RECENT_ROUNDS:]:
+            refused.add_row("-" if x.round is None else str(x.round), shown(x.pid or "?", MAX_SHOWN_ID),
+                            shown(x.key, MAX_SHOWN_KEY), shown(x.reason, style="red"))
         parts.append(refused)
     if status.rounds:
         rounds = Table(title="recent rounds", title_justify="left")

@@ -7,7 +7,7 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.data_classes import EventBridgeEvent
 
-from functions.intake import ObjectCreated
+from coordinator.intake import ObjectCreated
 
 
 class BadEvent(ValueError):

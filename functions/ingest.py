@@ -7,8 +7,8 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
+from coordinator.intake import ingest_object
 from functions.events import BadEvent, object_created
-from functions.intake import ingest_object
 from functions.observability import logger, metrics, traced
 from functions.settings import deps_from_env
 from functions.tick import tick_and_publish
@@ -34,6 +34,6 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         metrics.add_metric(name=name, unit=MetricUnit.Count, value=1)
     result: dict[str, Any] = {"kind": outcome.kind, "accepted": outcome.accepted, "reason": outcome.reason,
                               "recorded": outcome.recorded}
-    if outcome.recorded and not outcome.refusal:  # so a round closes as soon as its last update lands
+    if outcome.recorded and not outcome.refusal and outcome.ticks:  # a round closes as soon as its last update lands
         result["tick"] = tick_and_publish(deps)
     return result

@@ -7,7 +7,7 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.coordinator import TickContention, TickResult, run_tick
+from coordinator.tick import TickContention, TickResult, run_tick
 from functions.observability import logger, metrics, traced
 from functions.settings import Deps, deps_from_env
 from shared.naming import (

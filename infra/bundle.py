@@ -1,7 +1,7 @@
 """Build the coordinator functions' Lambda asset without Docker.
 
 pip installs manylinux wheels for the Lambda runtime's Python into a directory (never compiling anything,
-never running the target interpreter), then `shared/` and `functions/` are copied in beside them:
+never running the target interpreter), then the coordinator's code (`SOURCE_PACKAGES`) is copied in beside them:
 
     build/lambda/deps-py3.14-<hash of requirements>/   the dependencies, cached: rebuilt only when
                                                         lambda-requirements.txt (or this recipe) changes
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BUILD_ROOT = REPO / "build" / "lambda"
 REQUIREMENTS = Path(__file__).resolve().with_name("lambda-requirements.txt")
-SOURCE_PACKAGES = ("shared", "functions")
+SOURCE_PACKAGES = ("shared", "store", "coordinator", "functions")
 
 # The Lambda runtime (aws_lambda.Runtime.PYTHON_3_14, x86_64; Amazon Linux 2023, glibc 2.34). Both tags
 # are needed: with manylinux2014 alone pip settles for old releases, with 2_28 alone some wheels are missing.
@@ -144,7 +144,7 @@ def build_asset(
     root: Path = BUILD_ROOT,
     requirements: Path = REQUIREMENTS,
 ) -> Path:
-    """The directory Lambda runs: dependencies plus `shared/` and `functions/` at its top level."""
+    """The directory Lambda runs: dependencies plus `SOURCE_PACKAGES` at its top level."""
     deps = build_dependencies(python_version, root=root, requirements=requirements)
     final = root / f"asset-py{_tag(python_version)}-{asset_key(python_version, repo=repo, requirements=requirements)}"
 

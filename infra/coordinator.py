@@ -1,10 +1,17 @@
-"""The coordinator: the tick and ingest functions, what invokes them, and where failed events go.
+"""The coordinator: the tick, ingest, join and shard-worker functions, what invokes them, and where failed events go.
 
-    EventBridge "Object Created" under runs/<run>/  -->  ingest (validate, record, tick)
+    EventBridge "Object Created", all but runs/<run>/join/  -->  ingest (validate, record, tick)
+    EventBridge "Object Created" under runs/<run>/join/  -->  join queue  -->  join (register; no tick)
+                                                   (event source mapping, maximum concurrency join_concurrency)
     EventBridge schedule, every TICK_SCHEDULE_MINUTES  -->  tick (deadlines, liveness)
+    a tick (of tick or ingest) that aggregates a round  ==>  shard, K at once (synchronous, RequestResponse)
 
-Both are asynchronous invocations: Lambda retries a failed one, then sends it to the dead-letter queue;
-an event EventBridge itself cannot deliver goes to the same queue.
+Ingest and tick are asynchronous invocations: Lambda retries a failed one, then sends it to the dead-letter
+queue; an event EventBridge itself cannot deliver goes to the same queue. Join requests wait in their own
+queue, so that a burst of them never takes the concurrency heartbeats and updates need; a join request that
+keeps failing moves from that queue to the dead-letter queue too. The shard worker is invoked synchronously:
+a failure returns to the tick that invoked it, which retries the shard and, if it keeps failing, fails itself
+(and is retried, dead-lettered and alarmed as a tick): it has no dead-letter queue of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_lambda_event_sources as event_sources
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_sqs as sqs
 from constructs import Construct
@@ -25,15 +33,18 @@ from infra.nag import acknowledge, arn_ref
 from infra.settings import DeploySettings, FunctionSettings
 from infra.storage import removal_policy
 from shared.config import RunConfig
-from shared.keys import run_prefix
+from shared.keys import heartbeat_prefix, join_prefix, run_prefix
 from shared.naming import (
     ENV_BUCKET,
     ENV_CONFIG,
     ENV_RUN_ID,
+    ENV_SHARD_RUNNER,
     ENV_TABLE,
     METRICS_NAMESPACE,
     TICK_SCHEDULE_MINUTES,
     ingest_rule_name,
+    join_request_pattern,
+    join_rule_name,
     object_created_pattern,
 )
 
@@ -48,13 +59,25 @@ STATE_ACTIONS = (
 )
 
 
-def coordinator_statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: str) -> list[iam.PolicyStatement]:
-    """What one tick needs; ingest needs the same, since it ticks after recording."""
+def coordinator_statements(
+    bucket: s3.IBucket, table: dynamodb.ITable, run_id: str, shard_worker: lambda_.IFunction | None = None
+) -> list[iam.PolicyStatement]:
+    """What one tick needs; ingest needs the same, since it ticks after recording (and the tick that closes a
+    round on its last update aggregates it)."""
     prefix = run_prefix(run_id)
+    invoke = (
+        # The tick hands an aggregation's shards to the shard-worker function (FED_SHARD_RUNNER): that function,
+        # unqualified ($LATEST), and nothing else.
+        [iam.PolicyStatement(sid="InvokeShardWorkers", actions=["lambda:InvokeFunction"],
+                             resources=[shard_worker.function_arn])]
+        if shard_worker is not None else []
+    )  # fmt: skip
     return [
         iam.PolicyStatement(
             sid="ReadRunObjects",
-            # GetObjectVersion: the S3 event names the version that was uploaded.
+            # GetObjectVersion: the S3 event names the version that was uploaded; ingest and aggregation read the
+            # accepted versions of updates and globals by byte range, and the staged aggregate is copied to its
+            # content address by its version (CopyObject reads its source with these two actions).
             actions=["s3:GetObject", "s3:GetObjectVersion"],
             resources=[bucket.arn_for_objects(f"{prefix}*")],
         ),
@@ -67,10 +90,74 @@ def coordinator_statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: s
         ),
         iam.PolicyStatement(
             sid="WriteCoordinatorObjects",
+            # Global models: a small one PUT whole, a large one the destination of the CopyObject from staging.
             actions=["s3:PutObject"],
             resources=[bucket.arn_for_objects(key) for key in layout.coordinator_writes(run_id)],
         ),
+        iam.PolicyStatement(
+            sid="StageAggregates",
+            # The aggregate's multipart upload: PutObject covers CreateMultipartUpload, UploadPart (shards on the
+            # tick's own threads, without shard workers) and CompleteMultipartUpload; a failed one is aborted.
+            actions=["s3:PutObject", "s3:AbortMultipartUpload"],
+            resources=[bucket.arn_for_objects(layout.staging_objects(run_id))],
+        ),
+        *invoke,
         iam.PolicyStatement(sid="RunState", actions=list(STATE_ACTIONS), resources=[table.table_arn]),
+    ]
+
+
+def shard_statements(bucket: s3.IBucket, run_id: str) -> list[iam.PolicyStatement]:
+    """What a shard worker needs: read the round's accepted updates and its global model by range (by version id),
+    upload parts of the staged aggregate. No table, no other object: it decides nothing, it computes. The bucket is
+    encrypted with S3-managed keys (SSE-S3, `infra.storage`), so no KMS permission is needed (nor for the others)."""
+    rounds = layout.round_objects(run_id)
+    return [
+        iam.PolicyStatement(
+            sid="ReadRoundObjects",
+            # GetObjectVersion: updates and the base global are read by the version ingest accepted.
+            actions=["s3:GetObject", "s3:GetObjectVersion"],
+            resources=[bucket.arn_for_objects(rounds)],
+        ),
+        iam.PolicyStatement(
+            sid="ListRoundsPrefix",
+            # Without ListBucket, reading a missing key is AccessDenied (403), not NoSuchKey (404): the worker
+            # reports a missing input (left out of the round) rather than failing the aggregation.
+            actions=["s3:ListBucket"],
+            resources=[bucket.bucket_arn],
+            conditions={"StringLike": {"s3:prefix": [rounds]}},
+        ),
+        iam.PolicyStatement(
+            sid="UploadStagedParts",
+            # UploadPart is authorized as s3:PutObject; creating, completing and aborting the upload is the tick's.
+            actions=["s3:PutObject"],
+            resources=[bucket.arn_for_objects(layout.staging_objects(run_id))],
+        ),
+    ]
+
+
+# What registering a joiner takes: reading its participant record, creating it with the participant count (one
+# transaction of a Put and an Update), recording a refusal, taking a message's news (an Update).
+JOIN_STATE_ACTIONS = ("dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem")
+
+
+def join_statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: str) -> list[iam.PolicyStatement]:
+    """What the join function needs: read join requests (and the heartbeat that may have overtaken one), write
+    participant records. No model, no run state: a flood of joins reaches nothing else."""
+    return [
+        iam.PolicyStatement(
+            sid="ReadJoinRequestsAndHeartbeats",
+            actions=["s3:GetObject", "s3:GetObjectVersion"],
+            resources=[bucket.arn_for_objects(f"{join_prefix(run_id)}*"),
+                       bucket.arn_for_objects(f"{heartbeat_prefix(run_id)}*")],
+        ),
+        iam.PolicyStatement(
+            sid="ListRunPrefix",
+            # Without ListBucket, reading a missing key (no heartbeat yet) is AccessDenied (403), not NoSuchKey.
+            actions=["s3:ListBucket"],
+            resources=[bucket.bucket_arn],
+            conditions={"StringLike": {"s3:prefix": [f"{run_prefix(run_id)}*"]}},
+        ),
+        iam.PolicyStatement(sid="Participants", actions=list(JOIN_STATE_ACTIONS), resources=[table.table_arn]),
     ]
 
 
@@ -104,33 +191,74 @@ class Coordinator(Construct):
             ENV_CONFIG: config.model_dump_json(),
             "POWERTOOLS_METRICS_NAMESPACE": METRICS_NAMESPACE,
         }
-        statements = coordinator_statements(bucket, table, run_id)
 
-        def build(name: str, description: str, fn_settings: FunctionSettings) -> lambda_.Function:
-            spec = FunctionSpec(name, f"functions.{name}.handler", description, fn_settings, statements)
+        def build(name: str, description: str, fn_settings: FunctionSettings, granted: list[iam.PolicyStatement],
+                  asynchronous: bool = True, extra: dict[str, str] | None = None) -> lambda_.Function:
+            spec = FunctionSpec(name, f"functions.{name}.handler", description, fn_settings, granted)
             return coordinator_function(
                 self,
                 spec,
                 code=code,
-                environment=environment,
-                dead_letter_queue=self.dead_letters,
+                environment={**environment, **(extra or {})},
+                dead_letter_queue=self.dead_letters if asynchronous else None,
                 log_retention_days=settings.log_retention_days,
                 log_removal=removal_policy(settings),
             )
 
-        self.tick = build("tick", f"Run {run_id}: scheduled tick (deadlines, liveness)", settings.tick)
-        self.ingest = build("ingest", f"Run {run_id}: validate and record an upload, then tick", settings.ingest)
-        self.functions = (self.tick, self.ingest)
+        # The shard worker: invoked synchronously by whichever tick aggregates (its failures return to that tick),
+        # so no dead-letter queue. It reads the table's name from the environment like the others, never the table.
+        self.shard = build("shard", f"Run {run_id}: one aggregation shard, invoked synchronously by a tick",
+                           settings.shard, shard_statements(bucket, run_id), asynchronous=False)
+        statements = coordinator_statements(bucket, table, run_id, shard_worker=self.shard)
+        shards = {ENV_SHARD_RUNNER: f"lambda:{self.shard.function_name}"}
+        self.tick = build("tick", f"Run {run_id}: scheduled tick (deadlines, liveness)", settings.tick, statements,
+                          extra=shards)
+        self.ingest = build("ingest", f"Run {run_id}: validate and record an upload, then tick", settings.ingest,
+                            statements, extra=shards)
+        self.join = build("join", f"Run {run_id}: register joiners, from the join queue (no tick)", settings.join,
+                          join_statements(bucket, table, run_id), asynchronous=False)
+        self.functions = (self.tick, self.ingest, self.join, self.shard)
 
         pattern = object_created_pattern(bucket.bucket_name, run_id)
         self.object_created = events.Rule(
             self,
             "ObjectCreated",
             rule_name=ingest_rule_name(run_id),
-            description=f"Objects uploaded under {run_prefix(run_id)} go to the ingest function.",
+            description=f"Objects uploaded to the run's bucket but join requests ({join_prefix(run_id)}) go to the "
+            "ingest function.",
             # The very dict the local run registers; only its keys are spelled the CDK way here.
             event_pattern=events.EventPattern(**{key.replace("-", "_"): value for key, value in pattern.items()}),
             targets=[self._target(self.ingest)],
+        )
+        # The join lane: its own rule, a queue, and the join function draining it at a bounded concurrency.
+        self.join_queue = sqs.Queue(
+            self,
+            "JoinQueue",
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+            enforce_ssl=True,
+            # Lambda's advice for a queue event source: six times the function's timeout.
+            visibility_timeout=Duration.seconds(6 * settings.join.timeout_seconds),
+            retention_period=Duration.days(4),
+            dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=settings.join_max_receives,
+                                                  queue=self.dead_letters),
+        )
+        join_pattern = join_request_pattern(bucket.bucket_name, run_id)
+        self.join_requests = events.Rule(
+            self,
+            "JoinRequests",
+            rule_name=join_rule_name(run_id),
+            description=f"Join requests under {join_prefix(run_id)} wait in the join queue (their own lane).",
+            event_pattern=events.EventPattern(**{key.replace("-", "_"): value for key, value in join_pattern.items()}),
+            targets=[targets.SqsQueue(self.join_queue, dead_letter_queue=self.dead_letters, retry_attempts=8,
+                                      max_event_age=Duration.hours(2))],
+        )
+        self.join.add_event_source(
+            event_sources.SqsEventSource(
+                self.join_queue,
+                batch_size=settings.join_batch_size,
+                max_concurrency=settings.join_concurrency,
+                report_batch_item_failures=True,
+            )
         )
         self.schedule = events.Rule(
             self,
@@ -147,13 +275,31 @@ class Coordinator(Construct):
         )
 
     def _acknowledge(self, bucket: s3.Bucket, run_id: str) -> None:
-        wildcards = [f"{run_prefix(run_id)}*", *(k for k in layout.coordinator_writes(run_id) if "*" in k)]
-        for fn in self.functions:
+        wildcards = [f"{run_prefix(run_id)}*", *(k for k in layout.coordinator_writes(run_id) if "*" in k),
+                     layout.staging_objects(run_id)]
+        for fn in (self.tick, self.ingest):
             acknowledge(
                 fn.role,  # type: ignore[arg-type]
                 "IAM5",
                 "Object ARNs end in a wildcard only below this run's prefix: the function reads any object "
                 "of its run (uploads, join requests, heartbeats, models) and writes only global models of "
-                "any round and checkpoints (besides manifest and config), whose keys are not known at deploy time.",
+                "any round, checkpoints (besides manifest and config) and the staged aggregate of any round "
+                "(rounds/<round>/staging/<job id>), whose keys are not known at deploy time.",
                 findings=[f"Resource::{arn_ref(bucket)}/{key}" for key in wildcards],
             )
+        acknowledge(
+            self.shard.role,  # type: ignore[arg-type]
+            "IAM5",
+            "The shard worker reads only objects of this run's rounds (the accepted updates and the global model of "
+            "the round it aggregates, by version id) and uploads parts only to staged aggregates "
+            "(rounds/<round>/staging/<job id>); rounds and job ids are not known at deploy time.",
+            findings=[f"Resource::{arn_ref(bucket)}/{key}"
+                      for key in (layout.round_objects(run_id), layout.staging_objects(run_id))],
+        )
+        acknowledge(
+            self.join.role,  # type: ignore[arg-type]
+            "IAM5",
+            "The join function reads only join requests and heartbeats of this run, one object per participant "
+            "under each of the two prefixes; the participant ids are not known at deploy time.",
+            findings=[f"Resource::{arn_ref(bucket)}/{key}*" for key in (join_prefix(run_id), heartbeat_prefix(run_id))],
+        )

@@ -1,8 +1,8 @@
 """The one helper that builds every coordinator Lambda function of the stack.
 
 Each function gets its own role holding only the statements it is given (plus writing its own log
-group), its own log group with a retention, a dead-letter queue for async events it failed on, and the
-shared code asset built by `infra.bundle`.
+group), its own log group with a retention, a dead-letter queue for async events it failed on (functions
+invoked asynchronously), and the shared code asset built by `infra.bundle`.
 """
 
 from __future__ import annotations
@@ -54,10 +54,13 @@ def coordinator_function(
     *,
     code: lambda_.Code,
     environment: Mapping[str, str],
-    dead_letter_queue: sqs.IQueue,
+    dead_letter_queue: sqs.IQueue | None,
     log_retention_days: int,
     log_removal: RemovalPolicy,
 ) -> lambda_.Function:
+    """A function; with a `dead_letter_queue`, one invoked asynchronously (retries, then that queue), without
+    one, a function its queue invokes (the queue retries and dead-letters) or that is invoked synchronously (the
+    caller gets the failure and retries)."""
     construct_id = spec.name.capitalize()
     log_group = logs.LogGroup(scope, f"{construct_id}Logs", removal_policy=log_removal)
     cfn_log_group = log_group.node.default_child
@@ -76,6 +79,13 @@ def coordinator_function(
         inline_policies={"least-privilege": iam.PolicyDocument(statements=[write_logs, *spec.statements])},
     )
     s = spec.settings
+    asynchronous: dict[str, object] = {}
+    if dead_letter_queue is not None:
+        asynchronous = dict(
+            dead_letter_queue=dead_letter_queue,  # async events still failing after the retries land here
+            retry_attempts=s.retry_attempts,
+            max_event_age=Duration.seconds(s.max_event_age_seconds),
+        )
     return lambda_.Function(
         scope,
         construct_id,
@@ -91,7 +101,5 @@ def coordinator_function(
         environment=dict(environment),
         role=role,
         log_group=log_group,
-        dead_letter_queue=dead_letter_queue,  # async events still failing after the retries land here
-        retry_attempts=s.retry_attempts,
-        max_event_age=Duration.seconds(s.max_event_age_seconds),
+        **asynchronous,  # type: ignore[arg-type]
     )

@@ -12,6 +12,7 @@ from shared.naming import PARTICIPANT_TAG
 SELF = f"${{aws:PrincipalTag/{PARTICIPANT_TAG}}}"  # the session's own participant id, substituted by IAM
 _PID = "pidplaceholder0"
 _ROUND = 0
+_JOB = "0" * 64  # a placeholder aggregation job id (64 hex digits), which becomes a `*`
 # Not in shared.keys yet: where the coordinator may write checkpoints.
 CHECKPOINTS = "checkpoints/*"
 
@@ -59,6 +60,11 @@ def participant_reads(run_id: str, witnessing: bool = False) -> list[str]:
 
 def round_objects(run_id: str) -> str:
     return f"{keys.run_prefix(run_id)}rounds/*"
+
+
+def staging_objects(run_id: str) -> str:
+    """rounds/*/staging/*: global models being written in parts by the shard workers (`keys.staging_key`)."""
+    return _any_round(run_id, keys.staging_key(run_id, _ROUND, _JOB).replace(_JOB, "*"))
 
 
 def coordinator_writes(run_id: str) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from aws_cdk import Acknowledgment, Stack, Validations
+from aws_cdk import Acknowledgment, CfnElement, Stack, Validations
 from cdk_nag import AwsSolutionsChecks
 from constructs import Construct, IConstruct
 
@@ -30,12 +30,15 @@ def acknowledge(scope: IConstruct, rule: str, reason: str, *, findings: Iterable
     Validations.of(scope).acknowledge(*(Acknowledgment(id=i, reason=reason) for i in ids))
 
 
-def arn_ref(resource: Construct, attribute: str = "Arn") -> str:
+def arn_ref(resource: IConstruct, attribute: str = "Arn") -> str:
     """How cdk-nag prints a `Fn::GetAtt` of `resource` in a finding: `<LogicalId.Arn>`."""
     logical_id = Stack.of(resource).resolve(Stack.of(resource).get_logical_id(_cfn(resource)))
     return f"<{logical_id}.{attribute}>"
 
 
-def _cfn(resource: Construct):  # type: ignore[no-untyped-def]
-    child = resource.node.default_child
-    return child if child is not None else resource
+def _cfn(resource: IConstruct) -> CfnElement:
+    """The CloudFormation element behind an L2 construct (or the construct itself, if it is one)."""
+    element = resource.node.default_child or resource
+    if not isinstance(element, CfnElement):
+        raise TypeError(f"{resource.node.path} has no CloudFormation element")
+    return element

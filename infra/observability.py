@@ -36,8 +36,14 @@ METRICS_SERVICE = "fed-coordinator"
 PERIOD = Duration.minutes(1)
 
 
+# The shard-worker alarm on duration fires when an invocation took this share of the function's timeout: the
+# next, larger round would be killed (the tick retries it, then fails); lower shard_bytes before that.
+SHARD_DURATION_ALARM_SHARE = 0.8
+
+
 class Observability(Construct):
-    """Dashboard, stuck-run alarm, function-error and dead-letter alarms, optional e-mail topic."""
+    """Dashboard, stuck-run alarm, function-error and dead-letter alarms, shard-worker throttle and duration
+    alarms, optional e-mail topic."""
 
     def __init__(
         self,
@@ -49,6 +55,8 @@ class Observability(Construct):
         functions: Sequence[lambda_.Function],
         ingest: lambda_.Function,
         dead_letters: sqs.Queue,
+        join_queue: sqs.Queue | None = None,
+        shard: lambda_.Function | None = None,
     ) -> None:
         super().__init__(scope, id)
         self.run_id = config.run_id
@@ -93,6 +101,10 @@ class Observability(Construct):
                     treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
                 )
             )
+        self.shard_throttles: cw.Alarm | None = None
+        self.shard_near_timeout: cw.Alarm | None = None
+        if shard is not None:
+            self._shard_alarms(config, settings, shard)
         self.alarms.append(
             cw.Alarm(
                 self,
@@ -122,7 +134,36 @@ class Observability(Construct):
                 alarm.add_alarm_action(cw_actions.SnsAction(self.topic))
 
         self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=f"fed-{config.run_id}")
-        self._widgets(functions, dead_letters)
+        self._widgets(functions, dead_letters, join_queue, shard, settings.shard.timeout_seconds)
+
+    def _shard_alarms(self, config: RunConfig, settings: DeploySettings, shard: lambda_.Function) -> None:
+        """A throttled shard invocation is retried by the tick at once (a few times), then the aggregation fails:
+        worth knowing before it does. A shard close to the timeout means the next larger round may not make it."""
+        timeout_ms = settings.shard.timeout_seconds * 1000
+        self.shard_throttles = cw.Alarm(
+            self,
+            "ShardThrottles",
+            alarm_description=f"Run {config.run_id}: shard-worker invocations were throttled (account or reserved "
+            "concurrency): an aggregation may fail. Raise the concurrency, or shard_bytes to use fewer workers.",
+            metric=shard.metric_throttles(period=Duration.minutes(5), statistic="Sum"),
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        )
+        self.shard_near_timeout = cw.Alarm(
+            self,
+            "ShardNearTimeout",
+            alarm_description=f"Run {config.run_id}: a shard worker ran {SHARD_DURATION_ALARM_SHARE:.0%} of its "
+            f"{settings.shard.timeout_seconds} s timeout or more: lower shard_bytes (more, smaller shards) before "
+            "a shard times out.",
+            metric=shard.metric_duration(period=Duration.minutes(5), statistic="Maximum"),
+            threshold=SHARD_DURATION_ALARM_SHARE * timeout_ms,
+            evaluation_periods=1,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        )
+        self.alarms += [self.shard_throttles, self.shard_near_timeout]
 
     def metric(self, name: str, statistic: str, period: Duration = PERIOD) -> cw.Metric:
         return cw.Metric(
@@ -133,7 +174,8 @@ class Observability(Construct):
             period=period,
         )
 
-    def _widgets(self, functions: Sequence[lambda_.Function], dead_letters: sqs.Queue) -> None:
+    def _widgets(self, functions: Sequence[lambda_.Function], dead_letters: sqs.Queue,
+                 join_queue: sqs.Queue | None, shard: lambda_.Function | None, shard_timeout_seconds: int) -> None:
         m = self.metric
         width = 8
         self.dashboard.add_widgets(
@@ -180,11 +222,45 @@ class Observability(Construct):
                 width=width,
             ),
         )
+        if shard is not None:  # an aggregation: K workers at once, each well under its timeout
+            self.dashboard.add_widgets(
+                cw.GraphWidget(
+                    title="Shard workers: invocations / throttles",
+                    left=[shard.metric_invocations(period=PERIOD, label="invocations")],
+                    right=[shard.metric_throttles(period=PERIOD, label="throttled")],
+                    width=width,
+                ),
+                cw.GraphWidget(
+                    title="Shard workers running at once",
+                    left=[shard.metric("ConcurrentExecutions", period=PERIOD, statistic="Maximum", label="workers")],
+                    width=width,
+                ),
+                cw.GraphWidget(
+                    title="Shard duration (ms) against its timeout",
+                    left=[shard.metric_duration(period=PERIOD, statistic="Maximum", label="maximum"),
+                          shard.metric_duration(period=PERIOD, statistic="p50", label="median")],
+                    left_annotations=[
+                        cw.HorizontalAnnotation(value=shard_timeout_seconds * 1000, label="timeout"),
+                        cw.HorizontalAnnotation(value=SHARD_DURATION_ALARM_SHARE * shard_timeout_seconds * 1000,
+                                                label="alarm"),
+                    ],
+                    width=width,
+                ),
+            )
+        lane: list[cw.IWidget] = []
+        if join_queue is not None:  # a burst of joins shows here, not as late heartbeats
+            lane.append(cw.GraphWidget(
+                title="Join lane backlog",
+                left=[join_queue.metric_approximate_number_of_messages_visible(period=PERIOD, label="waiting")],
+                right=[join_queue.metric_approximate_age_of_oldest_message(period=PERIOD, label="oldest (s)")],
+                width=width,
+            ))
         self.dashboard.add_widgets(
             cw.GraphWidget(
                 title="Dead letters",
                 left=[dead_letters.metric_approximate_number_of_messages_visible(period=PERIOD)],
                 width=width,
             ),
-            cw.AlarmStatusWidget(title="Alarms", alarms=self.alarms, width=16),
+            *lane,
+            cw.AlarmStatusWidget(title="Alarms", alarms=self.alarms, width=24 - width * (1 + len(lane))),
         )

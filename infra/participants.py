@@ -25,7 +25,7 @@ from infra.settings import DeploySettings
 from shared.config import RunConfig
 from shared.keys import RESERVED_IDS
 from shared.naming import PARTICIPANT_TAG
-from shared.records import run_pk
+from shared.table_keys import run_pk
 
 TAG = f"aws:PrincipalTag/{PARTICIPANT_TAG}"
 REQUEST_TAG = f"aws:RequestTag/{PARTICIPANT_TAG}"

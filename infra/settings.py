@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.config import ConfigError, RunConfig, describe, load_config, parse_config
 
@@ -42,6 +42,7 @@ LOG_RETENTION_DAYS = (
     3653,
 )
 STACK_NAME_MAX = 128
+FUNCTIONS = ("tick", "ingest", "join", "shard")  # the [deploy] tables holding a FunctionSettings
 
 
 class FunctionSettings(BaseModel):
@@ -65,8 +66,38 @@ class DeploySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     stack_name: str | None = Field(None, description="Default: fed-<run_id>. `-c stack=NAME` overrides both.")
-    tick: FunctionSettings = FunctionSettings()
-    ingest: FunctionSettings = FunctionSettings()
+    tick: FunctionSettings = Field(
+        FunctionSettings(timeout_seconds=900),
+        description="The scheduled tick. Any tick may aggregate a round, and waits for its shard workers: its timeout "
+        "(Lambda's most, 900 s) bounds a whole aggregation.",
+    )
+    ingest: FunctionSettings = Field(
+        FunctionSettings(timeout_seconds=900),
+        description="Ingest streams an upload in 8 MiB blocks (memory does not grow with the model), then ticks: "
+        "the tick that closes a round on its last update aggregates it, so the same 900 s as the tick.",
+    )
+    shard: FunctionSettings = Field(
+        FunctionSettings(memory_mb=1769, timeout_seconds=900, ephemeral_storage_mb=512),
+        description="The shard worker: one aggregation shard per invocation, invoked synchronously by the tick "
+        "(retry_attempts and max_event_age_seconds do not apply). It holds about min(updates, 8) x 8 MiB read "
+        "buffers, two 8 MiB pieces and 24 MiB of accumulators (~100-200 MB) beside the runtime, so 512 MB would "
+        "fit; 1769 MB is for the CPU: Lambda gives one full vCPU at 1769 MB, which the per-core aggregation "
+        "throughput (and shard_bytes) assume. Less memory is as many GB-seconds but slower shards. No /tmp use.",
+    )
+    join: FunctionSettings = Field(
+        FunctionSettings(memory_mb=512, timeout_seconds=60),
+        description="The join function: it only registers joiners (no aggregation), so it needs little. It is "
+        "invoked by its queue, not asynchronously: retry_attempts and max_event_age_seconds do not apply.",
+    )
+    join_concurrency: int = Field(
+        2, ge=2, le=1000, description="Join function invocations at once, at most (the join queue's event source "
+        "mapping's maximum concurrency; 2 is Lambda's least): how much of the account's concurrency a burst of "
+        "join requests can take.",
+    )
+    join_batch_size: int = Field(10, ge=1, le=100, description="Join requests per join function invocation.")
+    join_max_receives: int = Field(
+        5, ge=1, le=1000, description="Deliveries of a join request that keeps failing before the dead-letter queue."
+    )
     log_retention_days: int = Field(30, description="Function log retention; a CloudWatch Logs period.")
     retain_data: bool = Field(True, description="Keep bucket, table and logs when the stack is deleted.")
     table_deletion_protection: bool = Field(True, description="DynamoDB deletion protection.")
@@ -88,6 +119,21 @@ class DeploySettings(BaseModel):
         "account that its own policy allows (recommended: each host's identity policy fixes its tag).",
     )
     participant_session_hours: int = Field(12, ge=1, le=12, description="Participant role max session length.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_defaults(cls, data: Any) -> Any:
+        """A function's table overrides only the keys it names: `[deploy.shard] memory_mb = 3008` keeps the
+        shard worker's own 900 s timeout, not FunctionSettings' generic defaults."""
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name in FUNCTIONS:
+            given = data.get(name)
+            default = cls.model_fields[name].default
+            if isinstance(given, dict) and isinstance(default, FunctionSettings):
+                merged[name] = {**default.model_dump(), **given}
+        return merged
 
     @field_validator("log_retention_days")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from aws_cdk import CfnOutput, Stack, Tags
 from constructs import Construct
@@ -19,7 +20,8 @@ from shared.naming import OUTPUT_BUCKET, OUTPUT_PARTICIPANT_ROLE, OUTPUT_RUN_ID,
 
 
 class FedRunStack(Stack):
-    """Bucket, table, coordinator functions and their triggers, participant role, dashboard and alarms."""
+    """Bucket, table, coordinator functions and their triggers (two lanes for uploads), the shard worker the
+    ticks invoke, participant role, dashboard and alarms."""
 
     def __init__(
         self,
@@ -29,7 +31,7 @@ class FedRunStack(Stack):
         config: RunConfig,
         settings: DeploySettings,
         asset_dir: Path | None = None,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> None:
         super().__init__(scope, id, description=f"Federated training run {config.run_id} (fedcoord)", **kwargs)
         Tags.of(self).add("fed:run", config.run_id)
@@ -46,6 +48,7 @@ class FedRunStack(Stack):
         self.observability = Observability(
             self, "Observability", config=config, settings=settings, functions=self.coordinator.functions,
             ingest=self.coordinator.ingest, dead_letters=self.coordinator.dead_letters,
+            join_queue=self.coordinator.join_queue, shard=self.coordinator.shard,
         )  # fmt: skip
         # `fed-participant start --stack NAME` reads these four; a host needs nothing else.
         CfnOutput(self, OUTPUT_BUCKET, value=bucket.bucket_name, description="The run's bucket")

@@ -1,4 +1,4 @@
-"""The run's DynamoDB table: one item per run, participant, update and round (see shared/records.py)."""
+"""The run's DynamoDB table: one item per run, participant, update and round (see store/records.py)."""
 
 from __future__ import annotations
 

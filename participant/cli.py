@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 
 import typer
 
-from shared.connection import DEFAULT_LOCAL_FILE, Connection, ConnectionError_
 from shared.keys import KeyError_, validate_participant_id
+from store.connection import DEFAULT_LOCAL_FILE, Connection, ConnectionError_
 
 log = logging.getLogger("participant")
 
@@ -175,7 +175,8 @@ def start(
         _fail(f"--run {run}: the connection ({stack or connection}) is for run {conn.run_id!r}")
     use_local_credentials(conn.endpoint)
 
-    from participant.daemon import Daemon, Options, ParticipantError, default_state_dir
+    from participant.daemon import Daemon, Options, default_state_dir
+    from participant.protocol import ParticipantError
     from participant.remote import FatalRemoteError
 
     stop = threading.Event()

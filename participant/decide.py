@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.state import MemberStatus, Phase, RunState
-
-LIVE_PHASES = frozenset({Phase.WARMUP, Phase.TRAIN, Phase.WITNESS})
+from shared.state import LIVE_PHASES, MemberStatus, Phase, RunState
 
 # Re-sending what the coordinator has not recorded yet: the join request first after 15 s, the ready report after
 # 2 s, each later re-send waiting twice as long as the one before, up to the cap. Every re-send is one more event
@@ -28,7 +26,7 @@ def retry_after(first: float, sends: int, cap: float) -> float:
 
 @dataclass(frozen=True)
 class Local:
-    """What the participant knows about itself, gathered by the daemon before each decision."""
+    """What the participant knows about itself, gathered before each decision (participant.protocol)."""
 
     pid: str
     joined: bool = True  # the coordinator has recorded our join request
@@ -156,6 +154,11 @@ def is_witness_duty(state: RunState, local: Local) -> bool:
 def is_resend(action: Action, local: Local) -> bool:
     """The action sends again what the coordinator has not recorded yet (no progress: polling keeps its pace)."""
     return isinstance(action, Join) or (isinstance(action, ReportReady) and local.reported_ready >= action.epoch)
+
+
+def still_open(state: RunState, train: Train, pid: str) -> bool:
+    """The round of `train` is still open for our update (asked again after training, before uploading)."""
+    return state.round == train.round and state.phase is Phase.TRAIN and pid in state.selected
 
 
 def decide(state: RunState, local: Local) -> Action:

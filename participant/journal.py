@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,41 @@ class JournalFile:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+class JournalKeeper:
+    """The journal in use and the file it is saved to: one object the daemon's duties share, so that a journal
+    replaced (`restart`, when the run was recreated) is the one every duty writes to. Without a file (the load
+    test's simulated participants) it lives in memory only."""
+
+    def __init__(self, journal: Journal, file: JournalFile | None = None) -> None:
+        self.journal, self.file = journal, file
+
+    @property
+    def name(self) -> str:
+        return str(self.file.path) if self.file is not None else "the journal (kept in memory)"
+
+    def save(self) -> None:
+        if self.file is not None:
+            self.file.save(self.journal)
+
+    def restart(self) -> None:
+        """Forget every round: a fresh journal for the same run and participant."""
+        self.journal = Journal(self.journal.run_id, self.journal.participant)
+
+    def start_training(self, round_no: int, global_digest: str) -> dict[str, Any] | None:
+        """Note that `round_no` is being trained (retrained after a restart); return the previous note."""
+        previous = self.journal.training
+        self.journal.training = {"round": round_no, "digest": global_digest, "started": time.time()}
+        self.save()
+        return previous
+
+    def stop_training(self) -> None:
+        self.journal.training = None
+        self.save()
+
+    def uploaded(self, round_no: int, entry: dict[str, Any]) -> None:
+        """Our update of `round_no` is in the bucket: never train that round again."""
+        self.journal.uploaded[round_no] = entry
+        self.journal.training = None
+        self.save()

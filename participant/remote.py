@@ -3,35 +3,44 @@
 Every call goes through `Retrier.call`: network errors, throttling and 5xx responses are logged and
 retried with jittered exponential backoff until they succeed or the participant is asked to stop.
 Credentials or permission errors are not transient and surface at once.
+
+Model files (hundreds of MB to several GB) go between the bucket and the disk through boto3's transfer
+manager (`download_file`, `upload_file`): parts of PART_BYTES in parallel, never the whole object in memory.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import io
 import json
 import logging
 import math
+import os
 import random
+import tempfile
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from concurrent.futures import CancelledError
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
 
 import boto3
-from boto3.s3.transfer import TransferConfig
+from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
 from pynamodb.exceptions import PynamoDBException
+from s3transfer.exceptions import RetriesExceededError
+from s3transfer.futures import TransferFuture
+from s3transfer.manager import TransferManager
 
 from shared import keys
-from shared.blobs import Bucket, NotFound
 from shared.config import RunConfig
-from shared.connection import Connection
-from shared.records import round_sk, summary_from_body
+from shared.digest import digest, digest_file
 from shared.signing import Signer
 from shared.state import RoundSummary, RunState
-from shared.store import StateStore
+from store.blobs import Bucket, NotFound
+from store.connection import Connection
+from store.table import StateStore
+from store.views import ParticipantRecord, UpdateRecord
 
 log = logging.getLogger("participant")
 
@@ -44,8 +53,19 @@ FATAL_CODES = frozenset({
     "UnrecognizedClientException", "InvalidClientTokenId", "ExpiredToken", "ExpiredTokenException",
     "MissingAuthenticationToken", "InvalidSignatureException",
 })
-MULTIPART_THRESHOLD = 64 * 1024 * 1024
-CHUNK = 1024 * 1024
+PART_BYTES = 8 * 1024 * 1024  # one part of a multipart upload, one ranged GET of a download
+MULTIPART_THRESHOLD = 2 * PART_BYTES  # smaller objects go in one PUT or GET
+TRANSFER_THREADS = 8  # parts in flight at once, per transfer
+IO_QUEUE_CHUNKS = 32  # downloaded chunks (256 KiB each) waiting to be written to disk, at most
+STOP_POLL = 0.2  # seconds between checks for a stop request while a transfer runs
+
+
+def transfer_config() -> TransferConfig:
+    return TransferConfig(
+        multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=PART_BYTES, max_concurrency=TRANSFER_THREADS,
+        max_io_queue=IO_QUEUE_CHUNKS, use_threads=True,
+        preferred_transfer_client="classic",  # (not the CRT client: progress, cancellation and retries as here)
+    )
 
 
 class Stopped(Exception):
@@ -107,9 +127,13 @@ def participant_s3_client(endpoint: str | None, region: str) -> Any:
     and stops promptly on SIGTERM."""
     config = Config(
         retries={"max_attempts": 3, "mode": "standard"},
+        max_pool_connections=TRANSFER_THREADS + 4,  # a transfer's parts, and heartbeats beside them
         connect_timeout=5,
         read_timeout=60,
         s3={"addressing_style": "path"},
+        # models are checked by their content digest; a global model written in parts has a checksum of its
+        # parts' checksums, which is not a checksum of the bytes a GET returns
+        response_checksum_validation="when_required",
     )
     return boto3.client("s3", endpoint_url=endpoint, region_name=region, config=config)
 
@@ -138,11 +162,11 @@ class Remote:
             return None
         return RunConfig.model_validate_json(blob.data)
 
-    def participant_record(self) -> Any | None:
+    def participant_record(self) -> ParticipantRecord | None:
         """Our participant record (joined_at, last_seen, ready_epoch), or None before the join is recorded."""
         return self.retry.call("reading our participant record", self.store.participant, self.pid)
 
-    def update_record(self, round_no: int, pid: str | None = None) -> Any | None:
+    def update_record(self, round_no: int, pid: str | None = None) -> UpdateRecord | None:
         """The coordinator's record of our update of a round (or, for a witness, another participant's)."""
         who = pid or self.pid
         return self.retry.call(f"reading the round {round_no} record of {who}", self.store.update_record, round_no,
@@ -150,16 +174,7 @@ class Remote:
 
     def round_summary(self, round_no: int) -> RoundSummary | None:
         """A closed round's summary (one GetItem); None if it is not recorded."""
-        return self.retry.call(f"reading the summary of round {round_no}", self._round_summary, round_no)
-
-    def _round_summary(self, round_no: int) -> RoundSummary | None:
-        from pynamodb.exceptions import DoesNotExist
-
-        try:
-            item = self.store.m.round.get(self.store.pk, round_sk(round_no), consistent_read=True)
-        except DoesNotExist:
-            return None
-        return summary_from_body(item.body)
+        return self.retry.call(f"reading the summary of round {round_no}", self.store.round_summary, round_no)
 
     def update_stored(self, round_no: int, since: float | None = None) -> bool:
         return self.stored_since(keys.update_key(self.run_id, round_no, self.pid), since)
@@ -173,28 +188,46 @@ class Remote:
         modified = head.get("LastModified")
         return since is None or modified is None or modified.timestamp() >= math.floor(since)
 
-    def download(self, key: str, progress: ByteProgress | None = None, version_id: str = "") -> bytes:
-        """GET an object (a given version if named) in chunks, reporting progress; a fault mid-stream restarts
-        the download."""
-        return self.retry.call(f"downloading {key}", self._download_once, key, progress, version_id)
+    def download_file(self, key: str, path: Path, progress: ByteProgress | None = None, version_id: str = "") -> str:
+        """Download an object (a given version if named) to `path` and return its content digest
+        (`shared.digest`). Parallel ranged GETs of PART_BYTES write into a temporary file beside `path`, renamed
+        over it once complete and hashed; memory stays a few parts whatever the object's size. A fault
+        mid-transfer restarts it (`Retrier`); SIGTERM stops it (`Stopped`); a missing object (or version) raises
+        NotFound. The caller compares the digest with the one it expects: the file is not trusted until then."""
+        return self.retry.call(f"downloading {key}", self._download_file_once, key, Path(path), progress, version_id)
 
-    def _download_once(self, key: str, progress: ByteProgress | None, version_id: str = "") -> bytes:
+    def _download_file_once(self, key: str, path: Path, progress: ByteProgress | None, version_id: str) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        tmp = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                self._download_to(key, out, progress, version_id)
+            content_digest = digest_file(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return content_digest
+
+    def download(self, key: str, progress: ByteProgress | None = None, version_id: str = "") -> bytes:
+        """The same for a small object, into memory."""
+        return self.retry.call(f"downloading {key}", self._download_bytes_once, key, progress, version_id)
+
+    def _download_bytes_once(self, key: str, progress: ByteProgress | None, version_id: str) -> bytes:
+        buf = io.BytesIO()
+        self._download_to(key, buf, progress, version_id)
+        return buf.getvalue()
+
+    def _download_to(self, key: str, out: BinaryIO, progress: ByteProgress | None, version_id: str) -> None:
         extra = {"VersionId": version_id} if version_id else {}
         try:
-            resp = self.client.get_object(Bucket=self.conn.bucket, Key=key, **extra)
+            self._transfer(lambda manager, subscribers: manager.download(
+                self.conn.bucket, key, out, extra_args=extra, subscribers=subscribers), progress, 0)
         except ClientError as exc:
             if _error_code(exc) in {"NoSuchKey", "NoSuchVersion", "404"}:
                 raise NotFound(key) from None
             raise
-        total = int(resp["ContentLength"])
-        buf = io.BytesIO()
-        for chunk in resp["Body"].iter_chunks(CHUNK):
-            buf.write(chunk)
-            if progress is not None:
-                progress(buf.tell(), total)
-        if buf.tell() != total:
-            raise ConnectionError(f"short read: {buf.tell()} of {total} bytes")
-        return buf.getvalue()
 
     # --- writes -----------------------------------------------------------------------------------
 
@@ -202,30 +235,76 @@ class Remote:
         data = json.dumps(body, sort_keys=True).encode()
         self.retry.call(what, self.bucket.put, key, data, self.signer.metadata(key, data))
 
+    def upload_file(self, key: str, path: Path, what: str, progress: ByteProgress | None = None,
+                    content_digest: str | None = None) -> None:
+        """Upload a file to `key`, signed over the key and its content digest (`shared.digest`; computed from the
+        file if not given). Multipart above MULTIPART_THRESHOLD, PART_BYTES parts sent in parallel, each with a
+        SHA-256 checksum S3 verifies; read from disk part by part (memory: a few parts)."""
+        path = Path(path)
+        signature = self.signer.metadata_for_digest(key, content_digest or digest_file(path))
+        self.retry.call(what, self._upload_once, key, str(path), path.stat().st_size, signature, progress)
+
     def upload(self, key: str, data: bytes, what: str, progress: ByteProgress | None = None) -> None:
-        """PUT with a SHA-256 checksum S3 verifies; multipart above 64 MiB."""
-        self.retry.call(what, self._upload_once, key, data, progress)
+        """The same for a small object held in memory (a witness proof)."""
+        signature = self.signer.metadata_for_digest(key, digest(data))
+        self.retry.call(what, self._upload_once, key, data, len(data), signature, progress)
 
-    def _upload_once(self, key: str, data: bytes, progress: ByteProgress | None) -> None:
-        total = len(data)
-        signature = self.signer.metadata(key, data)
-        if total < MULTIPART_THRESHOLD:
-            checksum = base64.b64encode(hashlib.sha256(data).digest()).decode()
-            self.client.put_object(
-                Bucket=self.conn.bucket, Key=key, Body=data, ChecksumSHA256=checksum, Metadata=signature
-            )
-            if progress is not None:
-                progress(total, total)
+    def _upload_once(self, key: str, source: str | bytes, size: int, signature: dict[str, str],
+                     progress: ByteProgress | None) -> None:
+        body: str | BinaryIO = source if isinstance(source, str) else io.BytesIO(source)  # a fresh stream each try
+        extra = {"ChecksumAlgorithm": "SHA256", "Metadata": signature}
+        self._transfer(lambda manager, subscribers: manager.upload(
+            body, self.conn.bucket, key, extra_args=extra, subscribers=subscribers), progress, size)
+
+    # --- the transfer manager -----------------------------------------------------------------------------------
+
+    def _transfer(self, start: Callable[[TransferManager, list[Any]], TransferFuture],
+                  progress: ByteProgress | None, size: int) -> None:
+        """Run one transfer on boto3's transfer manager, reporting progress, until it is done or we are asked to
+        stop (then it is cancelled). Its own retries exhausted mid-stream, it fails as a connection error, which
+        `Retrier` retries."""
+        stop = self.retry.stop
+        counter = _Progress(progress, size, stop)
+        with create_transfer_manager(self.client, transfer_config()) as manager:
+            future = start(manager, [counter])
+            while not future.done():
+                counter.finished.wait(STOP_POLL)
+                if stop.is_set() and not future.done():
+                    future.cancel()  # the manager's exit waits for the parts in flight, which stop at their next chunk
+                    raise Stopped()
+            try:
+                future.result()
+            except RetriesExceededError as exc:
+                raise ConnectionError(f"transfer failed: {exc}") from exc
+            except CancelledError:
+                if stop.is_set():
+                    raise Stopped() from None
+                raise
+        if progress is not None and counter.total:
+            progress(counter.total, counter.total)
+
+
+class _Progress:
+    """Adds up a transfer's progress, reported from its worker threads (a part retried inside the transfer manager
+    reports negative progress), and hands `(done, total)` on; asked to stop, it cancels the transfer at once. A
+    subscriber of s3transfer's: it calls `on_progress` and `on_done`."""
+
+    def __init__(self, report: ByteProgress | None, size: int, stop: threading.Event) -> None:
+        self.report, self.total, self.stop = report, size, stop
+        self.done = 0
+        self.finished = threading.Event()
+        self._lock = threading.Lock()
+
+    def on_done(self, future: Any, **kwargs: Any) -> None:
+        self.finished.set()
+
+    def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+        if self.stop.is_set():
+            future.cancel()  # the parts in flight end at their next chunk
             return
-        sent = [0]
-
-        def callback(n: int) -> None:
-            sent[0] += n
-            if progress is not None:
-                progress(min(sent[0], total), total)
-
-        config = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=16 * 1024 * 1024)
-        self.client.upload_fileobj(
-            io.BytesIO(data), self.conn.bucket, key,
-            ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": signature}, Callback=callback, Config=config,
-        )
+        with self._lock:
+            self.done += bytes_transferred
+            self.total = int(future.meta.size or self.total)
+            done, total = max(0, min(self.done, self.total)), self.total
+            if self.report is not None:
+                self.report(done, total)

@@ -4,9 +4,11 @@ The coordinator (no torch) checks an update's structure when it arrives; an elec
 torch and the task's held-out data) checks what it would do to the model. As each update the
 coordinator recorded as accepted comes in, the witness
 
-1. downloads exactly the recorded object version and checks its SHA-256 against the recorded digest;
-2. checks its tensors' names, shapes and dtypes against the round's global model, and that they are finite;
-3. keeps the verified bytes on disk (memory stays O(model) however many participants there are).
+1. downloads exactly the recorded object version to disk and checks its content digest (`shared.digest`)
+   against the recorded one;
+2. checks its tensors' names, shapes and dtypes against the round's global model, and that they are finite
+   (one tensor at a time);
+3. keeps the verified file on disk (memory stays O(model) however many participants there are).
 
 When it writes its proof (every selected participant's update recorded, or the round closed first) it
 evaluates, on the task's held-out data, the round's aggregate `A` (the sample-weighted mean of every
@@ -36,14 +38,18 @@ reserved participant id, so it cannot collide).
 from __future__ import annotations
 
 import math
+import mmap
 import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shared.wire import WireError, digest, parse_header
+from shared.wire import Header, WireError, parse_header
+
+if TYPE_CHECKING:
+    from participant.tensors import ModelSource
 
 GLOBAL = "global"  # the evaluations' key for the round's global model (a reserved participant id)
 
@@ -73,7 +79,7 @@ class Check:
     digest: str
     samples: int
     problem: str = ""  # why it cannot be attested; "" when verified
-    path: Path | None = None  # the verified bytes, kept for the evaluation
+    path: Path | None = None  # the verified file, kept for the evaluation
 
 
 @dataclass(frozen=True)
@@ -120,43 +126,49 @@ class RoundWitness:
             out[GLOBAL] = self.global_loss
         return out
 
-    def verify(self, rec: PeerUpdate, data: bytes | None, reference: bytes) -> Check:
-        """Check downloaded bytes (None: not in the bucket) against the record and the global model."""
-        if data is None:
-            check = Check(rec.pid, rec.digest, rec.samples, "the recorded version is not in the bucket")
-        elif (got := digest(data)) != rec.digest:
-            check = Check(rec.pid, rec.digest, rec.samples, f"sha256 {got[:12]} is not the recorded {rec.digest[:12]}")
-        elif problem := structure_problem(data, reference) or non_finite(data):
-            check = Check(rec.pid, rec.digest, rec.samples, problem)
+    def update_path(self, pid: str) -> Path:
+        """Where a participant's update is downloaded to (and kept, once verified)."""
+        return self.workdir / f"{pid}.safetensors"
+
+    def verify(self, rec: PeerUpdate, path: Path | None, got: str, reference: ModelSource) -> Check:
+        """Check a downloaded file (None: not in the bucket) whose content digest is `got` against the record and
+        the global model; a file that fails is deleted."""
+        problem = ""
+        if path is None:
+            problem = "the recorded version is not in the bucket"
+        elif got != rec.digest:
+            problem = f"digest {got[:12]} is not the recorded {rec.digest[:12]}"
         else:
-            self.workdir.mkdir(parents=True, exist_ok=True)
-            path = self.workdir / f"{rec.pid}.safetensors"
-            path.write_bytes(data)
-            check = Check(rec.pid, rec.digest, rec.samples, "", path)
+            problem = structure_problem(path, reference) or non_finite(path)
+        if problem and path is not None:
+            path.unlink(missing_ok=True)
+        check = Check(rec.pid, rec.digest, rec.samples, problem, None if problem else path)
         self.checks[rec.pid] = check
         return check
 
-    def evaluate(self, task: Any, device: Any, build_seed: int, reference: bytes, global_loss: float,
+    def evaluate(self, task: Any, device: Any, build_seed: int, reference: ModelSource, global_loss: float,
                  tolerance: float, selected: Iterable[str], stopping: Callable[[], bool] = lambda: False) -> None:
-        """Decide every verified update of `selected`: leave-one-out against the round's aggregate."""
-        from participant.tensors import from_bytes
+        """Decide every verified update of `selected`: leave-one-out against the round's aggregate. Updates are read
+        from their files one tensor at a time; memory: the global model and the float64 sums."""
+        from participant.tensors import open_tensors
 
         started = time.perf_counter()
         self.global_loss = global_loss
         chosen = set(selected)
         checks = [c for p, c in sorted(self.checks.items()) if p in chosen]
         self.verdicts = {c.pid: Verdict(c.pid, c.digest, False, None, c.problem) for c in checks if c.problem}
-        good = [c for c in checks if not c.problem and c.path is not None]
+        good = [(c, c.path) for c in checks if not c.problem and c.path is not None]
         if not good:
             return
-        base = from_bytes(reference)
-        weights = {c.pid: float(max(c.samples, 1)) for c in good}
+        with open_tensors(reference) as f:
+            base = {name: f.tensor(name) for name in f.names()}
+        weights = {c.pid: float(max(c.samples, 1)) for c, _ in good}
         total = sum(weights.values())
         sums = {name: t.double() * 0 for name, t in base.items() if t.is_floating_point()}
-        for c in good:  # pass 1: the weighted sum of every verified update
-            update = from_bytes(c.path.read_bytes())  # type: ignore[union-attr]
-            for name in sums:
-                sums[name] += weights[c.pid] * update[name].double()
+        for c, path in good:  # pass 1: the weighted sum of every verified update
+            with open_tensors(path) as update:
+                for name in sums:
+                    sums[name] += weights[c.pid] * update.tensor(name).double()
 
         def loss_of(tensors: dict[str, Any]) -> float:
             if stopping():
@@ -166,13 +178,14 @@ class RoundWitness:
             return float(task.evaluate(model, device).get("test_loss", math.nan))
 
         self.aggregate_loss = loss_of({n: s / total for n, s in sums.items()})
-        for c in good:  # pass 2: each update left out in turn
+        for c, path in good:  # pass 2: each update left out in turn
             if len(good) == 1:
                 without = global_loss
             else:
-                update = from_bytes(c.path.read_bytes())  # type: ignore[union-attr]
                 rest = total - weights[c.pid]
-                without = loss_of({n: (s - weights[c.pid] * update[n].double()) / rest for n, s in sums.items()})
+                with open_tensors(path) as update:
+                    rests = {n: (s - weights[c.pid] * update.tensor(n).double()) / rest for n, s in sums.items()}
+                without = loss_of(rests)
             bound = without * (1 + tolerance)
             if not math.isfinite(self.aggregate_loss) or not math.isfinite(without):
                 self.verdicts[c.pid] = Verdict(c.pid, c.digest, False, None, "its evaluation is not finite")
@@ -185,14 +198,25 @@ class RoundWitness:
         self.evaluation_seconds = time.perf_counter() - started
 
     def discard(self) -> None:
-        """Remove the verified bytes kept on disk (after the proof was sent)."""
+        """Remove the verified files kept on disk (after the proof was sent)."""
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def structure_problem(update: bytes, reference: bytes) -> str:
+def header_of(source: ModelSource) -> Header:
+    """A model file's header, checked by `shared.wire` (from a file: only its header is read)."""
+    if not isinstance(source, Path):
+        return parse_header(source)
+    with source.open("rb") as f:
+        if source.stat().st_size == 0:
+            return parse_header(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            return parse_header(view)
+
+
+def structure_problem(update: ModelSource, reference: ModelSource) -> str:
     """Why the update's tensors do not match the global model's names, shapes and dtypes, or ""."""
     try:
-        mine, ref = parse_header(update).tensors, parse_header(reference).tensors
+        mine, ref = header_of(update).tensors, header_of(reference).tensors
     except WireError as exc:
         return str(exc)
     if set(mine) != set(ref):
@@ -205,13 +229,15 @@ def structure_problem(update: bytes, reference: bytes) -> str:
     return ""
 
 
-def non_finite(data: bytes) -> str:
-    """A tensor with NaN or infinite values, named; "" if all are finite."""
+def non_finite(source: ModelSource) -> str:
+    """A tensor with NaN or infinite values, named; "" if all are finite (read one tensor at a time)."""
     import torch
 
-    from participant.tensors import from_bytes
+    from participant.tensors import open_tensors
 
-    for name, t in from_bytes(data).items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return f"tensor {name} has non-finite values"
+    with open_tensors(source) as f:
+        for name in f.names():
+            t = f.tensor(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"tensor {name} has non-finite values"
     return ""

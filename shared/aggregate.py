@@ -1,22 +1,55 @@
-"""Aggregation strategies over model files: pure numpy, streaming where the math allows.
+"""Aggregation strategies, computed piece by piece of the output file: pure numpy, bounded memory.
 
-FedAvg holds one accumulator (float64) and one update at a time: memory is O(model), not
-O(participants x model). Inputs are taken in a fixed order (sorted by participant) so anyone
-recomputing a round from the bucket gets the same bytes and the same digest.
+The global model is a canonical safetensors file (`shared.wire`): a header, then every tensor's bytes in a
+fixed layout that every accepted update shares. So byte range [a, b) of the global's data section is made
+from byte range [a, b) of each update's data section alone — every strategy here is coordinate-wise once
+the per-update quantities that span the model (weights, clipping factors) are known up front. The output
+file is cut into the digest's pieces (`shared.digest.PIECE_BYTES`, 8 MiB); each piece is computed from
+ranged reads of the inputs into reused buffers, hashed, and handed on (written as one part of a multipart
+upload). Any subset of the pieces can be computed anywhere (`Plan.shards`): the same piece is the same
+bytes whichever worker computes it, so K shards and one give byte-identical globals.
+
+Memory: FedAvg holds one read buffer and float32 scratch the size of a piece; the robust strategies read
+each input's slice of a piece in sub-ranges so that all N slices together stay about one piece in size.
+Inputs are taken in a fixed order (sorted by participant) so anyone recomputing a round gets the same bytes.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from shared.config import RunConfig, Strategy
-from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, encode
+from shared.digest import PIECE_BYTES, combine, piece_hash
+from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, TensorSpec, encode_header, tensor_view
 
-Loader = Callable[[], dict[str, np.ndarray]]
+ROBUST_ROW_BYTES = 64 * 1024  # the least a robust strategy reads of one input at a time
+FEDAVG_GROUP_BYTES = 64 * 1024 * 1024  # FedAvg reads up to this much of a piece's inputs before summing them
+BLOCK_BYTES = 256 * 1024  # the output block summed over a group of inputs while it stays in the CPU cache
+
+
+class RangeSource(Protocol):
+    """One input file's data section, read by byte range (offsets relative to the data section)."""
+
+    def readinto(self, begin: int, buf: memoryview) -> None: ...
+
+
+class ArraySource:
+    """A RangeSource over tensors in memory (tests, and the witnesses' small models)."""
+
+    def __init__(self, manifest: Manifest, arrays: dict[str, np.ndarray]) -> None:
+        layout = manifest.layout()
+        self.data = bytearray(manifest.nbytes)
+        for name, (begin, end) in layout.items():
+            raw = np.ascontiguousarray(arrays[name], DTYPES[manifest.tensors[name].dtype][0]).tobytes()
+            self.data[begin:end] = raw
+
+    def readinto(self, begin: int, buf: memoryview) -> None:
+        buf[:] = self.data[begin : begin + len(buf)]
 
 
 @dataclass(frozen=True)
@@ -24,93 +57,188 @@ class WeightedInput:
     participant: str
     samples: int
     digest: str
-    load: Loader
+    source: RangeSource
+    norm: float = -1.0  # L2 distance from the round's global model, as measured at ingest (clipping needs it)
 
 
-class FedAvg:
-    """Sample-weighted mean of float tensors; other tensors are taken from the first input."""
+@dataclass(frozen=True)
+class Segment:
+    """The part of one tensor inside a byte range of the data section."""
 
-    def __init__(self, manifest: Manifest) -> None:
-        self.manifest = manifest
-        self.sums = {n: np.zeros(s.shape, np.float64) for n, s in manifest.tensors.items() if s.dtype in FLOAT_TAGS}
-        self.others: dict[str, np.ndarray] = {}
-        self.weight = 0
+    name: str
+    spec: TensorSpec
+    begin: int  # data-section offsets
+    end: int
 
-    def add(self, arrays: dict[str, np.ndarray], samples: int) -> None:
-        if samples <= 0:
-            raise ValueError("an update's sample count must be positive")
-        for name, acc in self.sums.items():
-            acc += np.asarray(arrays[name], dtype=np.float64) * samples
-        for name in self.manifest.tensors:
-            if name not in self.sums and name not in self.others:
-                self.others[name] = np.array(arrays[name])
-        self.weight += samples
+    @property
+    def count(self) -> int:
+        return (self.end - self.begin) // DTYPES[self.spec.dtype][1]
 
-    def result(self) -> dict[str, np.ndarray]:
-        if self.weight == 0:
+
+@dataclass(frozen=True)
+class Plan:
+    """The layout of one output file: its header bytes, then its data section, cut into pieces."""
+
+    manifest: Manifest
+    header: bytes
+
+    @classmethod
+    def of(cls, manifest: Manifest, metadata: dict[str, str]) -> Plan:
+        return cls(manifest, encode_header(manifest.tensors, metadata))
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.manifest.nbytes
+
+    @property
+    def pieces(self) -> int:
+        return max(1, -(-self.size // PIECE_BYTES))
+
+    def piece_span(self, index: int) -> tuple[int, int]:
+        """Piece `index`'s byte range in the file."""
+        return index * PIECE_BYTES, min((index + 1) * PIECE_BYTES, self.size)
+
+    def shards(self, shard_bytes: int) -> list[range]:
+        """The pieces cut into contiguous shards of about `shard_bytes` (at least one piece each)."""
+        per = max(1, shard_bytes // PIECE_BYTES)
+        return [range(i, min(i + per, self.pieces)) for i in range(0, self.pieces, per)]
+
+    def segments(self, begin: int, end: int) -> Iterator[Segment]:
+        """The tensors' parts in data-section range [begin, end) (8-aligned ends cut no element)."""
+        for name, (a, b) in self.manifest.layout().items():
+            lo, hi = max(a, begin), min(b, end)
+            if lo < hi:
+                yield Segment(name, self.manifest.tensors[name], lo, hi)
+
+
+class PieceAggregator:
+    """Computes pieces of a round's global model from ranged reads of its inputs."""
+
+    def __init__(self, config: RunConfig, plan: Plan, inputs: list[WeightedInput], base: RangeSource | None) -> None:
+        if not inputs:
             raise ValueError("nothing to aggregate")
-        out = dict(self.others)
-        for name, acc in self.sums.items():
-            out[name] = (acc / self.weight).astype(DTYPES[self.manifest.tensors[name].dtype][0])
+        if any(i.samples <= 0 for i in inputs):
+            raise ValueError("an update's sample count must be positive")
+        self.config, self.plan, self.base = config, plan, base
+        self.inputs = sorted(inputs, key=lambda i: i.participant)
+        self.strategy = config.strategy
+        total = sum(i.samples for i in self.inputs)
+        self.weights = [i.samples / total for i in self.inputs]
+        self.scales = self._clip_scales() if self.strategy is Strategy.CLIPPED_FEDAVG else []
+        if self.strategy is Strategy.CLIPPED_FEDAVG and base is None:
+            raise ValueError("clipped FedAvg needs the round's global model")
+        self._buffers: list[bytearray] = []  # one piece-sized read buffer per input of a group, reused
+        # accumulators for one piece, indexed by byte offset / 2 (float32: a bf16/f16 element is 2 bytes) or / 8
+        self._acc32 = np.empty(PIECE_BYTES // 2, np.float32)
+        self._acc64 = np.empty(PIECE_BYTES // 8, np.float64)
+        self._tmp32 = np.empty(BLOCK_BYTES // 2, np.float32)  # one block's temporary
+        self._tmp64 = np.empty(BLOCK_BYTES // 8, np.float64)
+
+    def _clip_scales(self) -> list[float]:
+        norms = [i.norm for i in self.inputs]
+        if any(n < 0 for n in norms):
+            raise ValueError("clipped FedAvg needs every update's distance from the global model")
+        bound = self.config.clip_norm or float(np.median(norms))
+        return [min(1.0, bound / max(n, 1e-12)) for n in norms]
+
+    def piece(self, index: int) -> bytearray:
+        """The bytes of piece `index` of the output file (a new buffer: it may be uploaded while the next piece
+        is computed)."""
+        start, stop = self.plan.piece_span(index)
+        header = self.plan.header
+        out = bytearray(stop - start)
+        in_header = max(0, min(stop, len(header)) - start)
+        out[:in_header] = header[start : start + in_header]
+        data_begin, data_end = max(start, len(header)) - len(header), stop - len(header)
+        if data_end > data_begin:
+            self._data(data_begin, data_end, memoryview(out)[in_header:])
         return out
 
+    def _data(self, begin: int, end: int, out: memoryview) -> None:
+        if self.strategy is Strategy.FEDAVG:
+            self._fedavg(begin, end, out)
+            return
+        step = max(ROBUST_ROW_BYTES, (PIECE_BYTES // len(self.inputs)) // 8 * 8)
+        for lo in range(begin, end, step):
+            self._robust(lo, min(lo + step, end), out, begin)
 
-def fedavg(manifest: Manifest, inputs: Iterable[WeightedInput]) -> dict[str, np.ndarray]:
-    acc = FedAvg(manifest)
-    for item in sorted(inputs, key=lambda i: i.participant):
-        acc.add(item.load(), item.samples)
-    return acc.result()
+    def _fedavg(self, begin: int, end: int, out: memoryview) -> None:
+        """Blocked accumulation: a group of inputs' slices of the piece is read into reused buffers, then each
+        small block of the output is summed over the whole group while it sits in the CPU cache, and written
+        once. Memory traffic is the reads of the inputs and one write of the output."""
+        size = end - begin
+        floats = [seg for seg in self.plan.segments(begin, end) if seg.spec.dtype in FLOAT_TAGS]
+        group = max(1, min(len(self.inputs), FEDAVG_GROUP_BYTES // PIECE_BYTES))
+        while len(self._buffers) < group:
+            self._buffers.append(bytearray(PIECE_BYTES))
+        for first in range(0, len(self.inputs), group):
+            members = range(first, min(first + group, len(self.inputs)))
+            views = [memoryview(self._buffers[k - first])[:size] for k in members]
+            for k, view in zip(members, views, strict=True):
+                self.inputs[k].source.readinto(begin, view)
+            if first == 0:  # tensors that are not averaged (integer counters, flags) come from the first input
+                out[:] = views[0]
+            last = members.stop == len(self.inputs)
+            for seg in floats:
+                item = DTYPES[seg.spec.dtype][1]
+                for lo in range(seg.begin, seg.end, BLOCK_BYTES):
+                    hi = min(lo + BLOCK_BYTES, seg.end)
+                    self._block(seg.spec.dtype, lo - begin, (hi - lo) // item, views, members, last, out)
+
+    def _block(self, dtype: str, offset: int, count: int, views: list[memoryview], members: range, last: bool,
+               out: memoryview) -> None:
+        """Sum one block (`count` elements at byte `offset` of the piece) over a group of inputs."""
+        wide = dtype == "F64"
+        acc = (self._acc64 if wide else self._acc32)[offset // (8 if wide else 2) :][:count]
+        tmp = (self._tmp64 if wide else self._tmp32)[:count]
+        flat = TensorSpec(dtype, (count,))
+        for view, k in zip(views, members, strict=True):
+            x = tensor_view(view, offset, flat)
+            if x.dtype != acc.dtype:  # bf16 / f16: widened to float32 first
+                np.copyto(tmp, x, casting="unsafe")
+                x = tmp
+            weight = acc.dtype.type(self.weights[k])
+            if k == 0:
+                np.multiply(x, weight, out=acc)
+            else:
+                np.multiply(x, weight, out=tmp)
+                np.add(acc, tmp, out=acc)
+        if last:
+            _store(out, offset, flat, acc)
+
+    def _robust(self, begin: int, end: int, out: memoryview, out_begin: int) -> None:
+        rows = []
+        for item in self.inputs:
+            buf = bytearray(end - begin)
+            item.source.readinto(begin, memoryview(buf))
+            rows.append(buf)
+        base = bytearray(end - begin)
+        if self.base is not None:
+            self.base.readinto(begin, memoryview(base))
+        out[begin - out_begin : end - out_begin] = rows[0]
+        for seg in self.plan.segments(begin, end):
+            if seg.spec.dtype not in FLOAT_TAGS:
+                continue
+            flat = TensorSpec(seg.spec.dtype, (seg.count,))
+            stack = np.stack([tensor_view(r, seg.begin - begin, flat).astype(np.float64) for r in rows])
+            if self.strategy is Strategy.MEDIAN:
+                value = np.median(stack, axis=0)
+            elif self.strategy is Strategy.TRIMMED_MEAN:
+                n = len(rows)
+                k = min(int(self.config.trim_fraction * n), (n - 1) // 2)
+                value = np.sort(stack, axis=0)[k : n - k].mean(axis=0)
+            else:
+                ref = tensor_view(base, seg.begin - begin, flat).astype(np.float64)
+                scales = np.asarray(self.scales).reshape(-1, 1)
+                value = ref + ((stack - ref) * scales).mean(axis=0)
+            _store(out, seg.begin - out_begin, flat, value)
 
 
-# --- robust strategies: they ignore claimed sample counts and hold every update of the round ----------
-
-
-def _stacked(manifest: Manifest, inputs: list[WeightedInput]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Float tensors stacked along a new first axis (one row per update), and the other tensors."""
-    loaded = [i.load() for i in sorted(inputs, key=lambda i: i.participant)]
-    floats = {n for n, spec in manifest.tensors.items() if spec.dtype in FLOAT_TAGS}
-    stacks = {n: np.stack([np.asarray(a[n], np.float64) for a in loaded]) for n in floats}
-    others = {n: np.array(loaded[0][n]) for n in manifest.tensors if n not in floats}
-    return stacks, others
-
-
-def _cast(manifest: Manifest, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {n: v.astype(DTYPES[manifest.tensors[n].dtype][0]) for n, v in values.items()}
-
-
-def median(manifest: Manifest, inputs: list[WeightedInput]) -> dict[str, np.ndarray]:
-    """Coordinate-wise median of the updates."""
-    stacks, others = _stacked(manifest, inputs)
-    return _cast(manifest, {**others, **{n: np.median(s, axis=0) for n, s in stacks.items()}})
-
-
-def trimmed_mean(manifest: Manifest, inputs: list[WeightedInput], trim_fraction: float) -> dict[str, np.ndarray]:
-    """Coordinate-wise mean after dropping the floor(trim_fraction * n) largest and smallest values."""
-    stacks, others = _stacked(manifest, inputs)
-    n = len(inputs)
-    k = min(int(trim_fraction * n), (n - 1) // 2)
-    out = {name: np.sort(s, axis=0)[k : n - k].mean(axis=0) for name, s in stacks.items()}
-    return _cast(manifest, {**others, **out})
-
-
-def clipped_fedavg(
-    manifest: Manifest, inputs: list[WeightedInput], reference: dict[str, np.ndarray], clip_norm: float
-) -> dict[str, np.ndarray]:
-    """Mean of the updates' deltas from the round's global model, each clipped to an L2 norm bound.
-
-    The bound is `clip_norm`, or the median of the round's delta norms when it is 0; the mean is
-    unweighted, so an inflated sample count buys nothing.
-    """
-    stacks, others = _stacked(manifest, inputs)
-    deltas = {n: s - np.asarray(reference[n], np.float64) for n, s in stacks.items()}
-    norms = np.sqrt(sum((d.reshape(len(inputs), -1) ** 2).sum(axis=1) for d in deltas.values()))
-    bound = clip_norm or float(np.median(norms))
-    scale = np.minimum(1.0, bound / np.maximum(norms, 1e-12))
-    out = {}
-    for name, d in deltas.items():
-        shape = (len(inputs),) + (1,) * (d.ndim - 1)
-        out[name] = np.asarray(reference[name], np.float64) + (d * scale.reshape(shape)).mean(axis=0)
-    return _cast(manifest, {**others, **out})
+def _store(out: memoryview, offset: int, spec: TensorSpec, values: np.ndarray) -> None:
+    """Write `values` into `out` at `offset` in the dtype of `spec` (little-endian)."""
+    dtype = DTYPES[spec.dtype][0].newbyteorder("<")
+    target = np.frombuffer(out, dtype=dtype, count=spec.numel, offset=offset)
+    np.copyto(target, values, casting="unsafe")
 
 
 def global_metadata(run_id: str, round_no: int, inputs: Iterable[WeightedInput], strategy: str) -> dict[str, str]:
@@ -126,24 +254,23 @@ def global_metadata(run_id: str, round_no: int, inputs: Iterable[WeightedInput],
     }
 
 
-def combine(
-    config: RunConfig, manifest: Manifest, inputs: list[WeightedInput], reference: Loader
-) -> dict[str, np.ndarray]:
-    """The run's configured strategy applied to a round's counted updates."""
-    if not inputs:
-        raise ValueError("nothing to aggregate")
-    if config.strategy is Strategy.FEDAVG:
-        return fedavg(manifest, inputs)
-    if config.strategy is Strategy.MEDIAN:
-        return median(manifest, inputs)
-    if config.strategy is Strategy.TRIMMED_MEAN:
-        return trimmed_mean(manifest, inputs, config.trim_fraction)
-    return clipped_fedavg(manifest, inputs, reference(), config.clip_norm)
+def round_plan(config: RunConfig, manifest: Manifest, out_round: int, inputs: Iterable[WeightedInput]) -> Plan:
+    return Plan.of(manifest, global_metadata(config.run_id, out_round, inputs, config.strategy.value))
 
 
 def aggregate_file(
-    config: RunConfig, manifest: Manifest, out_round: int, inputs: list[WeightedInput], reference: Loader
+    config: RunConfig, manifest: Manifest, out_round: int, inputs: list[WeightedInput], base: RangeSource | None
 ) -> bytes:
-    """The bytes of the global model of `out_round` made from `inputs` (deterministic)."""
-    arrays = combine(config, manifest, inputs, reference)
-    return encode(arrays, global_metadata(config.run_id, out_round, inputs, config.strategy.value))
+    """The whole global model of `out_round` made from `inputs`, in memory (small models and tests)."""
+    plan = round_plan(config, manifest, out_round, inputs)
+    worker = PieceAggregator(config, plan, inputs, base)
+    return b"".join(worker.piece(i) for i in range(plan.pieces))
+
+
+def aggregate_digest(
+    config: RunConfig, manifest: Manifest, out_round: int, inputs: list[WeightedInput], base: RangeSource | None
+) -> str:
+    """The digest of that global model, computed piece by piece without holding it (`fed verify`)."""
+    plan = round_plan(config, manifest, out_round, inputs)
+    worker = PieceAggregator(config, plan, inputs, base)
+    return combine(piece_hash(worker.piece(i)) for i in range(plan.pieces))

@@ -6,7 +6,6 @@ disagree about a timeout or a limit.
 
 from __future__ import annotations
 
-import re
 import tomllib
 from enum import StrEnum
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{1,38}[a-z0-9]$")
+from shared.keys import RUN_ID_PATTERN
 
 
 class ConfigError(ValueError):
@@ -55,7 +54,25 @@ class RunConfig(BaseModel):
     norm_outlier_factor: float = Field(
         10.0, ge=0, description="Refuse an update whose distance from the global is this x the round's median; 0: off."
     )
+    checkpoint_every: int = Field(
+        5, ge=0, description="Aggregated rounds between checkpoints (one is also written at each epoch's end); "
+        "0: at epoch ends only. `fed run restore` rebuilds a run that lost its table from the latest."
+    )
+    max_sample_ratio: float = Field(
+        4.0, ge=0, description="Refuse an update claiming more than this x the median sample count of the "
+        "round's other updates (so no claim can own FedAvg); 0: off. With dataset_size set, claims are also "
+        "bounded by the assigned share."
+    )
+    max_clock_skew: float = Field(
+        300.0, gt=0, description="Seconds a join request or heartbeat may be sent before (or, clocks being "
+        "clocks, after) it arrives; older copies are refused as replays."
+    )
     max_participants: int = Field(1000, ge=1, description="Participants that may join the run at most.")
+    max_admissions_per_epoch: int = Field(
+        100, ge=1, description="New members an epoch admits at most (members of the epoch before it are not "
+        "counted): live joiners heard from since their join, earliest joined first, ties by id. At least "
+        "min_clients. Bounds how many identities a burst of joins can bring into one epoch."
+    )
     strategy: Strategy = Strategy.FEDAVG
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
     clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")
@@ -64,13 +81,19 @@ class RunConfig(BaseModel):
     local_epochs: int = Field(1, ge=1, description="Passes over its assigned data per round.")
     batch_size: int = Field(32, ge=1)
     learning_rate: float = Field(0.05, gt=0)
-    max_update_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Largest update object accepted.")
+    max_update_bytes: int = Field(
+        16 * 1024**3, gt=0, description="Largest update object accepted (ingest streams it: memory does not grow "
+        "with it; see docs/deploy.md for the functions' memory).")
+    shard_bytes: int = Field(
+        512 * 1024**2, ge=8 * 1024**2, description="Aggregation shard size: a global model of S bytes is "
+        "aggregated by ceil(S / shard_bytes) workers in parallel, each over its own byte range (multiples of "
+        "the 8 MiB digest piece).")
     seed: int = Field(0, ge=0, description="Run seed for selection and data assignment.")
 
     @field_validator("run_id")
     @classmethod
     def _run_id_shape(cls, value: str) -> str:
-        if not RUN_ID_PATTERN.match(value):
+        if not RUN_ID_PATTERN.fullmatch(value):
             raise ValueError("must be 3-40 characters of a-z, 0-9 and '-', starting and ending alphanumeric")
         return value
 
@@ -82,6 +105,9 @@ class RunConfig(BaseModel):
             )
         if self.min_updates > self.min_per_round:
             raise ValueError(f"min_updates ({self.min_updates}) cannot exceed min_per_round ({self.min_per_round})")
+        if self.max_admissions_per_epoch < self.min_clients:
+            raise ValueError(f"max_admissions_per_epoch ({self.max_admissions_per_epoch}) cannot be below "
+                             f"min_clients ({self.min_clients}): the first epoch could never start")
         return self
 
     @property

@@ -7,14 +7,16 @@
     runs/<run>/rounds/<round>/<participant>    participant's trained model for round <round>
     runs/<run>/rounds/<round>/witness/<participant>   a witness's proof for round <round> (JSON)
     runs/<run>/rounds/<round>/health/<participant>    a health report about round <round> (JSON)
-    runs/<run>/checkpoints/<epoch>/global      the global model at the end of an epoch
-    runs/<run>/checkpoints/<epoch>/state.json  the run's state at the end of that epoch
+    runs/<run>/checkpoints/<round>/global      the global model a checkpoint keeps (the one round <round> trains from)
+    runs/<run>/checkpoints/<round>/state.json  the run's state with it (every few rounds, and at each epoch's end)
     runs/<run>/checkpoints/latest.json         which checkpoint is the latest
     runs/<run>/manifest.json                   tensor names, shapes and dtypes of the model
     runs/<run>/config.json                     the run configuration, published by the first tick
 
 Rounds are zero-padded so keys sort in round order. Participant ids are validated before they become
-part of any key: no path characters, no reserved names.
+part of any key: no path characters, no reserved names. Parsing is strict and total: ASCII only, every
+part matched whole, and a key is accepted only if formatting what was parsed gives the key back
+(`format_key(parse_key(k)) == k`), so the coordinator never records a key it would read back as another.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-PARTICIPANT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
-RESERVED_IDS = frozenset({"global", "manifest", "config", "witness", "health", "state", "checkpoint", "checkpoints"})
+# Matched with `fullmatch` (never `match` with `$`, which tolerates a trailing newline), ASCII classes only.
+PARTICIPANT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}", re.ASCII)
+RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{1,38}[a-z0-9]", re.ASCII)
+RESERVED_IDS = frozenset({
+    "global", "manifest", "config", "witness", "health", "state", "checkpoint", "checkpoints", "staging",
+})
 ROUND_DIGITS = 6
-DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}", re.ASCII)
+MAX_KEY_LENGTH = 1024  # S3's own limit, in bytes of UTF-8; ours are ASCII
 
 
 class KeyError_(ValueError):
@@ -44,17 +51,18 @@ class ObjectKind(StrEnum):
     WITNESS = "witness"
     HEALTH = "health"
     CHECKPOINT = "checkpoint"
+    STAGING = "staging"  # a global model being written in parts by the shard workers, before it has a digest
 
 
 def validate_participant_id(pid: str) -> str:
     """Return pid if it may be used in keys, else raise with the reason."""
-    if not isinstance(pid, str) or not PARTICIPANT_ID_PATTERN.match(pid):
+    if not isinstance(pid, str) or not PARTICIPANT_ID_PATTERN.fullmatch(pid):
         raise KeyError_(
-            f"invalid participant id {pid!r}: use 1-63 characters of letters, digits, '_' and '-', "
+            f"invalid participant id {_shown(str(pid))}: use 1-63 characters of letters, digits, '_' and '-', "
             "starting with a letter or digit"
         )
     if pid.lower() in RESERVED_IDS:
-        raise KeyError_(f"invalid participant id {pid!r}: the name is reserved")
+        raise KeyError_(f"invalid participant id {_shown(pid)}: the name is reserved")
     return pid
 
 
@@ -62,16 +70,24 @@ def run_prefix(run_id: str) -> str:
     return f"runs/{run_id}/"
 
 
+def join_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}join/"
+
+
 def join_key(run_id: str, pid: str) -> str:
-    return f"{run_prefix(run_id)}join/{validate_participant_id(pid)}"
+    return f"{join_prefix(run_id)}{validate_participant_id(pid)}"
 
 
 def init_key(run_id: str, pid: str) -> str:
     return f"{run_prefix(run_id)}init/{validate_participant_id(pid)}"
 
 
+def heartbeat_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}heartbeat/"
+
+
 def heartbeat_key(run_id: str, pid: str) -> str:
-    return f"{run_prefix(run_id)}heartbeat/{validate_participant_id(pid)}"
+    return f"{heartbeat_prefix(run_id)}{validate_participant_id(pid)}"
 
 
 def round_prefix(run_id: str, round_no: int) -> str:
@@ -83,13 +99,21 @@ def round_prefix(run_id: str, round_no: int) -> str:
 def global_key(run_id: str, round_no: int, digest: str) -> str:
     """Content-addressed: a key never holds two different models, so a racing tick that writes before its
     (failing) commit can leave an orphan but never replace the model the run committed to."""
-    if not DIGEST_PATTERN.match(digest):
+    if not DIGEST_PATTERN.fullmatch(digest):
         raise KeyError_(f"global model digest must be 64 hex characters, got {digest!r}")
     return f"{global_prefix(run_id, round_no)}{digest}"
 
 
 def global_prefix(run_id: str, round_no: int) -> str:
     return f"{round_prefix(run_id, round_no)}global/"
+
+
+def staging_key(run_id: str, round_no: int, job: str) -> str:
+    """Where the aggregation job `job` (64 hex digits naming its inputs) writes the global model of `round_no`
+    part by part; it is copied to its content address (`global_key`) once its digest is known."""
+    if not DIGEST_PATTERN.fullmatch(job):
+        raise KeyError_(f"aggregation job id must be 64 hex characters, got {job!r}")
+    return f"{round_prefix(run_id, round_no)}staging/{job}"
 
 
 def update_key(run_id: str, round_no: int, pid: str) -> str:
@@ -104,16 +128,17 @@ def health_key(run_id: str, round_no: int, pid: str) -> str:
     return f"{round_prefix(run_id, round_no)}health/{validate_participant_id(pid)}"
 
 
-def checkpoint_prefix(run_id: str, epoch: int) -> str:
-    return f"{run_prefix(run_id)}checkpoints/{epoch:0{ROUND_DIGITS}d}/"
+def checkpoint_prefix(run_id: str, round_no: int) -> str:
+    """A checkpoint is named by the round whose global model it keeps: two never share a key."""
+    return f"{run_prefix(run_id)}checkpoints/{round_no:0{ROUND_DIGITS}d}/"
 
 
-def checkpoint_global_key(run_id: str, epoch: int) -> str:
-    return f"{checkpoint_prefix(run_id, epoch)}global"
+def checkpoint_global_key(run_id: str, round_no: int) -> str:
+    return f"{checkpoint_prefix(run_id, round_no)}global"
 
 
-def checkpoint_state_key(run_id: str, epoch: int) -> str:
-    return f"{checkpoint_prefix(run_id, epoch)}state.json"
+def checkpoint_state_key(run_id: str, round_no: int) -> str:
+    return f"{checkpoint_prefix(run_id, round_no)}state.json"
 
 
 def latest_checkpoint_key(run_id: str) -> str:
@@ -134,22 +159,76 @@ class ParsedKey:
     run_id: str
     participant: str | None = None
     round: int | None = None
+    digest: str | None = None  # a global model's content address; a staging object's job id
+    name: str | None = None  # a checkpoint's file: "global", "state.json" or "latest.json"
 
 
-_ROUND_RE = re.compile(rf"^\d{{{ROUND_DIGITS}}}$")
+_ROUND_RE = re.compile(rf"[0-9]{{{ROUND_DIGITS}}}", re.ASCII)
+_CHECKPOINT_FILES = ("global", "state.json")
 
 
 def _round_of(key: str, text: str) -> int:
-    if not _ROUND_RE.match(text):
-        raise KeyError_(f"key {key!r}: round {text!r} is not {ROUND_DIGITS} digits")
+    if not _ROUND_RE.fullmatch(text):
+        raise KeyError_(f"key {_shown(key)}: round {_shown(text)} is not {ROUND_DIGITS} digits")
     return int(text)
 
 
+def _shown(text: str, limit: int = 120) -> str:
+    """A key as it may appear in a recorded reason: bounded, and quoted so control characters show."""
+    return repr(text[:limit]) + ("…" if len(text) > limit else "")
+
+
+def format_key(p: ParsedKey) -> str:
+    """The key a parsed key stands for (the inverse of `parse_key`)."""
+    r, pid = p.round, p.participant
+    match p.kind:
+        case ObjectKind.MANIFEST:
+            return manifest_key(p.run_id)
+        case ObjectKind.CONFIG:
+            return config_key(p.run_id)
+        case ObjectKind.JOIN if pid is not None:
+            return join_key(p.run_id, pid)
+        case ObjectKind.INIT if pid is not None:
+            return init_key(p.run_id, pid)
+        case ObjectKind.HEARTBEAT if pid is not None:
+            return heartbeat_key(p.run_id, pid)
+        case ObjectKind.GLOBAL if r is not None:
+            return global_key(p.run_id, r, p.digest) if p.digest is not None else f"{global_prefix(p.run_id, r)[:-1]}"
+        case ObjectKind.STAGING if r is not None and p.digest is not None:
+            return staging_key(p.run_id, r, p.digest)
+        case ObjectKind.UPDATE if r is not None and pid is not None:
+            return update_key(p.run_id, r, pid)
+        case ObjectKind.WITNESS if r is not None and pid is not None:
+            return witness_key(p.run_id, r, pid)
+        case ObjectKind.HEALTH if r is not None and pid is not None:
+            return health_key(p.run_id, r, pid)
+        case ObjectKind.CHECKPOINT if r is None and p.name == "latest.json":
+            return latest_checkpoint_key(p.run_id)
+        case ObjectKind.CHECKPOINT if r is not None and p.name in _CHECKPOINT_FILES:
+            return f"{checkpoint_prefix(p.run_id, r)}{p.name}"
+    raise KeyError_(f"not a complete key: {p}")
+
+
 def parse_key(key: str) -> ParsedKey:
-    """Classify a key of the layout; raise KeyError_ with the reason for anything else."""
+    """Classify a key of the layout; raise KeyError_ with the reason for anything else.
+
+    Total and strict: any text either parses to the one `ParsedKey` that formats back to exactly `key`,
+    or is refused with a bounded reason.
+    """
+    if not isinstance(key, str) or not key.isascii() or len(key) > MAX_KEY_LENGTH:
+        raise KeyError_(f"key {_shown(str(key))} is not an ASCII key of at most {MAX_KEY_LENGTH} characters")
+    if not key.isprintable():
+        raise KeyError_(f"key {_shown(key)} holds control characters")
+    parsed = _parse_parts(key)
+    if format_key(parsed) != key:  # defence in depth: what we would read back is what was written
+        raise KeyError_(f"key {_shown(key)} is not in the layout's canonical form")
+    return parsed
+
+
+def _parse_parts(key: str) -> ParsedKey:
     parts = key.split("/")
-    if len(parts) < 3 or parts[0] != "runs" or not parts[1]:
-        raise KeyError_(f"key {key!r} is outside the run layout")
+    if len(parts) < 3 or parts[0] != "runs" or not RUN_ID_PATTERN.fullmatch(parts[1]):
+        raise KeyError_(f"key {_shown(key)} is outside the run layout")
     run_id, rest = parts[1], parts[2:]
     if rest == ["manifest.json"]:
         return ParsedKey(ObjectKind.MANIFEST, run_id)
@@ -158,10 +237,18 @@ def parse_key(key: str) -> ParsedKey:
     simple = {"join": ObjectKind.JOIN, "init": ObjectKind.INIT, "heartbeat": ObjectKind.HEARTBEAT}
     if len(rest) == 2 and rest[0] in simple:
         return ParsedKey(simple[rest[0]], run_id, participant=validate_participant_id(rest[1]))
-    if rest[0] == "checkpoints" and len(rest) in (2, 3):
-        return ParsedKey(ObjectKind.CHECKPOINT, run_id)
+    if rest == ["checkpoints", "latest.json"]:
+        return ParsedKey(ObjectKind.CHECKPOINT, run_id, name="latest.json")
+    if len(rest) == 3 and rest[0] == "checkpoints" and rest[2] in _CHECKPOINT_FILES:
+        return ParsedKey(ObjectKind.CHECKPOINT, run_id, round=_round_of(key, rest[1]), name=rest[2])
     if len(rest) == 4 and rest[0] == "rounds" and rest[2] == "global":
-        return ParsedKey(ObjectKind.GLOBAL, run_id, round=_round_of(key, rest[1]))
+        if not DIGEST_PATTERN.fullmatch(rest[3]):
+            raise KeyError_(f"key {_shown(key)}: a global model's name must be its 64-hex-digit digest")
+        return ParsedKey(ObjectKind.GLOBAL, run_id, round=_round_of(key, rest[1]), digest=rest[3])
+    if len(rest) == 4 and rest[0] == "rounds" and rest[2] == "staging":
+        if not DIGEST_PATTERN.fullmatch(rest[3]):
+            raise KeyError_(f"key {_shown(key)}: an aggregation job's name must be 64 hex digits")
+        return ParsedKey(ObjectKind.STAGING, run_id, round=_round_of(key, rest[1]), digest=rest[3])
     if len(rest) == 4 and rest[0] == "rounds" and rest[2] in ("witness", "health"):
         kind = ObjectKind.WITNESS if rest[2] == "witness" else ObjectKind.HEALTH
         return ParsedKey(kind, run_id, participant=validate_participant_id(rest[3]), round=_round_of(key, rest[1]))
@@ -170,4 +257,4 @@ def parse_key(key: str) -> ParsedKey:
         if rest[2] == "global":
             return ParsedKey(ObjectKind.GLOBAL, run_id, round=round_no)
         return ParsedKey(ObjectKind.UPDATE, run_id, participant=validate_participant_id(rest[2]), round=round_no)
-    raise KeyError_(f"key {key!r} is outside the run layout")
+    raise KeyError_(f"key {_shown(key)} is outside the run layout")

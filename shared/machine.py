@@ -14,8 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.config import RunConfig
+from shared.limits import MAX_SUMMARY_REASON_CHARS, bounded
 from shared.selection import round_seed, select
 from shared.state import (
+    LIVE_PHASES,
     AdoptInitialModel,
     Aggregate,
     AggregateInput,
@@ -36,7 +38,6 @@ from shared.state import (
 from shared.witness import Proof, elect, health_scores, quorum
 
 MAX_STEPS = 16
-LIVE_PHASES = frozenset({Phase.WARMUP, Phase.TRAIN, Phase.WITNESS})
 
 
 @dataclass
@@ -51,11 +52,16 @@ class Ctx:
     fired: list[str] = field(default_factory=list)
 
     def eligible(self) -> list[ParticipantView]:
-        """Joined participants that are alive now, sorted by id: who a new epoch admits."""
+        """Who a new epoch admits, sorted by id: participants alive now that were heard from after their join
+        (a join request alone admits nobody), namely every member of the epoch that just ended among them and
+        at most `max_admissions_per_epoch` others, the earliest joined first (ties by id)."""
         timeout = self.config.liveness_timeout
-        return sorted(
-            (p for p in self.snap.participants.values() if p.alive(self.now, timeout)), key=lambda p: p.pid
-        )
+        live = [p for p in self.snap.participants.values() if p.alive(self.now, timeout) and p.proven]
+        previous = self.state.members  # the epoch that just ended (active or dropped); empty once waiting
+        returning = [p for p in live if p.pid in previous]
+        new = sorted((p for p in live if p.pid not in previous), key=lambda p: (p.joined_at, p.pid))
+        admitted = returning + new[: self.config.max_admissions_per_epoch]
+        return sorted(admitted, key=lambda p: p.pid)
 
     def updates(self) -> dict[str, UpdateView]:
         """Updates recorded for the round the state is in now (a tick can move past the snapshot's)."""
@@ -191,8 +197,20 @@ def _start_epoch(c: Ctx) -> None:
         source = next(p for p in eligible if p.init_digest)
         s = s.evolve(global_digest=source.init_digest, model_source=source.pid)
         c.effects.append(AdoptInitialModel(source.pid, source.init_digest, s.round))
+    new = sum(1 for p in eligible if p.pid not in c.state.members)
+    waiting = _waiting_for_admission(c, eligible)
     c.state = s
-    c.effects.append(Note(f"epoch {s.epoch} starts with {len(eligible)} members"))
+    c.effects.append(Note(f"epoch {s.epoch} starts with {len(eligible)} members ({new} new)"))
+    if waiting:
+        c.effects.append(Note(f"{waiting} live participants wait for a later epoch: at most "
+                              f"{c.config.max_admissions_per_epoch} new members an epoch"))
+
+
+def _waiting_for_admission(c: Ctx, admitted: list[ParticipantView]) -> int:
+    """Live participants heard from since they joined that the admission bound left out of this epoch."""
+    timeout, chosen = c.config.liveness_timeout, {p.pid for p in admitted}
+    return sum(1 for p in c.snap.participants.values()
+               if p.alive(c.now, timeout) and p.proven and p.pid not in chosen)
 
 
 def _back_to_waiting(c: Ctx) -> None:
@@ -235,9 +253,34 @@ def _freeze_round(c: Ctx) -> None:
         if pid not in updates and not c.state.witnesses:
             c.drop(pid, f"missed the deadline of round {c.state.round}")
     accepted = sorted(pid for pid in c.state.selected if (u := updates.get(pid)) is not None and u.accepted)
-    excluded = _norm_outliers(c.config, {pid: updates[pid].norm for pid in accepted})
+    # Inputs excluded earlier in the round (unreadable as recorded: `exclude_input`) stay excluded.
+    excluded = {
+        **c.state.excluded,
+        **_sample_outliers(c.config, {pid: updates[pid].samples for pid in accepted}),
+        **_norm_outliers(c.config, {pid: updates[pid].norm for pid in accepted}),
+    }
     counted = tuple(pid for pid in accepted if pid not in excluded)
     c.state = c.state.evolve(counted=counted, excluded=excluded, deadline=c.now + c.config.round_witness_time)
+
+
+def exclude_input(state: RunState, pid: str, reason: str) -> RunState:
+    """Leave one recorded input out of the open round, with the reason: an update the coordinator can no
+    longer read back as it was recorded must not stop the round (the others are aggregated without it)."""
+    return state.evolve(counted=tuple(p for p in state.counted if p != pid), excluded={**state.excluded, pid: reason})
+
+
+def _sample_outliers(config: RunConfig, claims: dict[str, int]) -> dict[str, str]:
+    """Updates claiming far more samples than the median of the round's other claims (leave-one-out, so one
+    huge claim cannot raise the median it is judged against)."""
+    if not config.max_sample_ratio or len(claims) < 2:
+        return {}
+    out = {}
+    for pid, n in claims.items():
+        others = statistics.median(v for p, v in claims.items() if p != pid)
+        if n > config.max_sample_ratio * others:
+            out[pid] = (f"claims {n} samples, more than {config.max_sample_ratio:g} x the median "
+                        f"{others:g} of the round's other updates")
+    return out
 
 
 def _norm_outliers(config: RunConfig, norms: dict[str, float]) -> dict[str, str]:
@@ -284,7 +327,8 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         epoch=s.epoch,
         selected=tuple(sorted(set(s.selected) | set(dropped))),
         counted=counted,
-        refused={pid: u.reason for pid, u in sorted(updates.items()) if not u.accepted} | dict(s.excluded),
+        refused={pid: bounded(reason, MAX_SUMMARY_REASON_CHARS) for pid, reason in (
+            {pid: u.reason for pid, u in sorted(updates.items()) if not u.accepted} | dict(s.excluded)).items()},
         dropped=dropped,
         samples=sum(updates[p].samples for p in counted),
         loss=_weighted_metric(c, "loss") if aggregated else None,
@@ -299,7 +343,8 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         health=health,
     )
     if aggregated:
-        inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest, updates[p].version_id) for p in counted)
+        inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest, updates[p].version_id, updates[p].norm)
+                       for p in counted)
         c.effects.append(Aggregate(s.round, inputs, s.global_digest))
     else:
         c.effects.append(CarryGlobal(s.round, s.global_digest))
@@ -322,6 +367,9 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
 
 def _aggregate_and_continue(c: Ctx) -> None:
     _close_round(c, aggregated=True)
+    every = c.config.checkpoint_every
+    if every and c.state.aggregated % every == 0:  # a run that loses its table mid-epoch loses at most these
+        c.effects.append(WriteCheckpoint(c.state.epoch, c.state.round))
     _begin_round(c)
 
 
@@ -385,7 +433,8 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(W, F, "finish_waiting", _run_complete, _finish,
                "total_rounds aggregated before the epoch could cool down (members left, or a pause)"),
     Transition(W, WU, "epoch_start", _can_start_epoch, _start_epoch,
-               "min_clients live participants (and a model or an offer of one): admit them"),
+               "min_clients live participants heard from since joining (and a model or an offer of one): admit "
+               "them, at most max_admissions_per_epoch"),
     Transition(WU, W, "warmup_too_few", _too_few_members, _back_to_waiting,
                "members dropped below min_clients during warmup"),
     Transition(WU, T, "warmup_done", _warmup_over, _begin_round,
@@ -408,7 +457,8 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(CD, F, "run_complete", _all(_deadline_passed, _run_complete), _finish,
                "total_rounds aggregated"),
     Transition(CD, WU, "next_epoch", _all(_deadline_passed, _can_start_epoch), _start_epoch,
-               "cooldown over: admit every live participant to the next epoch"),
+               "cooldown over: admit the live members and at most max_admissions_per_epoch new participants "
+               "heard from since joining"),
     Transition(CD, W, "next_epoch_waiting", _deadline_passed, _back_to_waiting,
                "cooldown over but too few live participants"),
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.keys import run_prefix
+from shared.keys import join_prefix
 
 METRICS_NAMESPACE = "FedCoordinator"
 TICK_SCHEDULE_MINUTES = 1
@@ -26,13 +26,38 @@ def ingest_rule_name(run_id: str) -> str:
     return f"fed-{run_id}-object-created"
 
 
-def object_created_pattern(bucket: str, run_id: str) -> dict[str, Any]:
-    """The EventBridge pattern routing the run's S3 uploads to the ingest function."""
+def join_queue_name(run_id: str) -> str:
+    return f"fed-{run_id}-join"
+
+
+def join_rule_name(run_id: str) -> str:
+    return f"fed-{run_id}-join-requests"
+
+
+# Two lanes for the run's uploads, so that heartbeats and updates never wait behind join requests: the join
+# lane takes runs/<run>/join/ and has a bounded number of consumers (on AWS an SQS queue drained by the join
+# function at a maximum concurrency, locally a queue with its own dispatcher worker); the main lane takes every
+# other object of the run's bucket (the bucket is the run's own) straight to ingest. The two patterns are exact
+# complements on the key, so every upload goes down exactly one lane.
+
+
+def _object_created(bucket: str, key_filter: dict[str, Any]) -> dict[str, Any]:
     return {
         "source": ["aws.s3"],
         "detail-type": ["Object Created"],
-        "detail": {"bucket": {"name": [bucket]}, "object": {"key": [{"prefix": run_prefix(run_id)}]}},
+        "detail": {"bucket": {"name": [bucket]}, "object": {"key": [key_filter]}},
     }
+
+
+def object_created_pattern(bucket: str, run_id: str) -> dict[str, Any]:
+    """The main lane: the run's S3 uploads other than join requests (heartbeats, updates, offers, proofs,
+    health reports, and what the coordinator writes), to the ingest function."""
+    return _object_created(bucket, {"anything-but": {"prefix": join_prefix(run_id)}})
+
+
+def join_request_pattern(bucket: str, run_id: str) -> dict[str, Any]:
+    """The join lane: uploads under runs/<run>/join/, to the join queue."""
+    return _object_created(bucket, {"prefix": join_prefix(run_id)})
 
 
 # Environment variables the functions read (parsed once, in functions/settings.py).
@@ -41,8 +66,11 @@ ENV_BUCKET = "FED_BUCKET"
 ENV_TABLE = "FED_TABLE"
 ENV_CONFIG = "FED_CONFIG_JSON"
 ENV_ENDPOINT = "FED_AWS_ENDPOINT"
+# Where a tick's aggregation shards run: "lambda:<function name>" (the shard-worker function, on AWS),
+# "processes:<n>" (a pool of n worker processes: the local stack), unset: threads of the tick itself.
+ENV_SHARD_RUNNER = "FED_SHARD_RUNNER"
 
-# DynamoDB table schema (one table per run; see shared/records.py for the items).
+# DynamoDB table schema (one table per run; see store/records.py for the items).
 TABLE_HASH_KEY = "pk"
 TABLE_RANGE_KEY = "sk"
 

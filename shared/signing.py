@@ -10,12 +10,13 @@ to another key or another body. It travels as S3 user metadata (`x-amz-meta-fed-
 from __future__ import annotations
 
 import base64
-import hashlib
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from shared.digest import digest
 
 SIGNATURE_METADATA = "fed-signature"
 
@@ -24,8 +25,10 @@ class SignatureError(ValueError):
     pass
 
 
-def _message(key: str, data: bytes) -> bytes:
-    return f"fed-upload:v1\n{key}\n{hashlib.sha256(data).hexdigest()}".encode()
+def _message(key: str, content_digest: str) -> bytes:
+    """What is signed: the key and the content digest (shared.digest), so a file can be signed and checked
+    while it streams, without holding it."""
+    return f"fed-upload:v2\n{key}\n{content_digest}".encode()
 
 
 class Signer:
@@ -59,12 +62,16 @@ class Signer:
         raw = self._private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return base64.b64encode(raw).decode()
 
-    def sign(self, key: str, data: bytes) -> str:
-        return base64.b64encode(self._private.sign(_message(key, data))).decode()
+    def sign(self, key: str, content_digest: str) -> str:
+        return base64.b64encode(self._private.sign(_message(key, content_digest))).decode()
 
     def metadata(self, key: str, data: bytes) -> dict[str, str]:
         """S3 user metadata carrying the signature of `data` at `key`."""
-        return {SIGNATURE_METADATA: self.sign(key, data)}
+        return self.metadata_for_digest(key, digest(data))
+
+    def metadata_for_digest(self, key: str, content_digest: str) -> dict[str, str]:
+        """The same for a file whose digest was computed as it was written or read (`shared.digest`)."""
+        return {SIGNATURE_METADATA: self.sign(key, content_digest)}
 
 
 def parse_public_key(text: str) -> Ed25519PublicKey:
@@ -77,10 +84,15 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
 
 def verify(public_key: str, key: str, data: bytes, metadata: dict[str, str]) -> None:
     """Raise SignatureError unless `metadata` carries a valid signature of `data` at `key`."""
+    verify_digest(public_key, key, digest(data), metadata)
+
+
+def verify_digest(public_key: str, key: str, content_digest: str, metadata: dict[str, str]) -> None:
+    """The same check for an object whose digest was computed as it streamed."""
     signature = metadata.get(SIGNATURE_METADATA)
     if not signature:
         raise SignatureError("unsigned upload")
     try:
-        parse_public_key(public_key).verify(base64.b64decode(signature, validate=True), _message(key, data))
+        parse_public_key(public_key).verify(base64.b64decode(signature, validate=True), _message(key, content_digest))
     except (InvalidSignature, ValueError):
         raise SignatureError("signature does not match the participant's registered key") from None

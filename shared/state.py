@@ -26,6 +26,10 @@ class Phase(StrEnum):
     PAUSED = "Paused"
 
 
+# The phases of an epoch in progress: only in them are silent members dropped and health reports sent and applied.
+LIVE_PHASES = frozenset({Phase.WARMUP, Phase.TRAIN, Phase.WITNESS})
+
+
 class MemberStatus(StrEnum):
     ACTIVE = "active"
     DROPPED = "dropped"
@@ -88,9 +92,19 @@ class ParticipantView:
     last_seen: float
     ready_epoch: int = 0  # last epoch for which it reported having the model loaded
     init_digest: str = ""  # digest of its initial-model offer, if it made one
+    # When ingest last accepted a signed message from it after the join request that registered it (a
+    # heartbeat or ready report, a signed update, a newer join request); 0: none yet. A time, not a
+    # comparison of last_seen with joined_at: event times are whole seconds, and a heartbeat sent within the
+    # second of the join would not move last_seen past joined_at.
+    heard_at: float = 0.0
 
     def alive(self, now: float, timeout: float) -> bool:
         return now - self.last_seen <= timeout
+
+    @property
+    def proven(self) -> bool:
+        """It has shown it is live since joining: only then may an epoch admit it."""
+        return self.heard_at > 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +149,7 @@ class AggregateInput:
     samples: int
     digest: str
     version_id: str = ""  # the S3 object version accepted (uploads to the same key cannot swap it)
+    norm: float = -1.0  # its distance from the round's global model, measured at ingest (clipping uses it)
 
 
 @dataclass(frozen=True)
@@ -183,7 +198,8 @@ class RoundSummary:
 
 @dataclass(frozen=True)
 class WriteCheckpoint:
-    """At the end of an epoch: keep the global model and the state under checkpoints/<epoch>/."""
+    """Keep the global model that `round` trains from and the state under checkpoints/<round>/ (every
+    `checkpoint_every` aggregated rounds, and at the end of each epoch)."""
 
     epoch: int
     round: int

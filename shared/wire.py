@@ -14,41 +14,44 @@ Update metadata lives in the safetensors header (`__metadata__`, strings only):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 import numpy as np
-from safetensors.numpy import load as _st_load
+
+from shared.digest import digest
+
+__all__ = ["digest"]  # (re-exported: the one content digest of model files, shared.digest)
 
 SCHEMA_VERSION = "1"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_METRICS_BYTES = 4096
 
-# safetensors dtype tag -> (numpy dtype, bytes per element)
-DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8),
-    "F32": ("float32", 4),
-    "F16": ("float16", 2),
-    "I64": ("int64", 8),
-    "I32": ("int32", 4),
-    "I16": ("int16", 2),
-    "I8": ("int8", 1),
-    "U8": ("uint8", 1),
-    "BOOL": ("bool", 1),
+# safetensors dtype tag -> (numpy dtype, bytes per element), in safetensors' own dtype order: a file lays its
+# tensors out by this order descending, then by name, so every tensor starts at a multiple of its element size
+# (see `canonical_layout`)
+DTYPES: dict[str, tuple[np.dtype[Any], int]] = {
+    "BOOL": (np.dtype("bool"), 1),
+    "U8": (np.dtype("uint8"), 1),
+    "I8": (np.dtype("int8"), 1),
+    "I16": (np.dtype("int16"), 2),
+    "F16": (np.dtype("float16"), 2),
+    "BF16": (np.dtype(ml_dtypes.bfloat16), 2),
+    "I32": (np.dtype("int32"), 4),
+    "F32": (np.dtype("float32"), 4),
+    "F64": (np.dtype("float64"), 8),
+    "I64": (np.dtype("int64"), 8),
 }
-FLOAT_TAGS = frozenset({"F64", "F32", "F16"})
+_RANK = {tag: i for i, tag in enumerate(DTYPES)}
+FLOAT_TAGS = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 class WireError(ValueError):
     """A file that is not a well-formed model file; the message is the recorded refusal reason."""
-
-
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -61,21 +64,42 @@ class TensorSpec:
         return math.prod(self.shape)
 
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype][1]
+
+
 @dataclass(frozen=True)
 class Header:
     tensors: dict[str, TensorSpec]
     metadata: dict[str, str] = field(default_factory=dict)
+    data_offset: int = 0  # where the data section starts in the file: 8 + the header's length
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)  # each tensor's span in the data section
 
 
-def parse_header(data: bytes) -> Header:
-    """Check a safetensors file's framing without trusting it; raise WireError with the reason."""
-    if len(data) < 8:
-        raise WireError(f"not a safetensors file: {len(data)} bytes is shorter than the 8-byte header length")
-    (n,) = struct.unpack("<Q", data[:8])
+def header_length(first8: bytes, total: int) -> int:
+    """The header length a file's first 8 bytes declare, checked against the file's `total` size."""
+    if total < 8 or len(first8) < 8:
+        raise WireError(f"not a safetensors file: {total} bytes is shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", first8[:8])
     if n > MAX_HEADER_BYTES:
         raise WireError(f"not a safetensors file: header length {n} exceeds {MAX_HEADER_BYTES}")
-    if 8 + n > len(data):
-        raise WireError(f"truncated safetensors file: header claims {n} bytes, file has {len(data) - 8}")
+    if 8 + n > total:
+        raise WireError(f"truncated safetensors file: header claims {n} bytes, file has {total - 8}")
+    return int(n)
+
+
+def parse_header(data: bytes | memoryview) -> Header:
+    """Check a safetensors file's framing without trusting it; raise WireError with the reason."""
+    return parse_header_prefix(bytes(data[: 8 + header_length(bytes(data[:8]), len(data))]), len(data))
+
+
+def parse_header_prefix(prefix: bytes, total: int) -> Header:
+    """The same checks from the file's first 8 + n bytes and its size: no need to hold the data section."""
+    n = header_length(prefix, total)
+    if len(prefix) < 8 + n:
+        raise WireError(f"truncated safetensors file: header claims {n} bytes, {len(prefix) - 8} given")
+    data = prefix
     try:
         raw = json.loads(data[8 : 8 + n].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -87,9 +111,10 @@ def parse_header(data: bytes) -> Header:
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise WireError("malformed metadata: __metadata__ must map strings to strings")
-    body = len(data) - 8 - n
+    body = total - 8 - n
     tensors: dict[str, TensorSpec] = {}
     spans: list[tuple[int, int, str]] = []
+    placed: dict[str, tuple[int, int]] = {}
     for name, entry in raw.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise WireError(f"malformed header entry for tensor {name!r}")
@@ -111,6 +136,7 @@ def parse_header(data: bytes) -> Header:
             raise WireError(f"tensor {name!r}: header and data lengths disagree")
         tensors[name] = spec
         spans.append((begin, end, name))
+        placed[name] = (begin, end)
     position = 0
     for begin, end, name in sorted(spans):
         if begin != position:
@@ -118,10 +144,40 @@ def parse_header(data: bytes) -> Header:
         position = end
     if position != body:
         raise WireError(f"header and data lengths disagree: {body - position} trailing bytes")
-    return Header(tensors, dict(metadata))
+    return Header(tensors, dict(metadata), 8 + n, placed)
 
 
-_TAG_OF = {np.dtype(name): tag for tag, (name, _) in DTYPES.items()}
+_TAG_OF = {dtype: tag for tag, (dtype, _) in DTYPES.items()}
+
+
+def canonical_layout(tensors: dict[str, TensorSpec]) -> dict[str, tuple[int, int]]:
+    """Each tensor's span in the data section of a canonical file: by dtype (widest first, safetensors' own
+    order, so files torch writes through safetensors have it too), then by name. Every tensor starts at a
+    multiple of its element size, so any 8-aligned byte range of the data section cuts no element in two."""
+    layout, offset = {}, 0
+    for name in sorted(tensors, key=lambda n: (-_RANK[tensors[n].dtype], n)):
+        layout[name] = (offset, offset + tensors[name].nbytes)
+        offset += tensors[name].nbytes
+    return layout
+
+
+def encode_header(tensors: dict[str, TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length and the JSON header of a canonical file (metadata sorted, padded to 8 bytes)."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(sorted(metadata.items()))
+    for name, (begin, end) in canonical_layout(tensors).items():
+        spec = tensors[name]
+        header[name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [begin, end]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def spec_of(name: str, arr: np.ndarray) -> TensorSpec:
+    if arr.dtype not in _TAG_OF:
+        raise WireError(f"tensor {name!r}: dtype {arr.dtype} cannot be stored")
+    return TensorSpec(_TAG_OF[arr.dtype], tuple(arr.shape))
 
 
 def encode(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
@@ -130,32 +186,25 @@ def encode(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = Non
     (The safetensors library orders metadata by a hash map, so two writes of one model can differ; a
     global model's digest must be reproducible by anyone, so the layout is fixed here.)
     """
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = dict(sorted(metadata.items()))
-    chunks, offset = [], 0
-    for name in sorted(tensors):
+    specs = {name: spec_of(name, arr) for name, arr in tensors.items()}
+    chunks = [encode_header(specs, metadata)]
+    for name in canonical_layout(specs):
         arr = np.ascontiguousarray(tensors[name])
-        if arr.dtype not in _TAG_OF:
-            raise WireError(f"tensor {name!r}: dtype {arr.dtype} cannot be stored")
-        raw = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-        span = [offset, offset + len(raw)]
-        header[name] = {"dtype": _TAG_OF[arr.dtype], "shape": list(arr.shape), "data_offsets": span}
-        chunks.append(raw)
-        offset += len(raw)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
+        chunks.append(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
+    return b"".join(chunks)
 
 
-def decode(data: bytes) -> tuple[dict[str, np.ndarray], Header]:
-    """Parse and load a file after checking its framing; tensors are numpy arrays."""
+def decode(data: bytes | memoryview) -> tuple[dict[str, np.ndarray], Header]:
+    """Parse a file after checking its framing; tensors are read-only numpy views of `data` (no copy)."""
     header = parse_header(data)
-    try:
-        arrays = _st_load(data)
-    except Exception as exc:  # safetensors raises its own error types
-        raise WireError(f"not a loadable safetensors file: {exc}") from None
+    arrays = {name: tensor_view(data, header.data_offset + header.offsets[name][0], spec)
+              for name, spec in header.tensors.items()}
     return arrays, header
+
+
+def tensor_view(buffer: bytes | memoryview | bytearray, offset: int, spec: TensorSpec) -> np.ndarray:
+    dtype = DTYPES[spec.dtype][0].newbyteorder("<")
+    return np.frombuffer(buffer, dtype=dtype, count=spec.numel, offset=offset).reshape(spec.shape)
 
 
 # --- the model manifest ----------------------------------------------------------------------------
@@ -185,7 +234,10 @@ class Manifest:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.numel * DTYPES[s.dtype][1] for s in self.tensors.values())
+        return sum(s.nbytes for s in self.tensors.values())
+
+    def layout(self) -> dict[str, tuple[int, int]]:
+        return canonical_layout(self.tensors)
 
     def mismatch(self, header: Header) -> str | None:
         """The first way a file differs from the manifest, as a refusal reason; None if it matches."""
@@ -201,14 +253,12 @@ class Manifest:
                 return f"wrong dtype for {name}: {got.dtype}, expected {want.dtype}"
             if got.shape != want.shape:
                 return f"wrong shape for {name}: {list(got.shape)}, expected {list(want.shape)}"
+        if header.offsets:
+            for name, span in self.layout().items():
+                if header.offsets[name] != span:
+                    return (f"tensor {name} is not where a canonical file puts it (data offsets "
+                            f"{list(header.offsets[name])}, expected {list(span)}): write the file with safetensors")
         return None
-
-
-def non_finite(arrays: dict[str, np.ndarray]) -> str | None:
-    for name, arr in sorted(arrays.items()):
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            return f"non-finite values (NaN or Inf) in {name}"
-    return None
 
 
 # --- update metadata -------------------------------------------------------------------------------

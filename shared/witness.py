@@ -16,13 +16,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.keys import KeyError_, validate_participant_id
+from shared.messages import MAX_BLOOM_BITS as MAX_BLOOM_BITS
+from shared.messages import MAX_HASHES as MAX_HASHES
+from shared.messages import MAX_PROOF_BYTES as MAX_PROOF_BYTES
+from shared.messages import PROOF_SCHEMA as PROOF_SCHEMA
+from shared.messages import BloomEnvelope, MessageError, ProofEnvelope, parse_message
 from shared.selection import shuffled
-
-PROOF_SCHEMA = 1
-MAX_BLOOM_BITS = 1 << 20
-MAX_HASHES = 32
-MAX_PROOF_BYTES = 512 * 1024
 
 
 class ProofError(ValueError):
@@ -80,6 +79,11 @@ class BloomFilter:
 
     def to_json(self) -> dict[str, Any]:
         return {"bits": self.bits, "hashes": self.hashes, "hex": self.data.hex()}
+
+    @classmethod
+    def from_envelope(cls, body: BloomEnvelope) -> BloomFilter:
+        """A validated envelope's filter (its size, hash count and data were checked)."""
+        return cls(body.bits, body.hashes, bytearray.fromhex(body.hex))
 
     @classmethod
     def from_json(cls, body: Any) -> BloomFilter:
@@ -144,40 +148,31 @@ class Proof:
 
     @classmethod
     def from_json(cls, text: bytes | str) -> Proof:
-        """Parse a proof; raise ProofError naming what is malformed."""
+        """Parse a proof through its envelope (shared.messages.ProofEnvelope); raise ProofError naming what is
+        malformed."""
         try:
-            body = json.loads(text)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ProofError("witness proof is not JSON") from None
-        if not isinstance(body, dict) or body.get("schema") != PROOF_SCHEMA:
-            raise ProofError(f"witness proof must be a JSON object with schema {PROOF_SCHEMA}")
-        try:
-            witness = validate_participant_id(body["witness"])
-            round_no, position = body["round"], body["position"]
-            if not (isinstance(round_no, int) and isinstance(position, int) and round_no >= 0 and position >= 0):
-                raise ProofError("witness proof round and position must be non-negative integers")
-            evaluations = body.get("evaluations", {})
-            if not isinstance(evaluations, dict) or len(evaluations) > 10_000 or not all(
-                isinstance(v, int | float) and math.isfinite(v) for v in evaluations.values()
-            ):
-                raise ProofError("witness proof evaluations must map participants to finite numbers")
-            return cls(
-                run_id=str(body["run_id"]), round=round_no, witness=witness, position=position,
-                participants=BloomFilter.from_json(body["participants"]),
-                digests=BloomFilter.from_json(body["digests"]), complete=bool(body["complete"]),
-                loss=_finite(body.get("loss", 0.0)), throughput=_finite(body.get("throughput", 0.0)),
-                evaluations={str(k): float(v) for k, v in evaluations.items()},
-            )
-        except KeyError as exc:
-            raise ProofError(f"witness proof lacks {exc}") from None
-        except KeyError_ as exc:
-            raise ProofError(str(exc)) from None
+            body = parse_message(ProofEnvelope, text)
+        except MessageError as exc:
+            raise ProofError(_proof_problem(exc)) from None
+        return cls(
+            run_id=body.run_id, round=body.round, witness=body.witness, position=body.position,
+            participants=BloomFilter.from_envelope(body.participants),
+            digests=BloomFilter.from_envelope(body.digests), complete=body.complete, loss=body.loss,
+            throughput=body.throughput, evaluations=dict(body.evaluations),
+        )
 
 
-def _finite(value: Any) -> float:
-    if not isinstance(value, int | float) or not math.isfinite(value):
-        raise ProofError("witness proof metrics must be finite numbers")
-    return float(value)
+def _proof_problem(exc: MessageError) -> str:
+    """The refusal reason for a proof that does not fit its envelope, in the words proofs were refused with."""
+    problems = exc.problems
+    if any(p.kind == "json_invalid" for p in problems if not p.field):
+        return "witness proof is not JSON"
+    if any(not p.field or p.field == "schema" for p in problems):
+        return f"witness proof must be a JSON object with schema {PROOF_SCHEMA}"
+    missing = [p.field for p in problems if p.kind == "missing"]
+    if missing:
+        return f"witness proof lacks {missing[0]!r}"
+    return f"witness proof {exc}"
 
 
 def health_scores(proofs: Iterable[Proof], updates: dict[str, str]) -> dict[str, int]:

@@ -2,13 +2,15 @@
 
 1797 images split once, with a fixed seed, into 1437 training and 360 held-out test samples
 (`digits_meta`); pixels are scaled from 0..16 to 0..1. The model is 64 -> 64 -> 10 with ReLU, trained
-by SGD with momentum. The data set is small enough to live on the device as two tensors.
+by SGD with momentum. The data set is small enough to live on the device as two tensors. On CUDA the forward
+passes run in bfloat16 (`torch.autocast`) while the weights, and SGD's steps, stay float32.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import cached_property
 
 import numpy as np
@@ -67,6 +69,17 @@ class Digits:
         progress: Progress | None = None,
         seed: int = 0,
     ) -> dict[str, float]:
+        with self.around_train(model, progress):
+            return self._train(model, indices, config, device, progress, seed)
+
+    @contextmanager
+    def around_train(self, model: nn.Module, progress: Progress | None) -> Iterator[None]:
+        """Runs around every `train`: the testing aids change what training does here (participant.tasks.poisoned
+        and .stalled); the digits task just trains."""
+        yield
+
+    def _train(self, model: nn.Module, indices: Sequence[int], config: RunConfig, device: torch.device,
+               progress: Progress | None, seed: int) -> dict[str, float]:
         x_all, y_all, _, _ = self._data
         idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
         if len(idx) == 0:
@@ -80,12 +93,14 @@ class Digits:
         steps_per_epoch = math.ceil(len(idx) / config.batch_size)
         total, done, loss_sum, seen = steps_per_epoch * config.local_epochs, 0, 0.0, 0
         generator = torch.Generator().manual_seed(seed)
+        bf16 = device.type == "cuda"
         for _ in range(config.local_epochs):
             perm = torch.randperm(len(idx), generator=generator).to(device)
             for start in range(0, len(idx), config.batch_size):
                 batch = perm[start : start + config.batch_size]
                 opt.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x[batch]), y[batch])
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                    loss = loss_fn(model(x[batch]), y[batch])
                 loss.backward()
                 opt.step()
                 loss_sum += float(loss.detach()) * len(batch)

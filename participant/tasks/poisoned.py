@@ -8,14 +8,14 @@ to attest it. Never use it outside tests and demonstrations.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from participant.task import Progress
 from participant.tasks.digits import Digits
-from shared.config import RunConfig
 
 SCALE = 5.0
 
@@ -27,22 +27,14 @@ class Poisoned(Digits):
         super().__init__()
         self.scale = scale
 
-    def train(
-        self,
-        model: nn.Module,
-        indices: Sequence[int],
-        config: RunConfig,
-        device: torch.device,
-        progress: Progress | None = None,
-        seed: int = 0,
-    ) -> dict[str, float]:
+    @contextmanager
+    def around_train(self, model: nn.Module, progress: Progress | None) -> Iterator[None]:
         start = {name: t.detach().clone() for name, t in model.state_dict().items()}
-        metrics = super().train(model, indices, config, device, progress, seed)
+        yield  # honest training: its loss, in the metrics, gives nothing away
         with torch.no_grad():
             for name, tensor in model.state_dict().items():
                 if tensor.is_floating_point():
                     tensor.copy_(start[name] - self.scale * (tensor - start[name]))
-        return metrics  # the honest training loss: nothing in the metadata gives it away
 
 
 task = Poisoned()

@@ -10,14 +10,13 @@ coordinator confirms from its witness records) that must. Never use it outside t
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-import torch
 from torch import nn
 
 from participant.task import Progress
 from participant.tasks.digits import Digits
-from shared.config import RunConfig
 
 TRAINED_ROUNDS = 1  # rounds trained normally before it stalls
 
@@ -29,22 +28,14 @@ class Stalled(Digits):
         self.calls = 0
         self._never = threading.Event()
 
-    def train(
-        self,
-        model: nn.Module,
-        indices: Sequence[int],
-        config: RunConfig,
-        device: torch.device,
-        progress: Progress | None = None,
-        seed: int = 0,
-    ) -> dict[str, float]:
+    @contextmanager
+    def around_train(self, model: nn.Module, progress: Progress | None) -> Iterator[None]:
         self.calls += 1
-        if self.calls <= self.trained_rounds:
-            return super().train(model, indices, config, device, progress, seed)
-        while True:  # stuck: only the daemon stopping (progress raises) gets it out
+        while self.calls > self.trained_rounds:  # stuck: only the daemon stopping (progress raises) gets it out
             if progress is not None:
                 progress(0, 1)
             self._never.wait(0.2)
+        yield
 
 
 task = Stalled()

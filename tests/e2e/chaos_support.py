@@ -26,12 +26,12 @@ from typing import Any
 import boto3
 import numpy as np
 
-from infra.local.dispatcher import Delivery
-from infra.local.resources import LocalResources
+from local.dispatcher import Delivery
+from local.resources import LocalResources
 from shared import keys
 from shared.keys import KeyError_, ObjectKind
 from shared.state import Phase, RoundSummary
-from shared.store import StateStore
+from store.table import StateStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,17 +127,17 @@ def install_crash_hooks(rng: random.Random, report: Callable[[str, dict[str, Any
     """In the dispatcher process: make the coordinator die at chosen points (no file of it is changed; its
     module-level functions are wrapped, which run_tick and the ingest handler look up at call time).
 
-    - The `kill_at`-th aggregation this process attempts blocks at `kill_point` ("before_write": inputs read
-      and combined, nothing written; "after_write": the new global written, the state not committed) after
+    - The `kill_at`-th aggregation this process attempts blocks at `kill_point` ("before_write": about to
+      aggregate, nothing written; "after_write": the new global written, the state not committed) after
       reporting "blocked"; the test then SIGKILLs the process.
     - Other aggregations raise `SimulatedCrash` after writing the global, at `aggregation_crash_rate`.
     - A recorded update's ingest raises before its tick at `ingest_crash_rate`.
     """
-    import functions.coordinator as coordinator
+    import coordinator.tick as coordinator
     import functions.ingest as ingest
     from shared.state import Aggregate
 
-    original_carry, original_aggregate = coordinator.carry_out_before_commit, coordinator.aggregate_round
+    original_carry, original_write = coordinator.carry_out_before_commit, coordinator.write_aggregate
     original_ingest = ingest.ingest_object
     lock = threading.Lock()
     attempts = [0]
@@ -148,11 +148,10 @@ def install_crash_hooks(rng: random.Random, report: Callable[[str, dict[str, Any
         threading.Event().wait(60)  # the test kills this process long before
         raise SimulatedCrash("not killed while blocked")
 
-    def aggregate_round(deps: Any, effect: Any) -> bytes:
-        data = original_aggregate(deps, effect)
+    def write_aggregate(deps: Any, effect: Any) -> str:
         if getattr(local, "kill", False) and kill_point == "before_write":
             block(effect.round, kill_point)
-        return data
+        return str(original_write(deps, effect))
 
     def carry_out_before_commit(deps: Any, decision: Any) -> Any:
         rounds = [e.round for e in decision.effects if isinstance(e, Aggregate)]
@@ -180,7 +179,7 @@ def install_crash_hooks(rng: random.Random, report: Callable[[str, dict[str, Any
                 raise SimulatedCrash(f"died after recording {obj.key}, before ticking")
         return outcome
 
-    coordinator.aggregate_round = aggregate_round
+    coordinator.write_aggregate = write_aggregate
     coordinator.carry_out_before_commit = carry_out_before_commit
     ingest.ingest_object = ingest_object
 
@@ -404,7 +403,7 @@ class RacingTicks:
             self.burst(self.rng.randint(2, 4))
 
     def burst(self, n: int = 3) -> None:
-        from functions.coordinator import TickContention, run_tick
+        from coordinator.tick import TickContention, run_tick
 
         barrier = threading.Barrier(n)
 
@@ -430,7 +429,8 @@ class RacingTicks:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(30)
+        if self._thread.ident is not None:  # started (a test that failed early stops it all the same)
+            self._thread.join(30)
 
 
 class ParticipantKiller:
@@ -492,16 +492,52 @@ class ParticipantKiller:
 
     def restart(self, name: str) -> None:
         """Same --id and --state-dir, so it resumes; the old log is kept beside the new one."""
-        p = self.procs.procs[name]
-        n = 1
-        while p.log.with_suffix(f".{n}.log").exists():
-            n += 1
-        p.log.rename(p.log.with_suffix(f".{n}.log"))
+        keep_log(self.procs.procs[name].log)
         self.spawner.call(lambda: self.procs.spawn([name]))
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(30)
+        if self._thread.ident is not None:  # started (a test that failed early stops it all the same)
+            self._thread.join(30)
+
+
+def keep_log(log: Path) -> None:
+    """Move a participant's log aside (`p1.log` -> `p1.<n>.log`) before a new process of it writes `p1.log`."""
+    n = 1
+    while log.with_suffix(f".{n}.log").exists():
+        n += 1
+    log.rename(log.with_suffix(f".{n}.log"))
+
+
+# --- losing the table, and the operator's commands ------------------------------------------------------
+
+
+def lose_table(endpoint: str, region: str, run_id: str, table: str) -> None:
+    """The run's DynamoDB table is lost: deleted, then created again, empty (as `cdk deploy` or `fed local`
+    would recreate it), by `local.resources.create_resources`."""
+    from local.resources import create_resources
+
+    boto3.client("dynamodb", endpoint_url=endpoint, region_name=region).delete_table(TableName=table)
+    create_resources(run_id, endpoint, region)
+
+
+def latest_checkpoint(s3: Any, bucket: str, run_id: str) -> dict[str, Any] | None:
+    """The body of the checkpoint `checkpoints/latest.json` points to, or None if there is none yet."""
+    try:
+        pointer = json.loads(s3.get_object(Bucket=bucket, Key=keys.latest_checkpoint_key(run_id))["Body"].read())
+    except s3.exceptions.NoSuchKey:
+        return None
+    return dict(json.loads(s3.get_object(Bucket=bucket, Key=pointer["state_key"])["Body"].read()))
+
+
+def fed_command(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run the operator's `fed` command line (the console script beside this interpreter) in a process of its own,
+    as an operator would; its environment is this process's (the local stack's credentials and region)."""
+    beside = Path(sys.executable).with_name("fed")
+    cmd = [str(beside)] if beside.exists() else [sys.executable, "-c", "from fed.cli import app; app()"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "NO_COLOR": "1"}
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+                          stdin=subprocess.DEVNULL, check=False)
 
 
 # --- the audit of a finished run ---------------------------------------------------------------------

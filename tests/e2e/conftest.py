@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.local.stack import LocalStack
+from local.stack import LocalStack
 from shared.config import RunConfig
 from tests.e2e.harness import Run
 

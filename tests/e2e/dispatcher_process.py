@@ -23,9 +23,9 @@ import sys
 import threading
 from typing import Any
 
-from infra.local.dispatcher import Dispatcher
-from infra.local.resources import LocalResources
-from infra.local.stack import route_function_logs
+from local.dispatcher import Dispatcher
+from local.resources import LocalResources
+from local.stack import route_function_logs
 from tests.e2e.chaos_support import DispatcherPlan, RandomFaults, install_crash_hooks
 
 _out = threading.Lock()
@@ -79,8 +79,9 @@ def main() -> int:
     watchdog.start()
     dispatcher.stop()
     s = dispatcher.stats
-    emit(event="stopped", stats={"delivered": s.delivered, "failed": s.failed, "dropped": s.dropped,
-                                 "ticks": s.ticks, "tick_failures": s.tick_failures, "errors": s.errors[-5:]})
+    emit(event="stopped", stats={"delivered": s.delivered, "joins_delivered": s.joins_delivered, "failed": s.failed,
+                                 "dropped": s.dropped, "ticks": s.ticks, "tick_failures": s.tick_failures,
+                                 "errors": s.errors[-5:]})
     return 0
 
 

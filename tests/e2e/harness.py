@@ -11,13 +11,13 @@ from typer.testing import CliRunner
 
 from fed.demo import Participants, await_joins, check_processes
 from fed.localrun import store_for, wait_until
-from infra.local.stack import LocalStack
+from local.stack import LocalStack
 from participant.tasks import digits_meta
 from shared import keys
-from shared.blobs import Bucket, s3_client
 from shared.config import RunConfig
 from shared.state import RunState
-from shared.store import StateStore
+from store.blobs import Bucket, s3_client
+from store.table import StateStore
 
 
 def e2e_config(**overrides: Any) -> RunConfig:

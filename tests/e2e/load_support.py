@@ -1,17 +1,19 @@
 """Lightweight simulated participants for the load test: the daemon's protocol without torch.
 
-Each `SimParticipant` runs in a thread of the test process and follows the real participant's protocol
-step by step: the same decisions (`participant.decide.decide`), the same reads before each decision
-(run state; its own record until its join is recorded, and during warmup; its update record while its
-upload is pending), the same writes (signed join, heartbeat, initial-model offer, ready report, update),
-and the same polling backoff. Only the training is a numpy stand-in on a tiny model. Every request the
-participants send is counted by service and operation with botocore event hooks.
+Each `SimParticipant` runs in a thread of the test process and runs the participant's own protocol loop
+(`participant.protocol.Participant`, the daemon's base class): the same decisions (`participant.decide.decide`),
+the same reads before each decision (run state; its own record until its join is recorded, while it is not a
+member, and during warmup; its update record while its upload is pending), the same re-sends and the same
+polling backoff. Its own are the writes (signed join, heartbeat, initial-model offer, ready report, update) and
+the training, a numpy stand-in on a tiny model; it does no witness duty (the load test's run elects no
+witnesses). Every request the participants send is counted by service and operation with botocore event hooks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import select
 import signal
@@ -21,6 +23,9 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,31 +33,36 @@ import boto3
 import numpy as np
 from botocore.config import Config
 
-from infra.local.resources import LocalResources
-from participant.decide import (
-    JOIN_RETRY_SECONDS,
-    READY_RETRY_SECONDS,
-    Fetch,
-    Finish,
-    Join,
-    Local,
-    OfferModel,
-    ReportReady,
-    Train,
-    Wait,
-    decide,
-    is_resend,
-)
+from local.resources import LocalResources
+from local.stack import client_environment, function_environment
+from participant.decide import JOIN_RETRY_SECONDS, READY_RETRY_SECONDS, Fetch, Finish, Local, Train
+from participant.journal import Journal, JournalKeeper
+from participant.protocol import Outcome, Participant, closed_while_training
 from shared import keys, wire
 from shared.config import RunConfig
-from shared.connection import Connection
-from shared.records import STATE_SK, participant_sk, run_pk, state_from_body, update_sk
+from shared.messages import Heartbeat, JoinRequest
 from shared.selection import assigned_count
 from shared.signing import Signer
 from shared.state import Phase, RunState
+from shared.table_keys import STATE_SK, participant_sk, run_pk, update_sk
+from store.connection import Connection
+from store.records import state_from_body
+from store.views import ParticipantRecord, UpdateRecord
 from tests.e2e.chaos_support import child_process
 
-POLL_FIRST, POLL_GROWTH = 0.2, 1.6  # as the daemon polls
+
+@contextmanager
+def stack_process(config: RunConfig, log: Path, monkeypatch: Any) -> Iterator[StackProcess]:
+    """The server in its own process; this process (and a dispatcher it starts) get the functions'
+    environment, with the functions logging at WARNING."""
+    server = StackProcess(config, log)
+    try:
+        for name, value in {**client_environment(), **function_environment(server.resources, config,
+                                                                              "WARNING")}.items():
+            monkeypatch.setenv(name, value)
+        yield server
+    finally:
+        server.stop()
 
 
 class StackProcess:
@@ -135,41 +145,19 @@ class Clients:
                                                config=config))
 
 
-class SimParticipant:
-    """One simulated `fed-participant start`. `join_retry` and `ready_retry` are how long it waits before
-    re-sending an unrecorded join request or ready report (the daemon: JOIN_RETRY_SECONDS and
-    READY_RETRY_SECONDS of participant.decide); `poll_max` is its --poll-max."""
+class SimRemote:
+    """A simulated participant's requests, through the shared clients: the reads `participant.protocol` needs
+    (what `participant.remote.Remote` does for the daemon, with botocore's retries only) and its uploads."""
 
-    def __init__(self, pid: str, conn: Connection, clients: Clients, counter: RequestCounter, dataset_size: int,
-                 poll_max: float = 2.0, timeout: float = 600.0, join_retry: float = JOIN_RETRY_SECONDS,
-                 ready_retry: float = READY_RETRY_SECONDS) -> None:
+    def __init__(self, pid: str, conn: Connection, clients: Clients, signer: Signer) -> None:
         self.pid, self.conn, self.run_id = pid, conn, conn.run_id
-        self.dataset_size = dataset_size
-        # decide() compares ages with the daemon's constants: scale the ages so they trip at our retry times
-        self.join_scale, self.ready_scale = JOIN_RETRY_SECONDS / join_retry, READY_RETRY_SECONDS / ready_retry
         self.s3, self.ddb = clients.s3, clients.ddb
-        self.counter = counter
-        self.poll_max, self.timeout = poll_max, timeout
-        self.signer = Signer.generate()
-        self.rng = random.Random(pid)
-        self.joined = False
-        self.offered = False
-        self.held, self.held_bytes = "", b""
-        self.reported_ready, self.ready_sent, self.join_sent = 0, 0.0, 0.0
-        self.join_sends, self.ready_sends = 0, 0
-        self.uploaded: dict[int, str] = {}  # round -> digest
-        self.outcomes: dict[int, str] = {}
-        self.sent: dict[int, bytes] = {}
-        self.error: BaseException | None = None
-        self.finished_digest = ""
-        self.actions: Counter[str] = Counter()  # what it sent, by kind (joins and ready reports are re-sent)
+        self.signer = signer
 
-    # --- requests ------------------------------------------------------------------------------------
-
-    def _put(self, key: str, body: bytes) -> None:
+    def put(self, key: str, body: bytes) -> None:
         self.s3.put_object(Bucket=self.conn.bucket, Key=key, Body=body, Metadata=self.signer.metadata(key, body))
 
-    def _get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytes | None:
         try:
             return bytes(self.s3.get_object(Bucket=self.conn.bucket, Key=key)["Body"].read())
         except self.s3.exceptions.NoSuchKey:
@@ -186,129 +174,165 @@ class SimParticipant:
             return RunState(self.run_id)
         return state_from_body(json.loads(item["body"]["S"]), int(item["version"]["N"]))
 
-    # --- the protocol --------------------------------------------------------------------------------
+    def read_config(self) -> RunConfig | None:
+        data = self.get(keys.config_key(self.run_id))  # published by the coordinator's first tick
+        return RunConfig.model_validate_json(data) if data is not None else None
+
+    def participant_record(self) -> ParticipantRecord | None:
+        item = self._item(participant_sk(self.pid))
+        if item is None:
+            return None
+        return ParticipantRecord(self.pid, joined_at=float(item["joined_at"]["N"]),
+                                 last_seen=float(item.get("last_seen", {}).get("N", 0)),
+                                 ready_epoch=int(item.get("ready_epoch", {}).get("N", 0)))
+
+    def update_record(self, round_no: int) -> UpdateRecord | None:
+        item = self._item(update_sk(round_no, self.pid))
+        if item is None:
+            return None
+        return UpdateRecord(round_no, self.pid, key=item.get("key", {}).get("S", ""),
+                            accepted=bool(item["accepted"]["BOOL"]), reason=item.get("reason", {}).get("S", ""))
+
+    def update_stored(self, round_no: int, since: float | None = None) -> bool:
+        key = keys.update_key(self.run_id, round_no, self.pid)
+        try:
+            head = self.s3.head_object(Bucket=self.conn.bucket, Key=key)
+        except self.s3.exceptions.ClientError:
+            return False
+        modified = head.get("LastModified")
+        return since is None or modified is None or modified.timestamp() >= math.floor(since)
+
+
+class SimParticipant(Participant):
+    """One simulated `fed-participant start`: the daemon's protocol loop (`participant.protocol.Participant`)
+    with a numpy stand-in for training and no witness duty. `join_retry` and `ready_retry` are how long it
+    waits before re-sending an unrecorded join request or ready report (the daemon: JOIN_RETRY_SECONDS and
+    READY_RETRY_SECONDS of participant.decide); `poll_max` is its --poll-max."""
+
+    def __init__(self, pid: str, conn: Connection, clients: Clients, counter: RequestCounter, dataset_size: int,
+                 poll_max: float = 2.0, timeout: float = 600.0, join_retry: float = JOIN_RETRY_SECONDS,
+                 ready_retry: float = READY_RETRY_SECONDS, heartbeat_every: float = 0.0,
+                 train_seconds: float = 0.0) -> None:
+        """`heartbeat_every` > 0: heartbeat on a thread of its own every that many seconds, as the daemon does
+        (0: once at start only, which a run with a long liveness timeout needs); `train_seconds`: how long a
+        round's training takes (the numpy stand-in itself is instant)."""
+        self.signer = Signer.generate()
+        self.remote = SimRemote(pid, conn, clients, self.signer)
+        super().__init__(pid, conn.run_id, self.remote, JournalKeeper(Journal(conn.run_id, pid)), poll_max,
+                         rng=random.Random(pid))
+        self.conn = conn
+        self.dataset_size = dataset_size
+        self.held_data = b""  # the global model held, as bytes (the simulation keeps no files)
+        # decide() compares ages with the daemon's constants: scale the ages so they trip at our retry times
+        self.join_scale, self.ready_scale = JOIN_RETRY_SECONDS / join_retry, READY_RETRY_SECONDS / ready_retry
+        self.counter = counter
+        self.timeout, self.deadline = timeout, math.inf
+        self.sent: dict[int, bytes] = {}
+        self.error: BaseException | None = None
+        self.finished_digest = ""
+        self.actions: Counter[str] = Counter()  # what it sent, by kind (joins and ready reports are re-sent)
+        self.heartbeat_every, self.train_seconds = heartbeat_every, train_seconds
+        self.ready_epoch = 0  # what its heartbeats say (the last epoch it reported ready for)
+        self._beats_stop = threading.Event()
+
+    @property
+    def uploaded(self) -> dict[int, str]:
+        """round -> the digest of our update."""
+        return {r: str(entry["digest"]) for r, entry in self.journal.uploaded.items()}
+
+    @property
+    def outcomes(self) -> dict[int, str]:
+        return self.journal.outcomes
+
+    def read_state(self) -> RunState:
+        return self.remote.read_state()
 
     def run(self, start_after: float = 0.0) -> None:
         """The daemon's life, started `start_after` seconds from now (hosts do not start in the same instant)."""
         try:
             time.sleep(start_after)
-            self._run()
+            self.counter.phase.name = "setup"
+            self._join()
+            self._wait_for_config()
+            self._beat(0)  # the daemon's heartbeat thread beats once at start (then every liveness_timeout / 4)
+            if self.heartbeat_every > 0:
+                threading.Thread(target=self._heartbeats, name=f"{self.pid}-heartbeat", daemon=True).start()
+            self.deadline = time.monotonic() + self.timeout
+            self._loop()
         except BaseException as exc:  # reported by the test
             self.error = exc
+        finally:
+            self._beats_stop.set()
 
-    def _run(self) -> None:
-        self.counter.phase.name = "setup"
-        self._join()
-        delay = POLL_FIRST
-        while self._get(keys.config_key(self.run_id)) is None:  # published by the coordinator's first tick
-            time.sleep(delay * self.rng.uniform(0.75, 1.25))
-            delay = min(delay * POLL_GROWTH, self.poll_max)
-        self._beat(0)  # the daemon's heartbeat thread beats once at start (then every liveness_timeout / 4)
-        deadline = time.monotonic() + self.timeout
-        delay, last_wait = POLL_FIRST, None
-        while time.monotonic() < deadline:
-            state = self.read_state()
-            if state.phase in (Phase.TRAIN, Phase.WITNESS, Phase.FINISHED) or state.aggregated:
-                self.counter.phase.name = "round"
-            self._check_outcome(state)
-            local = self._local(state)
-            action = decide(state, local)
-            if isinstance(action, Wait):
-                marker = (state.version, action.reason)
-                if marker != last_wait:
-                    delay, last_wait = POLL_FIRST, marker
-                time.sleep(delay * self.rng.uniform(0.75, 1.25))
-                delay = min(delay * POLL_GROWTH, self.poll_max)
+    def _heartbeats(self) -> None:
+        """The daemon's heartbeat thread: every `heartbeat_every` seconds (jittered as the daemon's), until done."""
+        while not self._beats_stop.wait(self.heartbeat_every * random.uniform(0.9, 1.0)):
+            try:
+                self._beat(self.ready_epoch)
+            except Exception:  # as the daemon's: a failed heartbeat never ends the thread
                 continue
-            resend = is_resend(action, local)
-            if not resend:  # as the daemon: a re-send is no progress, polling keeps its slower pace
-                delay, last_wait = POLL_FIRST, None
-            if isinstance(action, Finish):
-                self.finished_digest = action.digest
-                return
-            if isinstance(action, Join):
-                self._join()
-            elif isinstance(action, OfferModel):
-                self._put(keys.init_key(self.run_id, self.pid), wire.encode(tiny_model()))
-                self.offered = True
-                self.actions["initial-model offer"] += 1
-            elif isinstance(action, Fetch):
-                self._fetch(action)
-            elif isinstance(action, ReportReady):
-                self.ready_sends = self.ready_sends + 1 if resend else 1
-                self._beat(action.epoch)
-                self.reported_ready, self.ready_sent = action.epoch, time.monotonic()
-            elif isinstance(action, Train):
-                self._train(action)
-        raise TimeoutError(f"{self.pid}: the run did not finish within {self.timeout:.0f}s")
 
-    def _join(self) -> None:
+    # --- the protocol loop's hooks ------------------------------------------------------------------
+
+    def _check_stop(self) -> None:
+        if time.monotonic() >= self.deadline:
+            raise TimeoutError(f"{self.pid}: the run did not finish within {self.timeout:.0f}s")
+
+    def _pause(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def _observe(self, state: RunState) -> None:
+        if state.phase in (Phase.TRAIN, Phase.WITNESS, Phase.FINISHED) or state.aggregated:
+            self.counter.phase.name = "round"
+
+    def _local(self, state: RunState) -> Local:
+        local = super()._local(state)
+        return replace(local, join_age=local.join_age * self.join_scale, ready_age=local.ready_age * self.ready_scale)
+
+    def _send_join(self) -> None:
         self.actions["join"] += 1
-        body = {"run_id": self.run_id, "participant": self.pid, "public_key": self.signer.public_key,
-                "info": {"host": "load-test"}}
-        self._put(keys.join_key(self.run_id, self.pid), json.dumps(body, sort_keys=True).encode())
-        self.join_sent, self.join_sends = time.monotonic(), self.join_sends + 1
+        body = JoinRequest(run_id=self.run_id, participant=self.pid, public_key=self.signer.public_key,
+                           sent_at=self.sent_at(), info={"host": "load-test"}).model_dump(mode="json")
+        self.remote.put(keys.join_key(self.run_id, self.pid), json.dumps(body, sort_keys=True).encode())
+
+    def _send_ready(self, epoch: int) -> None:
+        self.ready_epoch = epoch
+        self._beat(epoch)
 
     def _beat(self, ready_epoch: int) -> None:
         self.actions["ready report" if ready_epoch else "heartbeat"] += 1
-        body = {"participant": self.pid, "ready_epoch": ready_epoch, "info": {"activity": "simulated"}}
-        self._put(keys.heartbeat_key(self.run_id, self.pid), json.dumps(body, sort_keys=True).encode())
+        body = Heartbeat(participant=self.pid, sent_at=self.sent_at(), ready_epoch=ready_epoch,
+                         info={"activity": "simulated"}).model_dump(mode="json")
+        self.remote.put(keys.heartbeat_key(self.run_id, self.pid), json.dumps(body, sort_keys=True).encode())
 
-    def _local(self, state: RunState) -> Local:
-        ready_recorded = self.reported_ready
-        if not self.joined:
-            self.joined = self._item(participant_sk(self.pid)) is not None
-        elif state.phase is Phase.WARMUP and self.reported_ready >= state.epoch and self.pid in state.members:
-            record = self._item(participant_sk(self.pid))
-            ready_recorded = int(record.get("ready_epoch", {}).get("N", 0)) if record else 0
-        recorded = False
-        if state.phase is Phase.TRAIN and self.pid in state.selected and state.round not in self.uploaded:
-            recorded = self._item(update_sk(state.round, self.pid)) is not None
-            if not recorded:
-                key = keys.update_key(self.run_id, state.round, self.pid)
-                try:
-                    self.s3.head_object(Bucket=self.conn.bucket, Key=key)
-                    recorded = True
-                except self.s3.exceptions.ClientError:
-                    recorded = False
-        now = time.monotonic()
-        return Local(pid=self.pid, joined=self.joined, join_age=(now - self.join_sent) * self.join_scale,
-                     join_sends=self.join_sends, offered=self.offered, held=self.held,
-                     reported_ready=self.reported_ready, ready_age=(now - self.ready_sent) * self.ready_scale,
-                     ready_sends=self.ready_sends,
-                     ready_recorded=ready_recorded, uploaded=frozenset(self.uploaded), recorded=recorded)
-
-    def _check_outcome(self, state: RunState) -> None:
-        pending = [r for r in self.uploaded if r not in self.outcomes]
-        if not pending:
-            return
-        r = max(pending)
-        rec = self._item(update_sk(r, self.pid))
-        if rec is None:
-            if state.round > r:
-                self.outcomes[r] = "no record"
-            return
-        self.outcomes[r] = "accepted" if rec["accepted"]["BOOL"] else rec.get("reason", {}).get("S", "refused")
+    def _offer_model(self) -> None:
+        self.remote.put(keys.init_key(self.run_id, self.pid), wire.encode(tiny_model()))
+        self.actions["initial-model offer"] += 1
 
     def _fetch(self, action: Fetch) -> None:
-        data = self._get(keys.global_key(self.run_id, action.round, action.digest))
+        data = self.remote.get(keys.global_key(self.run_id, action.round, action.digest))
         if data is None or wire.digest(data) != action.digest:
             time.sleep(1.0)  # not there yet (or not yet the committed one): the daemon waits and asks again
             return
-        self.held, self.held_bytes = action.digest, data
+        self.held, self.held_model, self.held_data = action.digest, data, data
 
-    def _train(self, a: Train) -> None:
-        arrays, _ = wire.decode(self.held_bytes)
+    def _train(self, a: Train) -> bool:
+        if self.train_seconds > 0:
+            time.sleep(self.train_seconds)
+        arrays, _ = wire.decode(self.held_data)
         noise = np.random.default_rng(int(hashlib.sha256(f"{a.seed}:{self.pid}".encode()).hexdigest()[:8], 16))
         trained = {k: (v + noise.normal(0, 0.01, v.shape)).astype(v.dtype) for k, v in arrays.items()}
         samples = assigned_count(self.dataset_size, a.selected, self.pid)
         meta = wire.UpdateMeta(self.run_id, a.round, self.pid, samples, {"loss": float(noise.uniform(0.5, 1.0))})
         data = wire.encode(trained, meta.to_metadata())
-        now = self.read_state()  # as the daemon does: is the round still open for us?
-        if now.round != a.round or now.phase is not Phase.TRAIN or self.pid not in now.selected:
-            self.uploaded[a.round] = ""
-            return
-        self._put(keys.update_key(self.run_id, a.round, self.pid), data)
+        if closed_while_training(self.remote, a, self.pid):  # as the daemon does: is the round still open for us?
+            return False
+        self.remote.put(keys.update_key(self.run_id, a.round, self.pid), data)
         self.actions["update"] += 1
-        self.uploaded[a.round] = wire.digest(data)
+        self.kept.uploaded(a.round, {"digest": wire.digest(data), "samples": samples})
         self.sent[a.round] = data
+        return True
+
+    def _finish(self, action: Finish) -> Outcome:
+        self.finished_digest = action.digest
+        return Outcome(True, self.rounds_uploaded)

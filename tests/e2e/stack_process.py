@@ -8,7 +8,7 @@ serializing lock meanwhile), which slows it several times over. Reports on stdou
     {"event": "ready", "resources": {...LocalResources...}}
     {"event": "stopped"}                          after SIGTERM
 
-Request counts are read from the endpoint's `GET /_fed/requests` (infra/local/server.py).
+Request counts are read from the endpoint's `GET /_fed/requests` (local/server.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import threading
 from dataclasses import asdict
 
-from infra.local.stack import LocalStack
+from local.stack import LocalStack
 from shared.config import RunConfig
 
 

@@ -13,23 +13,31 @@ At random moments, from one printed seed (CHAOS_SEED=<seed> repeats the plan):
 
 Then: the run finished; no update was lost or counted twice; every global model is the recomputed
 aggregate of its round's counted updates (`fed verify`'s check, and an independent FedAvg here).
+
+And a disaster: the run's table and every participant are lost at once, mid-round, after a checkpoint
+(`checkpoint_every`). The table is created again, empty; the operator runs `fed run restore` and restarts the
+participants with their ids and state directories; the run goes on from the checkpoint's round to the end,
+and `fed verify` passes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
 import pytest
 
+from coordinator.tick import run_tick
+from coordinator.verify import verify_run
 from fed.demo import Participants, await_joins
 from fed.localrun import store_for
 from functions.settings import deps_from_env
-from functions.verify import verify_run
-from infra.local.stack import LocalStack
+from local.stack import LocalStack
 from shared.state import Phase
 from tests.e2e.chaos_support import (
     DISPATCHER_KILLED_AFTER,
@@ -46,9 +54,13 @@ from tests.e2e.chaos_support import (
     Spawner,
     Tally,
     audit_run,
+    fed_command,
+    keep_log,
+    latest_checkpoint,
+    lose_table,
     recompute_fedavg,
 )
-from tests.e2e.harness import e2e_config
+from tests.e2e.harness import Run, e2e_config
 
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -177,6 +189,113 @@ def test_the_run_survives_chaos_without_losing_or_double_counting_an_update(tmp_
         procs.stop()
         spawner.stop()
         stack.stop()
+
+
+RESTORE_NAMES = ["p1", "p2", "p3"]
+
+
+def restore_config():  # type: ignore[no-untyped-def]
+    """Ten short rounds in one epoch, a checkpoint every two aggregated rounds; all three participants train."""
+    return e2e_config(
+        run_id="chaos-restore", min_clients=3, fraction_per_round=1.0, min_per_round=3, min_updates=2,
+        total_rounds=10, checkpoint_every=2, warmup_time=5, max_round_train_time=25, cooldown_time=0,
+        liveness_timeout=10,
+    )
+
+
+@pytest.mark.timeout(420)
+def test_a_run_that_loses_its_table_and_every_participant_at_once_is_restored_and_finishes(
+    local_run: Callable[..., Run],
+) -> None:
+    began = time.monotonic()
+    config = restore_config()
+    run = local_run(config)
+    c = run.stack.connection
+    s3 = boto3.client("s3", endpoint_url=c.endpoint, region_name=c.region)
+    names = RESTORE_NAMES
+
+    # Given three participants training, in a round open after a checkpoint and one more aggregated round (so the
+    # restored run has a round to train again)
+    run.start_participants(names)
+
+    def mid_round_past_a_checkpoint() -> bool:  # (a round takes about a second here: four chances to catch one)
+        s = run.state()
+        odd = s.phase is Phase.TRAIN and s.aggregated >= 3 and s.aggregated % config.checkpoint_every != 0
+        return odd or s.phase is Phase.FINISHED
+
+    run.wait_for(mid_round_past_a_checkpoint, 180, "a round open after a checkpoint and one more aggregated round")
+
+    # When every participant is SIGKILLed and the table is lost, at once
+    for name in names:
+        run.procs.kill(name)
+    before = run.state()  # (nothing new can arrive now; at most an update already sent is still counted)
+    assert before.phase is not Phase.FINISHED, "the run finished before the test caught a round open"
+    lose_table(c.endpoint, c.region, c.run_id, c.table)
+    lost_at = time.monotonic()
+    checkpoint = latest_checkpoint(s3, c.bucket, c.run_id)
+    assert checkpoint is not None
+    saved = checkpoint["state"]
+    assert checkpoint["round"] == saved["round"] and 0 < saved["aggregated"] < config.total_rounds, checkpoint
+    # (usually one round behind the round lost; but the updates of that round, sent before the kill, may still have
+    # been aggregated, and checkpointed, before the table went)
+    print(f"\nlost the table and {len(names)} participants in round {before.round} ({before.aggregated} aggregated); "
+          f"the latest checkpoint keeps round {checkpoint['round']} ({saved['aggregated']} aggregated), epoch "
+          f"{checkpoint['epoch']}")
+
+    # Then a tick on the empty table does not start a new run over the checkpoint: it waits for the operator
+    waiting = run_tick(deps_from_env())
+    assert not waiting.committed and any("fed run restore" in n for n in waiting.notes), waiting
+    assert run.state().version == 0
+
+    # When the operator restores the run from its latest checkpoint (no --force needed: the table holds no state)
+    restored = fed_command("run", "restore", "--connection", str(run.connection_file))
+    assert restored.returncode == 0, restored
+    assert f"round {checkpoint['round']}," in restored.stdout, restored.stdout
+
+    # Then the run waits, at the checkpoint's round, with the checkpoint's model, for its members
+    state = run.state()
+    assert state.phase is Phase.WAITING and state.members == {}
+    assert (state.round, state.aggregated, state.epoch) == (checkpoint["round"], saved["aggregated"], saved["epoch"])
+    assert state.global_digest == checkpoint["global_digest"]
+
+    # When the operator restarts every participant on its host: same --id, same --state-dir (its journal from before)
+    for name in names:
+        keep_log(run.procs.procs[name].log)
+    run.procs.spawn(names)
+
+    # Then they join the restored run again, and it trains from the checkpoint's round to the end
+    run.wait_for(lambda: run.state().phase is Phase.FINISHED, 240, "the restored run to finish")
+    restored_seconds = time.monotonic() - lost_at
+    state = run.state()
+    assert state.phase is Phase.FINISHED and state.aggregated == config.total_rounds
+    rounds = sorted(run.store.rounds(), key=lambda r: r.round)  # the new table holds only the rounds since restore
+    aggregated = [r for r in rounds if r.aggregated]
+    print_rounds(rounds)
+    # the numbering goes on from the checkpoint: no round before it trained again, none skipped, none counted twice
+    assert [r.round for r in rounds] == list(range(checkpoint["round"], state.round)), [r.round for r in rounds]
+    assert rounds[0].epoch == saved["epoch"] + 1
+    assert len(aggregated) == config.total_rounds - saved["aggregated"]
+    assert state.global_digest == aggregated[-1].global_digest
+    audit = audit_run(run.store, s3, c.bucket, c.run_id)
+    assert audit.double_counted == [] and audit.counted_without_record == [] and audit.unexplained == []
+    # every restarted participant noticed that its journal was of the run before the loss, and trained again
+    for name in names:
+        log = run.procs.procs[name].log.read_text(errors="replace")
+        assert "discarding its progress" in log, f"{name}:\n{run.procs.tail(name, 40)}"
+    assert set(names) <= {pid for r in aggregated for pid in r.counted}, [(r.round, r.counted) for r in aggregated]
+
+    # and `fed verify` recomputes every round since the restore from the bucket, and they all match
+    verified = fed_command("verify", "--connection", str(run.connection_file), "--json")
+    assert verified.returncode == 0, verified
+    report = json.loads(verified.stdout)
+    assert report["ok"] is True
+    assert [(v["round"], v["ok"]) for v in report["rounds"]] == [(r.round, True) for r in aggregated], report
+
+    # and no participant crashed: each saw the end and exited cleanly
+    assert run.procs.wait_exit(60), "participants still running after the run finished"
+    assert [p.process.returncode for p in run.procs.procs.values()] == [0] * len(names)
+    print(f"restored run: {len(aggregated)} rounds from round {checkpoint['round']} in {restored_seconds:.1f}s after "
+          f"the loss; the whole test took {time.monotonic() - began:.1f}s")
 
 
 def queue_drained(stack: LocalStack) -> bool:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import boto3
 import pytest
 
-from infra.local.resources import create_resources
+from local.resources import create_resources
 from shared import keys
 from shared.state import Phase
 from tests.e2e.harness import Run, e2e_config
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 def latest_checkpoint(run: Run) -> dict[str, object] | None:
-    from shared.blobs import NotFound
+    from store.blobs import NotFound
 
     try:
         pointer = json.loads(run.bucket.get(keys.latest_checkpoint_key(run.config.run_id)).data)

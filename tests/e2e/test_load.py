@@ -26,16 +26,15 @@ import boto3
 import numpy as np
 import pytest
 
+from coordinator.verify import verify_run
 from fed.localrun import store_for
 from functions.settings import deps_from_env
-from functions.verify import verify_run
-from infra.local.stack import client_environment, function_environment
 from participant.decide import JOIN_RETRY_SECONDS, READY_RETRY_SECONDS
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.state import Phase
 from tests.e2e.chaos_support import DispatcherPlan, DispatcherProcess
-from tests.e2e.load_support import Clients, RequestCounter, SimParticipant, StackProcess
+from tests.e2e.load_support import Clients, RequestCounter, SimParticipant, StackProcess, stack_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -58,22 +57,15 @@ def load_config() -> RunConfig:
     return RunConfig(
         run_id="load", min_clients=N, fraction_per_round=1.0, min_per_round=N, min_updates=N, total_rounds=1,
         warmup_time=5, max_round_train_time=RUN_TIMEOUT, round_witness_time=0, cooldown_time=0,
-        liveness_timeout=1800, dataset_size=100 * N, max_participants=2 * N,
+        liveness_timeout=1800, dataset_size=100 * N, max_participants=2 * N, max_admissions_per_epoch=N,
     )
 
 
 @pytest.fixture()
 def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StackProcess]:
     """The server in its own process; this process (and the dispatcher's) get the functions' environment."""
-    config = load_config()
-    server = StackProcess(config, tmp_path / "stack.log")
-    try:
-        for name, value in {**client_environment(), **function_environment(server.resources, config,
-                                                                              "WARNING")}.items():
-            monkeypatch.setenv(name, value)
+    with stack_process(load_config(), tmp_path / "stack.log", monkeypatch) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_two_hundred_participants_upload_in_one_round_and_none_is_lost(stack: StackProcess, tmp_path: Path) -> None:

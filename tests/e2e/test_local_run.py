@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 from fed.cli import app
 from fed.status import collect
 from shared import keys
-from shared.blobs import Bucket, s3_client
 from shared.state import MemberStatus, Phase
 from shared.wire import digest
+from store.blobs import Bucket, s3_client
 from tests.e2e.harness import Run, e2e_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,13 +14,15 @@ from typing import Any
 import boto3
 import numpy as np
 import pytest
+from botocore.config import Config
 from moto import mock_aws
 from moto.dynamodb.models import DynamoDBBackend
 
 from functions import ingest, tick
 from functions.settings import Deps, deps_from_env
-from infra.local.context import LocalContext
-from infra.local.resources import create_resources
+from local import moto_ranges
+from local.context import LocalContext
+from local.resources import create_resources
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_RUN_ID, ENV_TABLE
@@ -47,6 +50,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         "POWERTOOLS_LOG_LEVEL": "WARNING",
     }.items():
         monkeypatch.setenv(name, value)
+    moto_ranges.apply()  # ranged GETs read their range only (shard workers and ingest read 8 MiB ranges)
     with mock_aws():
         yield
 
@@ -71,7 +75,11 @@ class Harness:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         self.res = create_resources(config.run_id)
-        self.s3 = boto3.client("s3", region_name="us-east-1")
+        # (checksums in headers, as the coordinator sends them: botocore's default streams large bodies through
+        # aws-chunked encoding, which in-process moto decodes slowly)
+        self.s3 = boto3.client("s3", region_name="us-east-1",
+                               config=Config(request_checksum_calculation="when_required",
+                                             response_checksum_validation="when_required"))
         self.signers: dict[str, Signer] = {}
 
     @property
@@ -114,13 +122,27 @@ class Harness:
 
     # --- participant actions ----------------------------------------------------------------------
 
-    def join_bytes(self, pid: str, run_id: str | None = None) -> bytes:
+    def join_bytes(self, pid: str, run_id: str | None = None, sent_at: float | None = None) -> bytes:
         body = {"run_id": run_id or self.config.run_id, "participant": pid, "info": {"host": "test"},
-                "public_key": self.signer(pid).public_key}
+                "public_key": self.signer(pid).public_key, "sent_at": time.time() if sent_at is None else sent_at}
         return json.dumps(body).encode()
+
+    def heartbeat_bytes(self, pid: str, sent_at: float | None = None, **fields: Any) -> bytes:
+        """A heartbeat as the daemon sends it (sent now unless `sent_at` says when), with `fields` added."""
+        return json.dumps({"participant": pid, "sent_at": time.time() if sent_at is None else sent_at,
+                           **fields}).encode()
 
     def join(self, pid: str, run_id: str | None = None) -> dict[str, Any]:
         return self.send(keys.join_key(self.config.run_id, pid), self.join_bytes(pid, run_id))
+
+    def heartbeat(self, pid: str, **fields: Any) -> dict[str, Any]:
+        return self.send(keys.heartbeat_key(self.config.run_id, pid), self.heartbeat_bytes(pid, **fields))
+
+    def join_alive(self, pid: str) -> dict[str, Any]:
+        """Join, then heartbeat as the daemon does: an epoch admits only participants heard from after joining."""
+        joined = self.join(pid)
+        self.heartbeat(pid)
+        return joined
 
     def offer(self, pid: str, model: dict[str, np.ndarray] = MODEL) -> dict[str, Any]:
         return self.send(keys.init_key(self.config.run_id, pid), wire.encode(model))
@@ -141,10 +163,11 @@ class Harness:
         return self.send(keys.update_key(self.config.run_id, rnd, pid), self.update_bytes(pid, arrays, rnd, **kw))
 
     def start(self, pids: list[str]) -> RunState:
-        """Join everyone, offer the initial model: the run is then training round 0."""
+        """Join everyone (each heartbeats once registered), offer the initial model: the run is then training
+        round 0."""
         self.scheduled_tick()
         for pid in pids:
-            self.join(pid)
+            self.join_alive(pid)
         self.offer(pids[0])
         return self.state()
 

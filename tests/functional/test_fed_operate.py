@@ -10,10 +10,10 @@ import numpy as np
 from typer.testing import CliRunner
 
 from fed.cli import app
-from infra.local.resources import create_resources
+from local.resources import create_resources
 from shared import wire
-from shared.connection import Connection
 from shared.state import Phase
+from store.connection import Connection
 from tests.functional.conftest import MODEL, Harness
 
 
@@ -95,9 +95,9 @@ def test_verify_prints_each_round_and_fails_on_a_mismatch(harness: Harness, tmp_
 def test_restore_retries_when_a_tick_commits_between_its_read_and_its_write(
     harness: Harness, tmp_path: Path, monkeypatch  # type: ignore[no-untyped-def]
 ) -> None:
-    import functions.operations as operations
-    from functions.operations import Restored
-    from shared.store import Conflict
+    import coordinator.operations as operations
+    from coordinator.operations import Restored
+    from store.table import Conflict
 
     calls: list[bool] = []
 
@@ -131,3 +131,36 @@ def test_status_plot_writes_the_curves_of_every_finished_round(harness: Harness,
     assert code == 0, out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert matplotlib.image.imread(png).shape[:2] == (800, 700)
+
+
+def test_verify_says_clearly_which_rounds_expired_and_checks_them_against_their_checkpoint(
+    harness_factory, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    # Given three aggregated rounds, a checkpoint every 2, and round 0's objects expired from the bucket
+    h = harness_factory(total_rounds=5, checkpoint_every=2)
+    h.start(["alice", "bob"])
+    for r in range(3):
+        h.upload("alice", model(1 + r))
+        h.upload("bob", model(2 + r))
+    s3 = boto3.client("s3", region_name="us-east-1")
+    prefix = f"runs/{h.config.run_id}/rounds/000000/"
+    for v in s3.list_object_versions(Bucket=h.res.bucket, Prefix=prefix).get("Versions", []):
+        s3.delete_object(Bucket=h.res.bucket, Key=v["Key"], VersionId=v["VersionId"])
+    conn = str(connection_file(h, tmp_path))
+    # When the run is verified
+    code, out = fed("verify", "--connection", conn, "--json")
+    body = json.loads(out[out.index("{"):])
+    # Then round 0 is reported as expired (not a mismatch), the others match, and the exit status is 0
+    rounds = {r["round"]: r for r in body["rounds"]}
+    assert code == 0 and body["ok"], out
+    assert rounds[0]["expired"] and rounds[0]["passes"] and "round_objects_expire_days" in rounds[0]["problem"]
+    assert rounds[1]["ok"] and rounds[2]["ok"]
+    # And round 1's global model, kept by the checkpoint at round 2, is still checked against its record
+    code, out = fed("verify", "--connection", conn)
+    assert code == 0 and "expired" in out and "2 of 3 round(s) match" in out
+    for v in s3.list_object_versions(Bucket=h.res.bucket, Prefix=f"runs/{h.config.run_id}/rounds/000001/").get(
+            "Versions", []):
+        s3.delete_object(Bucket=h.res.bucket, Key=v["Key"], VersionId=v["VersionId"])
+    out = fed("verify", "--connection", conn, "--json")[1]
+    body = json.loads(out[out.index("{"):])
+    assert {r["round"]: r for r in body["rounds"]}[1]["problem"].endswith("its checkpoint matches")

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from functions.coordinator import run_tick
+from coordinator.tick import run_tick
 from shared import keys, wire
 from shared.state import MemberStatus, Phase
 from tests.functional.conftest import MODEL, Harness
@@ -86,8 +86,8 @@ def test_out_of_order_events(harness: Harness) -> None:
     harness.start(["alice", "bob"])
     run = harness.config.run_id
     # Given two heartbeats of alice, the newer delivered first
-    old = harness.put(keys.heartbeat_key(run, "alice"), json.dumps({"participant": "alice"}).encode())
-    new = harness.put(keys.heartbeat_key(run, "alice"), json.dumps({"participant": "alice"}).encode())
+    old = harness.put(keys.heartbeat_key(run, "alice"), harness.heartbeat_bytes("alice", sent_at=1893456000.0))
+    new = harness.put(keys.heartbeat_key(run, "alice"), harness.heartbeat_bytes("alice", sent_at=1893456060.0))
     old["time"], new["time"] = "2030-01-01T00:00:00Z", "2030-01-01T00:01:00Z"
     harness.deliver(new)
     harness.deliver(old)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from functions.coordinator import run_tick
+from coordinator.tick import run_tick
 from functions.observability import logger
 from shared import keys, wire
 from shared.state import Phase
@@ -147,7 +147,7 @@ def test_unknown_participant_is_refused(harness: Harness) -> None:
     harness.start(["alice", "bob"])
     result = harness.upload("mallory", model(1), samples=5)
     assert result["accepted"] is False and "not a member" in result["reason"]
-    heartbeat = harness.send(keys.heartbeat_key(harness.config.run_id, "ghost"), b'{"participant": "ghost"}')
+    heartbeat = harness.send(keys.heartbeat_key(harness.config.run_id, "ghost"), harness.heartbeat_bytes("ghost"))
     assert heartbeat["accepted"] is False and "never joined" in heartbeat["reason"]
 
 
@@ -163,6 +163,7 @@ def quiet_functions() -> Iterator[None]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # about 5 minutes on a quiet 2-core machine; well over 10 on a loaded one
 def test_thousands_of_fake_joins_cost_a_bounded_table(harness_factory) -> None:  # type: ignore[no-untyped-def]
     h = harness_factory(max_participants=50)
     h.scheduled_tick()

@@ -17,8 +17,8 @@ import boto3
 import pytest
 
 from fed.localrun import wait_until
-from infra.local.dispatcher import Delivery, Dispatcher
-from infra.local.stack import LocalStack
+from local.dispatcher import Delivery, Dispatcher
+from local.stack import LocalStack
 from shared import keys
 from shared.config import RunConfig
 
@@ -44,7 +44,7 @@ class Recorder:
 
     def __call__(self, event: dict[str, Any], context: Any) -> None:
         key = event["detail"]["object"]["key"]
-        if not key.startswith(keys.run_prefix(RUN) + "join/"):
+        if not key.startswith((keys.join_prefix(RUN), keys.run_prefix(RUN) + "heartbeat/")):
             return  # e.g. objects the stack itself wrote
         with self._lock:
             self.seen.append(key)
@@ -76,8 +76,8 @@ class Script:
         return Delivery()
 
 
-def put(stack: LocalStack, name: str) -> str:
-    key = keys.join_key(RUN, name)
+def put(stack: LocalStack, name: str, key_of: Callable[[str, str], str] = keys.join_key) -> str:
+    key = key_of(RUN, name)
     assert stack.resources is not None
     boto3.client("s3", endpoint_url=stack.endpoint, region_name="us-east-1").put_object(
         Bucket=stack.resources.bucket, Key=key, Body=b"{}"
@@ -86,9 +86,10 @@ def put(stack: LocalStack, name: str) -> str:
 
 
 def dispatcher(stack: LocalStack, ingest: Recorder, plan: Script, **kwargs: Any) -> Dispatcher:
+    """The recorder on both lanes (these tests' objects are join requests: the join lane)."""
     assert stack.resources is not None
-    return Dispatcher(stack.resources, tick_interval=5, ingest=ingest, tick=lambda e, c: None, faults=plan,
-                      **kwargs)
+    return Dispatcher(stack.resources, tick_interval=5, ingest=ingest, join=ingest, tick=lambda e, c: None,
+                      faults=plan, **kwargs)
 
 
 def until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
@@ -96,22 +97,27 @@ def until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
 
 
 def queue_empty(stack: LocalStack) -> bool:
+    """Both lanes' queues."""
     assert stack.resources is not None
     sqs = boto3.client("sqs", endpoint_url=stack.endpoint, region_name="us-east-1")
-    attrs = sqs.get_queue_attributes(QueueUrl=stack.resources.queue_url, AttributeNames=["All"])["Attributes"]
-    return attrs["ApproximateNumberOfMessages"] == "0" and attrs["ApproximateNumberOfMessagesNotVisible"] == "0"
+    for url in stack.resources.queue_urls:
+        attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+        if attrs["ApproximateNumberOfMessages"] != "0" or attrs["ApproximateNumberOfMessagesNotVisible"] != "0":
+            return False
+    return True
 
 
-def test_a_held_event_is_delivered_late_after_later_ones(stack: LocalStack) -> None:
+@pytest.mark.parametrize("key_of", [keys.join_key, keys.heartbeat_key], ids=["join lane", "main lane"])
+def test_a_held_event_is_delivered_late_after_later_ones(stack: LocalStack, key_of: Callable[[str, str], str]) -> None:
     # Given a plan that holds the first object's event back for 2 seconds
-    first, second = keys.join_key(RUN, "first"), keys.join_key(RUN, "second")
+    first, second = key_of(RUN, "first"), key_of(RUN, "second")
     ingest = Recorder()
     plan = Script({first: Delivery(hold=2)})
     with dispatcher(stack, ingest, plan):
         # When two objects are uploaded in order (the second once the first was received and held)
-        put(stack, "first")
+        put(stack, "first", key_of)
         until(lambda: first in plan.used)
-        put(stack, "second")
+        put(stack, "second", key_of)
         # Then the second is delivered first, and the held one still arrives, once
         until(lambda: len(ingest.seen) == 2)
         until(lambda: queue_empty(stack))

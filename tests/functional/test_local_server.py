@@ -8,7 +8,7 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.local.server import LocalServer
+from local.server import LocalServer
 
 THREADS = 10
 INCREMENTS = 30

@@ -18,14 +18,14 @@ import pytest
 
 from fed.localrun import wait_until
 from fed.status import collect
-from infra.local.dispatcher import Dispatcher
-from infra.local.stack import LocalStack
+from local.dispatcher import Dispatcher
+from local.stack import LocalStack
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.selection import assigned_count
 from shared.signing import Signer
 from shared.state import Phase
-from shared.store import StateStore
+from store.table import StateStore
 
 MODEL = {"w": np.ones((3, 2), np.float32), "b": np.zeros(2, np.float32)}
 
@@ -59,8 +59,22 @@ class Sim:
 
     def join(self, pid: str) -> None:
         public_key = self.signers.setdefault(pid, Signer.generate()).public_key
-        body = {"run_id": self.run_id, "participant": pid, "public_key": public_key}
+        body = {"run_id": self.run_id, "participant": pid, "public_key": public_key, "sent_at": time.time()}
         self.put(keys.join_key(self.run_id, pid), json.dumps(body).encode())
+
+    def heartbeat(self, pid: str) -> None:
+        body = {"participant": pid, "sent_at": time.time()}
+        self.put(keys.heartbeat_key(self.run_id, pid), json.dumps(body).encode())
+
+    def join_and_beat(self, *pids: str) -> None:
+        """Join, then (once registered) send a heartbeat, as the daemon does: an epoch admits only participants
+        heard from after their join."""
+        for pid in pids:
+            self.join(pid)
+        until(lambda: set(pids) <= set(self.store.participants()))
+        for pid in pids:
+            self.heartbeat(pid)
+        until(lambda: all(self.store.participants()[p].proven for p in pids))
 
     def upload(self, pid: str, round_no: int, selected: tuple[str, ...], value: float) -> None:
         meta = wire.UpdateMeta(self.run_id, round_no, pid, assigned_count(100, selected, pid), {"loss": value})
@@ -75,9 +89,7 @@ def until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
 def test_a_run_finishes_through_queued_events_and_ticks(stack: LocalStack) -> None:
     # Given two participants that join and offer a model through S3 uploads only
     sim = Sim(stack)
-    for pid in ("alice", "bob"):
-        sim.join(pid)
-    until(lambda: len(sim.store.participants()) == 2)
+    sim.join_and_beat("alice", "bob")
     sim.put(keys.init_key(sim.run_id, "alice"), wire.encode(MODEL))
 
     # When each selected participant uploads an update every round
@@ -101,9 +113,7 @@ def test_a_run_finishes_through_queued_events_and_ticks(stack: LocalStack) -> No
 def test_a_bad_upload_is_refused_and_shown_in_status(stack: LocalStack) -> None:
     # Given a running round
     sim = Sim(stack)
-    for pid in ("alice", "bob"):
-        sim.join(pid)
-    until(lambda: len(sim.store.participants()) == 2)
+    sim.join_and_beat("alice", "bob")
     sim.put(keys.init_key(sim.run_id, "alice"), wire.encode(MODEL))
     until(lambda: sim.store.read_state().phase is Phase.TRAIN)
 
@@ -120,14 +130,31 @@ def test_a_bad_upload_is_refused_and_shown_in_status(stack: LocalStack) -> None:
     assert any(r.pid == "bob" and "safetensors" in r.reason for r in status.refusals)
 
 
-def test_a_failing_delivery_is_retried(stack: LocalStack) -> None:
-    # Given a dispatcher whose ingest fails the first time it sees an event
+# Each lane keeps the dispatcher's retries: a join request goes down the join lane, a heartbeat down the main one.
+LANES = {"join": (keys.join_key, "join", Sim.join), "ingest": (keys.heartbeat_key, "ingest", Sim.heartbeat)}
+
+
+def lane_dispatcher(stack: LocalStack, lane: str, handler: Callable[[dict[str, Any], Any], None],
+                    **kwargs: Any) -> Dispatcher:
+    """A dispatcher whose `lane` calls `handler`, the other lane nothing."""
+    assert stack.resources is not None
+
+    def nothing(event: dict[str, Any], context: Any) -> None:
+        return None
+
+    handlers = {"ingest": nothing, "join": nothing, lane: handler}
+    return Dispatcher(stack.resources, ingest=handlers["ingest"], join=handlers["join"], **kwargs)
+
+
+@pytest.mark.parametrize("lane", sorted(LANES))
+def test_a_failing_delivery_is_retried(stack: LocalStack, lane: str) -> None:
+    # Given a dispatcher whose handler fails the first time it sees an event of this lane
     assert stack.dispatcher is not None and stack.resources is not None
     stack.dispatcher.stop()
     seen: list[str] = []
     lock = threading.Lock()
-
-    carol = keys.join_key("stack-test", "carol")
+    key_of, _, send = LANES[lane]
+    carol = key_of("stack-test", "carol")
 
     def flaky(event: dict[str, Any], context: Any) -> None:
         key = event["detail"]["object"]["key"]
@@ -139,11 +166,11 @@ def test_a_failing_delivery_is_retried(stack: LocalStack) -> None:
                 raise RuntimeError("transient")
 
     ticks: list[float] = []
-    retrying = Dispatcher(stack.resources, tick_interval=0.1, visibility_timeout=1, ingest=flaky,
-                          tick=lambda e, c: ticks.append(time.time()))
+    retrying = lane_dispatcher(stack, lane, flaky, tick_interval=0.1, visibility_timeout=1,
+                               tick=lambda e, c: ticks.append(time.time()))
     with retrying:
         # When one object is uploaded
-        Sim(stack).join("carol")
+        send(Sim(stack), "carol")
         # Then it is delivered again after the failure, and scheduled ticks keep coming
         until(lambda: len(seen) >= 2, timeout=10)
         until(lambda: len(ticks) >= 3, timeout=5)
@@ -151,11 +178,13 @@ def test_a_failing_delivery_is_retried(stack: LocalStack) -> None:
     assert retrying.stats.failed == 1
 
 
-def test_an_event_that_keeps_failing_is_dropped_after_its_retries(stack: LocalStack) -> None:
-    # Given a dispatcher whose ingest always fails for one object, and at most 2 attempts
+@pytest.mark.parametrize("lane", sorted(LANES))
+def test_an_event_that_keeps_failing_is_dropped_after_its_retries(stack: LocalStack, lane: str) -> None:
+    # Given a dispatcher whose handler always fails for one object, and at most 2 attempts
     assert stack.dispatcher is not None and stack.resources is not None
     stack.dispatcher.stop()
-    poison = keys.join_key("stack-test", "mallory")
+    key_of, _, send = LANES[lane]
+    poison = key_of("stack-test", "mallory")
     attempts: list[str] = []
 
     def failing(event: dict[str, Any], context: Any) -> None:
@@ -163,14 +192,46 @@ def test_an_event_that_keeps_failing_is_dropped_after_its_retries(stack: LocalSt
             attempts.append(poison)
             raise RuntimeError("always")
 
-    retrying = Dispatcher(stack.resources, tick_interval=5, visibility_timeout=1, max_attempts=2, ingest=failing,
-                          tick=lambda e, c: None)
+    retrying = lane_dispatcher(stack, lane, failing, tick_interval=5, visibility_timeout=1, max_attempts=2,
+                               tick=lambda e, c: None)
     with retrying:
         # When the object is uploaded
-        Sim(stack).join("mallory")
-        # Then it is tried twice, then removed from the queue
+        send(Sim(stack), "mallory")
+        # Then it is tried twice, then removed from its queue
         until(lambda: retrying.stats.dropped == 1, timeout=10)
     assert attempts == [poison, poison]
     sqs = boto3.client("sqs", endpoint_url=stack.endpoint, region_name="us-east-1")
-    attrs = sqs.get_queue_attributes(QueueUrl=stack.resources.queue_url, AttributeNames=["All"])["Attributes"]
-    assert attrs["ApproximateNumberOfMessages"] == "0" and attrs["ApproximateNumberOfMessagesNotVisible"] == "0"
+    for url in stack.resources.queue_urls:
+        attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+        assert attrs["ApproximateNumberOfMessages"] == "0" and attrs["ApproximateNumberOfMessagesNotVisible"] == "0"
+
+
+def test_the_join_function_reports_a_failed_record_for_the_queue_to_deliver_again(stack: LocalStack) -> None:
+    # Given the join function as the join lane's queue hands it a batch: one join request, and one record
+    # whose body is no event at all
+    from functions import join
+    from local.context import LocalContext
+
+    assert stack.resources is not None and stack.dispatcher is not None
+    stack.dispatcher.stop()
+    sim = Sim(stack)
+    sim.join("dora")
+    good = receive_one(stack, stack.resources.join_queue_url)["Body"]
+    batch = {"Records": [{"messageId": "m-good", "body": good}, {"messageId": "m-broken", "body": "{not json"}]}
+    version = sim.store.read_state().version
+    # When it handles the batch
+    result = join.handler(batch, LocalContext(function_name="fed-local-join"))
+    # Then dora is registered (not yet heard from since), no tick ran, and only the broken record is reported
+    # failed, for the queue to deliver again
+    assert result == {"batchItemFailures": [{"itemIdentifier": "m-broken"}]}
+    assert not sim.store.participants()["dora"].proven
+    assert sim.store.read_state().version == version
+
+
+def receive_one(stack: LocalStack, url: str) -> dict[str, Any]:
+    sqs = boto3.client("sqs", endpoint_url=stack.endpoint, region_name="us-east-1")
+    for _ in range(50):
+        messages = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=1, WaitTimeSeconds=1).get("Messages", [])
+        if messages:
+            return dict(messages[0])
+    raise AssertionError("no message arrived")

@@ -106,3 +106,19 @@ def test_witnesses_proofs_health_and_drops_are_described() -> None:
     assert [(d.round, d.pid) for d in status.drops] == [(3, "c")] and status.drops[0].reason.startswith("health check")
     assert "1 of 2 proofs in" in text and "round 3 health" in text and "below the quorum: c" in text
     assert "health check: round 3 attested by 0" in text and "2/2" in text
+
+
+def test_refusals_are_shown_bounded_without_control_characters_or_markup() -> None:
+    # Given a refusal whose key and reason quote 100 KB of attacker text, terminal escapes and console markup
+    state = RunState("status-run", version=3, phase=Phase.TRAIN, epoch=1, round=0, members={"a": Member()},
+                     selected=("a",))
+    hostile = "[bold red]owned[/] \x1b[2J\r" + "x" * 100_000
+    refused = [RefusalLine(None, "a", "runs/status-run/" + hostile, "unexpected tensors: " + hostile, NOW)]
+    status = describe(state, {"a": ParticipantView("a", 900.0, NOW)}, {}, [], refused, [], CONFIG, NOW)
+    # When it is rendered
+    console = Console(width=200, record=True)
+    console.print(render(status))
+    text = console.export_text()
+    # Then the table shows a bounded, printable excerpt, the markup as literal text
+    assert "[bold red]owned[/]" in text and "\x1b" not in text and "\r" not in text
+    assert len(text) < 10_000 and "more characters" in text

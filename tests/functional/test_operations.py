@@ -6,8 +6,8 @@ import boto3
 import numpy as np
 import pytest
 
-from functions.operations import OperationError, restore, set_paused
-from infra.local.resources import create_resources
+from coordinator.operations import OperationError, restore, set_paused
+from local.resources import create_resources
 from shared.state import Phase
 from tests.functional.conftest import MODEL, Harness
 
@@ -52,8 +52,8 @@ def test_restore_from_the_latest_checkpoint_after_the_table_is_lost(harness_fact
     assert (restored.round, restored.aggregated, restored.global_digest) == (1, 1, before.global_digest)
     state = h.state()
     assert state.phase is Phase.WAITING and state.round == 1 and state.global_digest == before.global_digest
-    h.join("alice")
-    h.join("bob")
+    h.join_alive("alice")
+    h.join_alive("bob")
     assert h.state().phase is Phase.TRAIN and h.state().round == 1
     h.upload("alice", model(1))
     h.upload("bob", model(2))

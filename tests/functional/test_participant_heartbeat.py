@@ -7,15 +7,16 @@ EventBridge event times are whole seconds. A participant that downloads the mode
 
 from __future__ import annotations
 
-import json
+from datetime import UTC, datetime
 
 from shared import keys
 from tests.functional.conftest import Harness
 
 
 def heartbeat(harness: Harness, pid: str, ready_epoch: int, time: str) -> dict:  # type: ignore[type-arg]
-    body = {"participant": pid, "ready_epoch": ready_epoch, "info": {"activity": "ready"}}
-    event = harness.put(keys.heartbeat_key(harness.config.run_id, pid), json.dumps(body).encode())
+    sent = datetime.fromisoformat(time.replace("Z", "+00:00")).timestamp()
+    body = harness.heartbeat_bytes(pid, sent_at=sent + 0.5, ready_epoch=ready_epoch, info={"activity": "ready"})
+    event = harness.put(keys.heartbeat_key(harness.config.run_id, pid), body)
     event["time"] = time
     return event
 
@@ -23,7 +24,8 @@ def heartbeat(harness: Harness, pid: str, ready_epoch: int, time: str) -> dict: 
 def test_ready_in_the_same_second_as_the_join_is_recorded(harness: Harness) -> None:
     # Given a participant that joined at 12:00:00
     harness.scheduled_tick()
-    join = harness.put(keys.join_key(harness.config.run_id, "alice"), harness.join_bytes("alice"))
+    join = harness.put(keys.join_key(harness.config.run_id, "alice"),
+                       harness.join_bytes("alice", sent_at=datetime(2026, 11, 22, 12, tzinfo=UTC).timestamp()))
     join["time"] = "2026-11-22T12:00:00Z"
     harness.deliver(join)
     # When its "ready for epoch 1" heartbeat is stamped with the same second
@@ -35,7 +37,10 @@ def test_ready_in_the_same_second_as_the_join_is_recorded(harness: Harness) -> N
 
 def test_an_older_heartbeat_never_lowers_readiness(harness: Harness) -> None:
     harness.scheduled_tick()
-    harness.join("alice")
+    join = harness.put(keys.join_key(harness.config.run_id, "alice"),
+                       harness.join_bytes("alice", sent_at=datetime(2030, 1, 1, tzinfo=UTC).timestamp()))
+    join["time"] = "2030-01-01T00:00:00Z"
+    harness.deliver(join)
     harness.deliver(heartbeat(harness, "alice", 2, "2030-01-01T00:00:05Z"))
     # an out-of-order, older heartbeat that still says epoch 1
     harness.deliver(heartbeat(harness, "alice", 1, "2030-01-01T00:00:05Z"))

@@ -96,17 +96,18 @@ def test_a_proof_is_sent_once_across_restarts_and_again_for_a_restored_run(harne
     from participant.tensors import model_bytes
     from participant.ui import Reporter
     from shared import keys
-    from shared.connection import Connection
     from shared.state import RunState
     from shared.wire import digest
+    from store.connection import Connection
     from tests.functional.test_participant_daemon import versions
 
     # Given a witness of round 0 holding the round's global model
     conn = Connection(run_id=harness.config.run_id, bucket=harness.res.bucket, table=harness.res.table)
     daemon = Daemon(conn, Options(pid="alice", state_dir=tmp_path / "alice"), threading.Event(), Reporter(bars=False))
     daemon.config, daemon.task, daemon.device = harness.config, task, torch.device("cpu")
-    daemon.held_bytes = model_bytes(task.build_model(0))
-    daemon.held, daemon.joined_at = digest(daemon.held_bytes), time.time() - 60
+    held = model_bytes(task.build_model(0))
+    daemon.held_model = held
+    daemon.held, daemon.joined_at = digest(held), time.time() - 60
     state = RunState(harness.config.run_id, phase=Phase.WITNESS, round=0, selected=("alice", "bob"),
                      witnesses=("bob", "alice"), global_digest=daemon.held)
     key = keys.witness_key(harness.config.run_id, 0, "alice")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
@@ -51,7 +52,8 @@ def test_a_second_join_cannot_replace_the_registered_key(harness: Harness) -> No
     harness.scheduled_tick()
     assert harness.join("alice")["accepted"]
     mallory = Signer.generate()
-    body = json.dumps({"run_id": harness.config.run_id, "participant": "alice", "public_key": mallory.public_key})
+    body = json.dumps({"run_id": harness.config.run_id, "participant": "alice", "public_key": mallory.public_key,
+                       "sent_at": time.time()})
     key = keys.join_key(harness.config.run_id, "alice")
     harness.s3.put_object(Bucket=harness.res.bucket, Key=key, Body=body.encode(),
                           Metadata=mallory.metadata(key, body.encode()))

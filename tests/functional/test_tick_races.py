@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-import functions.coordinator as coordinator
-from functions.coordinator import run_tick
-from functions.verify import verify_run
+import coordinator.tick as coordinator
+from coordinator.tick import run_tick
+from coordinator.verify import verify_run
 from shared import keys
 from shared.wire import digest
 from tests.functional.conftest import MODEL
@@ -89,3 +89,27 @@ def test_the_committed_global_survives_a_racing_tick_that_carries_the_model_over
     stored = harness.s3.get_object(Bucket=harness.res.bucket, Key=key)
     assert state.aggregated == 1
     assert digest(stored["Body"].read()) == state.global_digest
+
+
+def test_an_update_that_cannot_be_read_back_is_left_out_and_the_round_goes_on(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    # Given a round of three in which alice's recorded update version is gone from the bucket by the time
+    # the round closes (a crafted key, a lifecycle rule, an operator's mistake: every read of it fails)
+    harness = harness_factory(liveness_timeout=3600, min_clients=3, min_per_round=3)
+    harness.start(["alice", "bob", "carol"])
+    harness.upload("alice", scaled(1), samples=10)
+    harness.upload("bob", scaled(2), samples=10)
+    recorded = harness.deps.store.update_record(0, "alice")
+    assert recorded is not None and recorded.accepted
+    harness.s3.delete_object(Bucket=harness.res.bucket, Key=keys.update_key(harness.config.run_id, 0, "alice"),
+                             VersionId=recorded.version_id)
+    # When the last update closes the round
+    harness.upload("carol", scaled(4), samples=10)
+    # Then the round is aggregated from the two readable updates, and alice's is refused with its reason
+    state = harness.state()
+    assert state.round == 1 and state.aggregated == 1
+    (summary,) = harness.deps.store.rounds()
+    assert summary.counted == ("bob", "carol")
+    assert "unreadable as recorded" in summary.refused["alice"] and "not in the bucket" in summary.refused["alice"]
+    np.testing.assert_allclose(harness.global_model(1)["dense.bias"], 3.0)
+    # And the run is not wedged: anyone can still recompute the new global model from the bucket
+    assert all(check.ok for check in verify_run(harness.deps))

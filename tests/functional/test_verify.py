@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from functions.verify import verify_run
+from coordinator.verify import verify_run
 from shared import keys, wire
 from tests.functional.conftest import MODEL, Harness
 

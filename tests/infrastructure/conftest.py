@@ -45,6 +45,10 @@ timeout_seconds = 120
 memory_mb = 2048
 timeout_seconds = 240
 ephemeral_storage_mb = 2048
+
+[deploy.shard]
+memory_mb = 3008
+timeout_seconds = 600
 """
 
 

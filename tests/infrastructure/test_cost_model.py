@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from infra.cost_model import Assumptions, round_cost, table
+import pytest
+
+from infra.cost_model import (
+    GIB,
+    WORKER_UPDATE_BYTES_PER_SECOND,
+    AggregationAssumptions,
+    Assumptions,
+    Prices,
+    aggregation_cost,
+    aggregation_table,
+    round_cost,
+    table,
+)
+from infra.settings import DeploySettings
+from shared.config import RunConfig
+from shared.digest import PIECE_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,9 +31,10 @@ def test_requests_per_participant_follow_the_stated_assumptions() -> None:
     cost = round_cost(10, a)
     # Then a participant makes 1 update PUT and 8 heartbeat PUTs, each one event and one ingest invocation
     assert cost.s3_puts == cost.events == cost.invocations == 1 + 120 / 15
-    # And polls the run item 60 times; the S3 GETs are its global model plus what the coordinator reads
+    # And polls the run item 60 times; the S3 GETs are its global model plus each object ingest reads (the ranged
+    # reads of aggregation and of ingest's distance check grow with the model: they are in aggregation_cost)
     assert a.polls == 60
-    assert cost.s3_gets == 1 + cost.s3_puts + 1
+    assert cost.s3_gets == 1 + cost.s3_puts
 
 
 def test_cost_per_participant_grows_with_the_run_item() -> None:
@@ -29,6 +46,57 @@ def test_cost_per_participant_grows_with_the_run_item() -> None:
     assert large.usd_per_participant > small.usd_per_participant
 
 
-def test_docs_show_the_models_table() -> None:
-    # Given the deploy guide, Then it contains exactly the table the model prints
-    assert table() in (REPO / "docs" / "deploy.md").read_text()
+def test_docs_show_the_models_tables() -> None:
+    # Given the deploy guide, Then it contains exactly the tables the model prints
+    text = (REPO / "docs" / "deploy.md").read_text()
+    assert table() in text
+    assert aggregation_table() in text
+
+
+def test_the_aggregation_assumptions_are_the_deployed_defaults() -> None:
+    # Given the aggregation assumptions, Then they are the defaults a run deploys with
+    a = AggregationAssumptions()
+    assert a.shard_bytes == RunConfig(run_id="abc").shard_bytes == 512 * 1024**2
+    assert a.worker_memory_mb == DeploySettings().shard.memory_mb
+    assert a.tick_memory_mb == DeploySettings().tick.memory_mb
+    assert a.worker_bytes_per_second == WORKER_UPDATE_BYTES_PER_SECOND == 1.5e9
+
+
+def test_a_1_gib_model_with_8_updates_takes_two_shard_workers() -> None:
+    # Given a 1 GiB model and 8 updates (the 512 MiB default shard)
+    c = aggregation_cost(GIB, 8)
+    # Then it is 128 pieces in K = 2 shards, each aggregating 512 MiB x 8 updates at 1.5 GB/s
+    assert c.pieces == 128 and c.shards == 2
+    assert c.shard_seconds == pytest.approx(512 * 1024**2 * 8 / 1.5e9)
+    # And the workers' GB-seconds are the update bytes over the throughput at 1769 MB, whatever K
+    assert c.worker_gb_seconds == pytest.approx(GIB * 8 / 1.5e9 * 1769 / 1024)
+    assert aggregation_cost(GIB, 8, AggregationAssumptions(shard_bytes=64 * 1024**2)).worker_gb_seconds == (
+        pytest.approx(c.worker_gb_seconds)
+    )
+    # And S3 sees one ranged GET per update per piece (plus a few header reads per worker and the tick's
+    # authentication of the base global), one UploadPart per piece and Create, Complete and Copy once
+    assert c.s3_gets == 128 * 8 + 2 * (2 + 8) + 3
+    assert c.s3_puts == 128 + 3
+    # And ingest read the global once per 8 MiB of each update
+    assert c.ingest_gets == 128 * 8
+    # And the dollars are what those figures cost at the assumed prices
+    p = Prices()
+    assert c.usd_compute == pytest.approx((c.worker_gb_seconds + c.tick_gb_seconds) * p.lambda_gb_second)
+    assert c.usd_requests == pytest.approx(c.s3_gets * p.s3_get_per_1k / 1e3 + c.s3_puts * p.s3_put_per_1k / 1e3
+                                           + 2 * p.lambda_per_m / 1e6)  # fmt: skip
+
+
+def test_shards_follow_shard_bytes_and_a_one_piece_model_needs_no_worker() -> None:
+    # Given models of one piece, of a bit more, and of many shards
+    small, two, big = (
+        aggregation_cost(PIECE_BYTES, 5),
+        aggregation_cost(PIECE_BYTES + 1, 5),
+        aggregation_cost(4 * GIB, 8),
+    )
+    # Then one piece is the tick's own PUT, and more is a multipart upload in ceil(model / shard_bytes) shards
+    assert small.shards == 0 and small.worker_gb_seconds == 0 and small.s3_puts == 1
+    assert two.pieces == 2 and two.shards == 1
+    assert big.shards == math.ceil(4 * GIB / (512 * 1024**2)) == 8
+    # And compute grows with model bytes x updates, the shard's duration only with shard bytes x updates
+    assert big.worker_gb_seconds == pytest.approx(4 * aggregation_cost(GIB, 8).worker_gb_seconds)
+    assert big.shard_seconds == pytest.approx(aggregation_cost(GIB, 8).shard_seconds)

@@ -65,3 +65,27 @@ def test_stuck_window_is_whole_minutes_between_one_minute_and_one_day() -> None:
     assert settings.stuck_window_seconds(short) == 60
     assert settings.stuck_window_seconds(usual) == 300
     assert settings.stuck_window_seconds(long) == 86400
+
+
+def test_the_shard_worker_and_the_ticks_have_their_own_defaults() -> None:
+    # Given the defaults
+    settings = DeploySettings()
+    # Then the shard worker has one full vCPU (1769 MB), Lambda's longest timeout and no reserved concurrency
+    assert settings.shard.memory_mb == 1769 and settings.shard.timeout_seconds == 900
+    assert settings.shard.reserved_concurrency is None
+    # And both functions that tick (and so may wait for an aggregation's shards) may run as long
+    assert settings.tick.timeout_seconds == settings.ingest.timeout_seconds == 900
+
+
+def test_a_function_table_overrides_only_the_keys_it_names(tmp_path: Path) -> None:
+    # Given a run file that sets only the memory of the shard worker and of the join function
+    path = write(tmp_path, '[run]\nrun_id = "r1x"\n[deploy.shard]\nmemory_mb = 3008\n[deploy.join]\nmemory_mb = 1024\n')
+    # When it is loaded
+    _, settings = load_deploy(path)
+    # Then their other keys keep each function's own defaults, not the generic ones
+    assert settings.shard.memory_mb == 3008 and settings.shard.timeout_seconds == 900
+    assert settings.shard.ephemeral_storage_mb == DeploySettings().shard.ephemeral_storage_mb
+    assert settings.join.memory_mb == 1024 and settings.join.timeout_seconds == 60
+    # And a key no function has is still refused, naming it
+    with pytest.raises(ConfigError, match=r"deploy\.shard\.bogus"):
+        load_deploy(write(tmp_path, '[run]\nrun_id = "r1x"\n[deploy.shard]\nbogus = 1\n'))

@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 from aws_cdk import App
 from aws_cdk.assertions import Match, Template
 from cdk_nag import AwsSolutionsChecks
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from functions.observability import metrics as function_metrics
 from infra.app import build_app
-from infra.observability import METRICS_SERVICE
+from infra.observability import METRICS_SERVICE, SHARD_DURATION_ALARM_SHARE
 from infra.participants import FORBIDDEN_IN_ID
 from shared import keys
 from shared.keys import RESERVED_IDS
@@ -21,6 +23,7 @@ from shared.naming import (
     ENV_BUCKET,
     ENV_CONFIG,
     ENV_RUN_ID,
+    ENV_SHARD_RUNNER,
     ENV_TABLE,
     METRIC_AGGREGATION_SECONDS,
     METRIC_PHASE_CHANGES,
@@ -38,10 +41,12 @@ from shared.naming import (
     TABLE_RANGE_KEY,
     TICK_SCHEDULE_MINUTES,
     ingest_rule_name,
+    join_request_pattern,
+    join_rule_name,
     object_created_pattern,
     table_name,
 )
-from shared.records import run_pk
+from shared.table_keys import run_pk
 from tests.infrastructure.conftest import cdk_json_context
 
 if TYPE_CHECKING:
@@ -95,16 +100,28 @@ def function_id(synth: Synth, handler: str) -> str:
     return fid
 
 
+def function_role(synth: Synth, name: str) -> str:
+    """The logical id of the role function `name` runs as."""
+    return str(synth.resources[function_id(synth, f"functions.{name}.handler")]["Properties"]["Role"]["Fn::GetAtt"][0])
+
+
+def own_log_group(synth: Synth, role_id: str) -> str:
+    (log_group,) = [k for k in synth.of_type("AWS::Logs::LogGroup") if k.startswith(role_id.split("Role")[0])]
+    return log_group
+
+
 def test_bucket_notifies_eventbridge_without_a_custom_resource(synth: Synth) -> None:
     # Given the synthesized stack
     # When we look for custom resources and Lambda functions
     types = {v["Type"] for v in synth.resources.values()}
     functions = synth.of_type("AWS::Lambda::Function")
-    # Then there is no notification custom resource, no custom resource at all, only our two functions
+    # Then there is no notification custom resource, no custom resource at all, only our four functions
     assert "Custom::S3BucketNotifications" not in types
     assert not [t for t in types if t.startswith("Custom::") or t == "AWS::CloudFormation::CustomResource"]
     assert sorted(f["Properties"]["Handler"] for f in functions.values()) == [
         "functions.ingest.handler",
+        "functions.join.handler",
+        "functions.shard.handler",
         "functions.tick.handler",
     ]
     # And the run bucket sends its events to EventBridge through its own property
@@ -167,23 +184,24 @@ def test_table_is_on_demand_with_point_in_time_recovery(synth: Synth) -> None:
 
 
 def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> None:
-    # Given the two functions' roles
+    # Given the two functions' roles (both tick: ingest ticks after recording, and either may aggregate)
     bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
     table = f"<{synth.logical_id(synth.stack.state.table)}.Arn>"
     dlq = f"<{synth.logical_id(synth.stack.coordinator.dead_letters)}.Arn>"
+    shard = f"<{function_id(synth, 'functions.shard.handler')}.Arn>"
     run = f"{bucket}/runs/{synth.config.run_id}/"
-    roles = {synth.resources[function_id(synth, f"functions.{n}.handler")]["Properties"]["Role"]["Fn::GetAtt"][0]
-             for n in ("tick", "ingest")}  # fmt: skip
-    assert len(roles) == 2, "each function has its own role"
-    for role_id in roles:
-        log_group = [k for k, v in synth.of_type("AWS::Logs::LogGroup").items()
-                     if k.startswith(role_id.split("Role")[0])]  # fmt: skip
+    roles = {function_role(synth, n) for n in ("tick", "ingest", "join", "shard")}
+    assert len(roles) == 4, "each function has its own role"
+    for role_id in (function_role(synth, "tick"), function_role(synth, "ingest")):
+        log_group = own_log_group(synth, role_id)
         # When we gather every statement granted to it
         allowed = grants(role_statements(synth, role_id))
-        # Then it may do exactly this, on exactly these resources
+        # Then it may do exactly this, on exactly these resources: read the run's objects (the staged aggregate
+        # too: the source of its copy), write the coordinator's objects and the staged aggregate (and abort it),
+        # invoke the shard worker and nothing else
         assert allowed == {
-            "logs:CreateLogStream": {f"<{log_group[0]}.Arn>"},
-            "logs:PutLogEvents": {f"<{log_group[0]}.Arn>"},
+            "logs:CreateLogStream": {f"<{log_group}.Arn>"},
+            "logs:PutLogEvents": {f"<{log_group}.Arn>"},
             "s3:GetObject": {f"{run}*"},
             "s3:GetObjectVersion": {f"{run}*"},
             "s3:ListBucket": {bucket},
@@ -192,7 +210,10 @@ def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> N
                 f"{run}manifest.json",
                 f"{run}config.json",
                 f"{run}checkpoints/*",
+                f"{run}rounds/*/staging/*",
             },
+            "s3:AbortMultipartUpload": {f"{run}rounds/*/staging/*"},
+            "lambda:InvokeFunction": {shard},
             "dynamodb:GetItem": {table},
             "dynamodb:Query": {table},
             "dynamodb:PutItem": {table},
@@ -221,6 +242,9 @@ def test_functions_run_the_configured_sizes_with_the_run_config(synth: Synth) ->
         assert env[ENV_BUCKET] == {"Ref": synth.logical_id(synth.stack.storage.bucket)}
         assert env[ENV_TABLE] == {"Ref": synth.logical_id(synth.stack.state.table)}
         assert env["POWERTOOLS_METRICS_NAMESPACE"] == METRICS_NAMESPACE
+        # And it hands an aggregation's shards to the shard-worker function, by name
+        shard = function_id(synth, "functions.shard.handler")
+        assert env[ENV_SHARD_RUNNER] == {"Fn::Join": ["", ["lambda:", {"Ref": shard}]]}
         # And failed async events go to the dead-letter queue, logs are kept for the configured days
         dlq = synth.logical_id(synth.stack.coordinator.dead_letters)
         assert render(fn["DeadLetterConfig"]["TargetArn"]) == f"<{dlq}.Arn>"
@@ -293,19 +317,189 @@ def test_participant_policy_writes_only_keys_carrying_its_own_id(synth: Synth) -
     }
 
 
+def s3_rules(synth: Synth) -> dict[str, dict[str, Any]]:
+    """The rules routing S3 events, by name."""
+    rules = synth.of_type("AWS::Events::Rule").values()
+    return {r["Properties"]["Name"]: r["Properties"] for r in rules if "EventPattern" in r["Properties"]}
+
+
 def test_object_created_rule_uses_the_local_runs_pattern_and_targets_ingest(synth: Synth) -> None:
     # Given the run bucket's logical id
     bucket = {"Ref": synth.logical_id(synth.stack.storage.bucket)}
-    # When we find the rule routing S3 events
-    rules = synth.of_type("AWS::Events::Rule").values()
-    (rule,) = [r["Properties"] for r in rules if "EventPattern" in r["Properties"]]
-    # Then its pattern is exactly the one the local run registers, for this bucket and run
-    assert rule["EventPattern"] == object_created_pattern(bucket, synth.config.run_id)  # type: ignore[arg-type]
-    assert rule["Name"] == ingest_rule_name(synth.config.run_id)
+    run = synth.config.run_id
+    # When we find the rules routing S3 events
+    rules = s3_rules(synth)
+    # Then there are two lanes, and the main one's pattern is exactly the one the local run registers
+    assert set(rules) == {ingest_rule_name(run), join_rule_name(run)}
+    rule = rules[ingest_rule_name(run)]
+    assert rule["EventPattern"] == object_created_pattern(bucket, run)  # type: ignore[arg-type]
+    # And it excludes join requests, and nothing else
+    assert rule["EventPattern"]["detail"]["object"]["key"] == [{"anything-but": {"prefix": keys.join_prefix(run)}}]
     # And it invokes the ingest function, with undeliverable events kept in the dead-letter queue
     (target,) = rule["Targets"]
     assert target["Arn"] == {"Fn::GetAtt": [function_id(synth, "functions.ingest.handler"), "Arn"]}
     assert "DeadLetterConfig" in target
+
+
+def test_join_requests_have_their_own_rule_and_queue_drained_at_a_bounded_concurrency(synth: Synth) -> None:
+    # Given the join lane's rule, queue and function
+    bucket = {"Ref": synth.logical_id(synth.stack.storage.bucket)}
+    run = synth.config.run_id
+    rule = s3_rules(synth)[join_rule_name(run)]
+    queue_id = synth.logical_id(synth.stack.coordinator.join_queue)
+    dlq = synth.logical_id(synth.stack.coordinator.dead_letters)
+    join_fn = function_id(synth, "functions.join.handler")
+    # Then the rule takes exactly the join requests (the local run registers the same pattern), to the queue,
+    # undeliverable ones to the dead-letter queue
+    assert rule["EventPattern"] == join_request_pattern(bucket, run)  # type: ignore[arg-type]
+    assert rule["EventPattern"]["detail"]["object"]["key"] == [{"prefix": keys.join_prefix(run)}]
+    (target,) = rule["Targets"]
+    assert target["Arn"] == {"Fn::GetAtt": [queue_id, "Arn"]}
+    assert render(target["DeadLetterConfig"]["Arn"]) == f"<{dlq}.Arn>"
+    # And the queue is encrypted, TLS only, and moves a join request that keeps failing to the dead-letter queue
+    queue = synth.resources[queue_id]["Properties"]
+    assert queue["SqsManagedSseEnabled"] is True
+    assert queue["RedrivePolicy"] == {"deadLetterTargetArn": {"Fn::GetAtt": [dlq, "Arn"]},
+                                      "maxReceiveCount": synth.settings.join_max_receives}
+    assert queue["VisibilityTimeout"] >= 6 * synth.settings.join.timeout_seconds
+    # And only the join function drains it, at most join_concurrency invocations at once, reporting failures
+    # record by record
+    (mapping,) = synth.of_type("AWS::Lambda::EventSourceMapping").values()
+    props = mapping["Properties"]
+    assert props["EventSourceArn"] == {"Fn::GetAtt": [queue_id, "Arn"]}
+    assert props["FunctionName"] == {"Ref": join_fn}
+    assert props["ScalingConfig"] == {"MaximumConcurrency": synth.settings.join_concurrency}
+    assert synth.settings.join_concurrency == 2
+    assert props["BatchSize"] == synth.settings.join_batch_size
+    assert props["FunctionResponseTypes"] == ["ReportBatchItemFailures"]
+    # And the join function is invoked by its queue alone: no EventBridge permission, no async retries
+    fn = synth.resources[join_fn]["Properties"]
+    assert fn["MemorySize"] == synth.settings.join.memory_mb and fn["Timeout"] == synth.settings.join.timeout_seconds
+    assert "DeadLetterConfig" not in fn
+    permissions = synth.of_type("AWS::Lambda::Permission").values()
+    assert all(p["Properties"]["FunctionName"] != {"Fn::GetAtt": [join_fn, "Arn"]} for p in permissions)
+
+
+def test_the_join_function_reads_only_join_requests_and_heartbeats_and_writes_only_participants(
+    synth: Synth,
+) -> None:
+    # Given the join function's role
+    bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
+    table = f"<{synth.logical_id(synth.stack.state.table)}.Arn>"
+    queue = f"<{synth.logical_id(synth.stack.coordinator.join_queue)}.Arn>"
+    run = f"{bucket}/runs/{synth.config.run_id}/"
+    role_id = synth.resources[function_id(synth, "functions.join.handler")]["Properties"]["Role"]["Fn::GetAtt"][0]
+    (log_group,) = [k for k in synth.of_type("AWS::Logs::LogGroup") if k.startswith(role_id.split("Role")[0])]
+    # When we gather every statement granted to it
+    allowed = grants(role_statements(synth, role_id))
+    # Then it may read join requests and heartbeats, write participant records and drain its queue: no model,
+    # no other object, no run state it could commit
+    assert allowed == {
+        "logs:CreateLogStream": {f"<{log_group}.Arn>"},
+        "logs:PutLogEvents": {f"<{log_group}.Arn>"},
+        "s3:GetObject": {f"{run}join/*", f"{run}heartbeat/*"},
+        "s3:GetObjectVersion": {f"{run}join/*", f"{run}heartbeat/*"},
+        "s3:ListBucket": {bucket},
+        "dynamodb:GetItem": {table},
+        "dynamodb:PutItem": {table},
+        "dynamodb:UpdateItem": {table},
+        "sqs:ReceiveMessage": {queue},
+        "sqs:ChangeMessageVisibility": {queue},
+        "sqs:GetQueueUrl": {queue},
+        "sqs:DeleteMessage": {queue},
+        "sqs:GetQueueAttributes": {queue},
+    }
+
+
+def test_the_shard_worker_runs_the_configured_size_and_is_invoked_only_by_the_ticks(synth: Synth) -> None:
+    # Given the shard-worker function
+    shard = function_id(synth, "functions.shard.handler")
+    fn = synth.resources[shard]["Properties"]
+    # Then it runs the shared code asset with the sizes of [deploy.shard]
+    tick = synth.resources[function_id(synth, "functions.tick.handler")]["Properties"]
+    assert fn["Code"] == tick["Code"] and fn["Runtime"] == tick["Runtime"]
+    assert fn["MemorySize"] == synth.settings.shard.memory_mb == 3008
+    assert fn["Timeout"] == synth.settings.shard.timeout_seconds == 600
+    assert "ReservedConcurrentExecutions" not in fn  # unset: the account's shared pool
+    # And it reads the run's names and config from its environment, but hands no shards on itself
+    env = fn["Environment"]["Variables"]
+    assert json.loads(env[ENV_CONFIG]) == json.loads(synth.config.model_dump_json())
+    assert env[ENV_RUN_ID] == synth.config.run_id
+    assert ENV_SHARD_RUNNER not in env
+    # And it is invoked synchronously, never asynchronously: no dead-letter queue, no async settings, no trigger
+    assert "DeadLetterConfig" not in fn
+    configs = synth.of_type("AWS::Lambda::EventInvokeConfig").values()
+    assert all(c["Properties"]["FunctionName"] != {"Ref": shard} for c in configs)
+    permissions = synth.of_type("AWS::Lambda::Permission").values()
+    assert all(shard not in json.dumps(p["Properties"]["FunctionName"]) for p in permissions)
+    assert all(shard not in json.dumps(r["Properties"].get("Targets", []))
+               for r in synth.of_type("AWS::Events::Rule").values())  # fmt: skip
+    # And exactly the tick and ingest roles may invoke a function, and only the shard worker
+    invokers = {role_id: grants(role_statements(synth, role_id)).get("lambda:InvokeFunction")
+                for role_id in synth.of_type("AWS::IAM::Role")}  # fmt: skip
+    assert {r: v for r, v in invokers.items() if v} == {
+        function_role(synth, "tick"): {f"<{shard}.Arn>"},
+        function_role(synth, "ingest"): {f"<{shard}.Arn>"},
+    }
+    # And the ticks' statements never grant any other lambda: action
+    for name in ("tick", "ingest"):
+        actions = grants(role_statements(synth, function_role(synth, name)))
+        assert [a for a in actions if a.startswith("lambda:")] == ["lambda:InvokeFunction"]
+
+
+def test_the_shard_worker_reads_round_objects_writes_only_staged_parts_and_never_the_table(synth: Synth) -> None:
+    # Given the shard worker's role
+    bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
+    run = f"{bucket}/runs/{synth.config.run_id}/"
+    role_id = function_role(synth, "shard")
+    log_group = own_log_group(synth, role_id)
+    # When we gather every statement granted to it
+    statements = role_statements(synth, role_id)
+    allowed = grants(statements)
+    # Then it may read the run's round objects (updates and globals, by version), list under the rounds, upload
+    # parts of staged aggregates, write its logs: nothing else (no table, no queue, no other object)
+    assert allowed == {
+        "logs:CreateLogStream": {f"<{log_group}.Arn>"},
+        "logs:PutLogEvents": {f"<{log_group}.Arn>"},
+        "s3:GetObject": {f"{run}rounds/*"},
+        "s3:GetObjectVersion": {f"{run}rounds/*"},
+        "s3:ListBucket": {bucket},
+        "s3:PutObject": {f"{run}rounds/*/staging/*"},
+    }
+    assert not [a for a in allowed if a.startswith("dynamodb:")]
+    (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket"]
+    assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"runs/{synth.config.run_id}/rounds/*"]}}
+
+
+def layout_keys(run: str, round_no: int, pid: str, digest: str) -> list[str]:
+    """Every kind of object of the layout but the staged aggregate, for a participant, a round and a digest."""
+    staged = keys.staging_key(run, round_no, digest)
+    return [keys.join_key(run, pid), keys.init_key(run, pid), keys.heartbeat_key(run, pid),
+            keys.update_key(run, round_no, pid), keys.witness_key(run, round_no, pid),
+            keys.health_key(run, round_no, pid), *(k for k in coordinator_keys(run, round_no, digest) if k != staged)]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pid=st.from_regex(keys.PARTICIPANT_ID_PATTERN, fullmatch=True), round_no=st.integers(0, 999_999),
+       digest=st.text("0123456789abcdef", min_size=64, max_size=64))
+def test_the_shard_worker_may_write_staged_aggregates_and_nothing_else_of_the_layout(
+    synth: Synth, pid: str, round_no: int, digest: str
+) -> None:
+    # Given any participant id, round and digest (or job id)
+    assume(pid.lower() not in RESERVED_IDS)
+    allowed = grants(role_statements(synth, function_role(synth, "shard")))
+    bucket, run = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>", synth.config.run_id
+    # Then the shard worker may upload parts of the round's staged aggregate
+    assert iam_allows(allowed["s3:PutObject"], bucket, keys.staging_key(run, round_no, digest), pid)
+    # And no other object: no update, report, join request, heartbeat, global model, manifest or checkpoint
+    for key in layout_keys(run, round_no, pid, digest):
+        assert not iam_allows(allowed["s3:PutObject"], bucket, key, pid), key
+    # And it reads the round's objects (updates, globals), none outside the rounds
+    assert iam_allows(allowed["s3:GetObject"], bucket, keys.update_key(run, round_no, pid), pid)
+    assert iam_allows(allowed["s3:GetObjectVersion"], bucket, keys.global_key(run, round_no, digest), pid)
+    for key in (keys.join_key(run, pid), keys.heartbeat_key(run, pid), keys.manifest_key(run),
+                keys.latest_checkpoint_key(run)):  # fmt: skip
+        assert not iam_allows(allowed["s3:GetObject"], bucket, key, pid), key
 
 
 def test_a_schedule_invokes_the_tick_function(synth: Synth) -> None:
@@ -344,6 +538,7 @@ def test_dashboard_and_alarms_watch_the_run(synth: Synth) -> None:
                    METRIC_ROUND_SECONDS, METRIC_AGGREGATION_SECONDS):  # fmt: skip
         assert f'\\"{metric}\\"' in body, metric
     assert METRICS_NAMESPACE in body and synth.config.run_id in body and "Errors" in body
+    assert "Join lane backlog" in body and "ApproximateAgeOfOldestMessage" in body
     # And the stuck-run alarm looks one configured multiple of the round deadline back
     alarms = synth.of_type("AWS::CloudWatch::Alarm")
     stuck = synth.resources[synth.logical_id(synth.stack.observability.stuck)]["Properties"]
@@ -355,7 +550,18 @@ def test_dashboard_and_alarms_watch_the_run(synth: Synth) -> None:
     assert {"Name": "run", "Value": synth.config.run_id} in round_metric["MetricStat"]["Metric"]["Dimensions"]
     # And every function's errors and the dead-letter queue raise alarms, all sent to the e-mail topic
     error_alarms = [a for a in alarms.values() if a["Properties"].get("MetricName") == "Errors"]
-    assert len(error_alarms) == 2
+    assert len(error_alarms) == 4  # tick, ingest, join, shard
+    # And the shard worker's throttles and a duration near its timeout raise alarms too, and it has its row
+    shard = {"Name": "FunctionName", "Value": {"Ref": function_id(synth, "functions.shard.handler")}}
+    throttles = synth.resources[synth.logical_id(synth.stack.observability.shard_throttles)]["Properties"]
+    assert throttles["MetricName"] == "Throttles" and throttles["Dimensions"] == [shard]
+    assert throttles["Threshold"] == 1
+    near = synth.resources[synth.logical_id(synth.stack.observability.shard_near_timeout)]["Properties"]
+    assert near["MetricName"] == "Duration" and near["Dimensions"] == [shard] and near["Statistic"] == "Maximum"
+    assert near["Threshold"] == SHARD_DURATION_ALARM_SHARE * synth.settings.shard.timeout_seconds * 1000
+    assert near["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    assert "Shard workers running at once" in body and "ConcurrentExecutions" in body
+    assert "Shard duration" in body and "Throttles" in body
     topic = synth.logical_id(synth.stack.observability.topic)
     assert all(a["Properties"]["AlarmActions"] == [{"Ref": topic}] for a in alarms.values())
     synth.template.has_resource_properties(
@@ -420,6 +626,48 @@ def test_participant_write_patterns_admit_exactly_its_own_keys_of_the_layout(syn
     assert all(iam_allows(allowed["s3:GetObject"], bucket, k, "alice") for k in readable)
     assert not iam_allows(allowed["s3:GetObject"], bucket, keys.update_key(run, 3, "bob"), "alice")
     assert not iam_allows(allowed["s3:GetObject"], bucket, keys.join_key(run, "bob"), "alice")
+
+
+def coordinator_keys(run: str, round_no: int, digest: str) -> list[str]:
+    """Every object only the coordinator writes, and reads back (the staged aggregate too: its job id is a digest)."""
+    return [keys.global_key(run, round_no, digest), keys.staging_key(run, round_no, digest), keys.manifest_key(run),
+            keys.config_key(run), keys.checkpoint_global_key(run, round_no), keys.checkpoint_state_key(run, round_no),
+            keys.latest_checkpoint_key(run)]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pid=st.from_regex(keys.PARTICIPANT_ID_PATTERN, fullmatch=True), round_no=st.integers(0, 999_999),
+       digest=st.text("0123456789abcdef", min_size=64, max_size=64))
+def test_no_participant_session_may_write_any_coordinator_object(
+    synth: Synth, pid: str, round_no: int, digest: str
+) -> None:
+    # Given any participant id a session tag may carry (the trust policy refuses reserved names)
+    assume(pid.lower() not in RESERVED_IDS)
+    allowed = grants(role_statements(synth, synth.logical_id(synth.stack.participants.role)))
+    bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
+    # Then none of the coordinator's objects (global models, staged aggregates, manifest, config, checkpoints) is
+    # writable by it, nor can it abort the coordinator's multipart uploads
+    for key in coordinator_keys(synth.config.run_id, round_no, digest):
+        assert not iam_allows(allowed["s3:PutObject"], bucket, key, pid), (pid, key)
+        assert not iam_allows(allowed["s3:AbortMultipartUpload"], bucket, key, pid), (pid, key)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(round_no=st.integers(0, 999_999), job=st.text("0123456789abcdef", min_size=64, max_size=64))
+def test_no_participant_tag_the_trust_policy_admits_may_write_a_staged_aggregate(
+    synth: Synth, round_no: int, job: str
+) -> None:
+    # Given a staged aggregate's key, and the one tag value that would make it end in "/<tag>": its job id
+    key = keys.staging_key(synth.config.run_id, round_no, job)
+    allowed = grants(role_statements(synth, synth.logical_id(synth.stack.participants.role)))
+    bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
+    # Then a session tagged with the job id would match the write pattern rounds/*/<tag> (IAM's * spans '/'), ...
+    assert iam_allows(allowed["s3:PutObject"], bucket, key, job)
+    # ... but no participant id is 64 characters long, and the trust policy refuses such a tag (and "staging" is a
+    # reserved name), so no session the role can be assumed with carries it
+    assert not keys.PARTICIPANT_ID_PATTERN.fullmatch(job)
+    assert any(fnmatch.fnmatchcase(job, pattern) for pattern in FORBIDDEN_IN_ID)
+    assert "staging" in RESERVED_IDS
 
 
 def test_with_witnessing_participants_may_read_the_rounds_updates(tmp_path: Path) -> None:

@@ -37,8 +37,12 @@ CFG = RunConfig(
 T0 = 1000.0
 
 
-def pv(pid: str, seen: float = T0, ready: int = 0, init: str = "") -> ParticipantView:
-    return ParticipantView(pid, joined_at=T0 - 50, last_seen=seen, ready_epoch=ready, init_digest=init)
+def pv(pid: str, seen: float = T0, ready: int = 0, init: str = "", joined: float = T0 - 50,
+       heard: float | None = None) -> ParticipantView:
+    """A participant that joined at `joined` and was heard from after its join (at `seen`, unless `heard` says
+    otherwise; 0: never since its join)."""
+    return ParticipantView(pid, joined_at=joined, last_seen=seen, ready_epoch=ready, init_digest=init,
+                           heard_at=seen if heard is None else heard)
 
 
 def members(*pids: str) -> dict[str, Member]:
@@ -362,3 +366,76 @@ def test_pause_closes_an_open_round_and_resume_waits_for_members() -> None:
     assert not tick(Snapshot(d.state, snap.participants), CFG, T0 + 999).changed, "a paused run stays paused"
     resumed = tick(Snapshot(d.state.evolve(pause_requested=False), snap.participants), CFG, T0)
     assert resumed.fired[:2] == ("resume", "epoch_start")
+
+
+# --- admission: liveness since joining, and a bound on new members per epoch --------------------------
+
+
+def admitted(d: object) -> set[str]:
+    return set(d.state.members)  # type: ignore[attr-defined]
+
+
+def test_a_joiner_not_heard_from_since_its_join_is_not_admitted() -> None:
+    # Given a and b heard from after joining, and c whose join request is all the coordinator has seen of it
+    snap = Snapshot(RunState("unit-run"), {"a": pv("a", init="i"), "b": pv("b"), "c": pv("c", heard=0)})
+    # When an epoch starts
+    d = tick(snap, CFG, T0)
+    # Then c is not admitted, live as its join made it look
+    assert d.fired[0] == "epoch_start" and admitted(d) == {"a", "b"}
+    # And with only unproven joiners besides a, no epoch starts at all
+    alone = Snapshot(RunState("unit-run"), {"a": pv("a", init="i"), "b": pv("b", heard=0), "c": pv("c", heard=0)})
+    assert not tick(alone, CFG, T0).changed
+
+
+def test_an_epoch_admits_at_most_max_admissions_new_participants_earliest_joined_first() -> None:
+    # Given 3 admissions an epoch, and six live joiners heard from: f and e joined first, b and a tie after them
+    cfg = CFG.model_copy(update={"max_admissions_per_epoch": 3})
+    joined = {"f": T0 - 90, "e": T0 - 80, "b": T0 - 70, "a": T0 - 70, "c": T0 - 60, "d": T0 - 50}
+    snap = Snapshot(RunState("unit-run"), {p: pv(p, joined=t, init="i") for p, t in joined.items()})
+    # When the first epoch starts
+    d = tick(snap, cfg, T0)
+    # Then it admits exactly three: the earliest joined, the tie broken by id
+    assert admitted(d) == {"f", "e", "a"}
+    assert d.state.model_source == "a"  # the first offer (by id) among those admitted
+    assert any("3 live participants wait for a later epoch" in str(e) for e in d.effects)
+    # And the same snapshot always admits the same three
+    assert admitted(tick(snap, cfg, T0)) == admitted(d)
+
+
+def test_members_of_the_last_epoch_are_not_counted_against_the_bound() -> None:
+    # Given an epoch of a, b, c cooling down (b dropped during it), 2 admissions an epoch, and four newcomers
+    cfg = CFG.model_copy(update={"max_admissions_per_epoch": 2})
+    members_now = {**members("a", "c"), "b": Member(MemberStatus.DROPPED, T0 - 5, "silent")}
+    newcomers = {p: pv(p, joined=T0 - 40 + i) for i, p in enumerate(["n1", "n2", "n3", "n4"])}
+    snap = Snapshot(state(Phase.COOLDOWN, members=members_now, aggregated=1, round=1, deadline=T0),
+                    {"a": pv("a"), "b": pv("b"), "c": pv("c"), **newcomers})
+    # When the next epoch starts
+    d = tick(snap, cfg, T0)
+    # Then every live member of the last epoch is back (b too), and only the two earliest newcomers join them
+    assert d.fired[0] == "next_epoch"
+    assert admitted(d) == {"a", "b", "c", "n1", "n2"}
+    assert all(m.status is MemberStatus.ACTIVE for m in d.state.members.values())
+    # And at the epoch after, the two left out are admitted
+    later = Snapshot(d.state.evolve(phase=Phase.COOLDOWN, deadline=T0 + 50),
+                     {p: pv(p, seen=T0 + 50, joined=v.joined_at) for p, v in snap.participants.items()})
+    assert admitted(tick(later, cfg, T0 + 50)) == {"a", "b", "c", "n1", "n2", "n3", "n4"}
+
+
+def test_a_flood_of_joiners_adds_at_most_the_bound_however_many_prove_liveness() -> None:
+    # Given an epoch of five honest members cooling down, and 300 flood identities that joined later and all
+    # sent a heartbeat since
+    honest = [f"h{i}" for i in range(5)]
+    flood = {f"flood{i:03d}": pv(f"flood{i:03d}", joined=T0 - 30 + i / 100) for i in range(300)}
+    snap = Snapshot(state(Phase.COOLDOWN, members=members(*honest), aggregated=1, round=1, deadline=T0),
+                    {**{p: pv(p) for p in honest}, **flood})
+    # When the next epoch starts (100 admissions an epoch by default)
+    d = tick(snap, CFG, T0)
+    # Then the honest members are all in, with the 100 earliest flood identities and no more
+    assert set(honest) <= admitted(d)
+    assert len(admitted(d) - set(honest)) == CFG.max_admissions_per_epoch == 100
+    assert admitted(d) - set(honest) == {f"flood{i:03d}" for i in range(100)}
+
+
+def test_the_bound_cannot_be_below_min_clients() -> None:
+    with pytest.raises(ValueError, match="max_admissions_per_epoch"):
+        RunConfig(run_id="unit-run", min_clients=5, min_per_round=5, max_admissions_per_epoch=4)

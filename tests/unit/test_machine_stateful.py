@@ -25,6 +25,7 @@ CFG = RunConfig(
     round_witness_time=2,
     cooldown_time=3,
     liveness_timeout=15,
+    max_admissions_per_epoch=2,  # of the six, so that the bound is often reached
 )
 
 
@@ -47,7 +48,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @rule(pid=st.sampled_from(PIDS), offer=st.booleans())
     def join(self, pid: str, offer: bool) -> None:
-        if pid not in self.participants:
+        if pid not in self.participants:  # registered, not yet heard from since
             self.participants[pid] = ParticipantView(pid, self.now, self.now, 0, "init" if offer else "")
         else:
             self.heartbeat(pid, ready=False)
@@ -57,7 +58,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         p = self.participants.get(pid)
         if p is not None:
             epoch = self.state.epoch if ready else p.ready_epoch
-            self.participants[pid] = ParticipantView(pid, p.joined_at, self.now, epoch, p.init_digest)
+            self.participants[pid] = ParticipantView(pid, p.joined_at, self.now, epoch, p.init_digest,
+                                                     heard_at=self.now)
 
     @rule(pick=st.integers(0, 5), ok=st.booleans(), samples=st.integers(1, 50), anyone=st.booleans())
     def upload(self, pick: int, ok: bool, samples: int, anyone: bool) -> None:
@@ -124,6 +126,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         reports = {r: named for (rnd, r), named in self.reports.items() if rnd == s.health_round}
         snap = Snapshot(s, dict(self.participants), current, proofs, reports)
         decision = tick(snap, self.config, self.now)
+        starts = sum(1 for name in decision.fired if name in ("epoch_start", "next_epoch"))
+        new = set(decision.state.members) - set(s.members)
+        assert len(new) <= starts * self.config.max_admissions_per_epoch, "more new members than the bound"
         for effect in decision.effects:
             if isinstance(effect, RecordRound):
                 assert effect.summary.round not in self.recorded_rounds, "a round was closed twice"
@@ -160,6 +165,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert member is not None and member.status is MemberStatus.ACTIVE
 
     @invariant()
+    def every_member_was_heard_from_after_joining(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        for pid in self.state.members:
+            assert self.participants[pid].proven, f"{pid} admitted on its join request alone"
+
+    @invariant()
     def counts_stay_in_bounds(self) -> None:
         if not hasattr(self, "state"):
             return
@@ -173,7 +185,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 
 class WitnessedCoordinatorMachine(CoordinatorMachine):
-    config = CFG.model_copy(update={"witness_nodes": 3, "min_clients": 3, "min_per_round": 3, "min_updates": 2})
+    config = CFG.model_copy(update={"witness_nodes": 3, "min_clients": 3, "min_per_round": 3, "min_updates": 2,
+                                    "max_admissions_per_epoch": 3})
 
 
 SETTINGS = settings(

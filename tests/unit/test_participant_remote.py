@@ -9,7 +9,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError, NoCredenti
 from pynamodb.exceptions import GetError
 
 from participant.remote import FatalRemoteError, Retrier, Stopped, is_transient
-from shared.blobs import NotFound
+from store.blobs import NotFound
 
 
 def client_error(code: str) -> ClientError:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.aggregate import WeightedInput, combine
+from shared.aggregate import ArraySource, WeightedInput, aggregate_file
 from shared.config import RunConfig, Strategy
-from shared.wire import Manifest, encode, parse_header
+from shared.wire import Manifest, decode, encode, parse_header
 
 RNG = np.random.default_rng(0)
 GLOBAL = {"w": RNG.normal(size=(20, 10)).astype(np.float32), "b": np.zeros(10, np.float32)}
@@ -26,10 +26,20 @@ def attack(kind: str) -> tuple[dict[str, np.ndarray], int]:
     return {k: (v - 50.0 * (honest(0)[k] - v)).astype(np.float32) for k, v in GLOBAL.items()}, 20
 
 
+def item(pid: str, samples: int, arrays: dict[str, np.ndarray]) -> WeightedInput:
+    return WeightedInput(pid, samples, "", ArraySource(MANIFEST, arrays), distance(arrays, GLOBAL))
+
+
+def combine(config: RunConfig, items: list[WeightedInput]) -> dict[str, np.ndarray]:
+    """The strategy's global model, through the same piece-wise path the coordinator runs."""
+    data = aggregate_file(config, MANIFEST, 1, items, ArraySource(MANIFEST, GLOBAL))
+    return {k: np.array(v) for k, v in decode(data)[0].items()}
+
+
 def inputs(kind: str) -> list[WeightedInput]:
-    items = [WeightedInput(f"h{i}", 20, "", lambda i=i: honest(i)) for i in range(4)]
+    items = [item(f"h{i}", 20, honest(i)) for i in range(4)]
     bad, samples = attack(kind)
-    return items + [WeightedInput("mallory", samples, "", lambda: bad)]
+    return items + [item("mallory", samples, bad)]
 
 
 def distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -38,20 +48,20 @@ def distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 @pytest.mark.parametrize("kind", ["inflated samples", "scaled sign-flipped delta"])
 def test_fedavg_moves_far_but_robust_strategies_do_not(kind: str) -> None:
-    clean = combine(RunConfig(run_id="r1x"), MANIFEST, inputs(kind)[:4], lambda: GLOBAL)
+    clean = combine(RunConfig(run_id="r1x"), inputs(kind)[:4])
     scale = distance(clean, GLOBAL)  # how far an honest round moves the model
     moved = {}
     for strategy in Strategy:
         config = RunConfig(run_id="r1x", strategy=strategy, trim_fraction=0.2)
-        moved[strategy] = distance(combine(config, MANIFEST, inputs(kind), lambda: GLOBAL), clean)
+        moved[strategy] = distance(combine(config, inputs(kind)), clean)
     assert moved[Strategy.FEDAVG] > 10 * scale, moved
     for strategy in (Strategy.MEDIAN, Strategy.TRIMMED_MEAN, Strategy.CLIPPED_FEDAVG):
         assert moved[strategy] < 0.5 * scale, (strategy, moved)
 
 
 def test_robust_strategies_agree_with_the_mean_on_identical_updates() -> None:
-    same = [WeightedInput(f"p{i}", 10, "", lambda: GLOBAL) for i in range(3)]
+    same = [item(f"p{i}", 10, GLOBAL) for i in range(3)]
     for strategy in Strategy:
-        out = combine(RunConfig(run_id="r1x", strategy=strategy), MANIFEST, same, lambda: GLOBAL)
+        out = combine(RunConfig(run_id="r1x", strategy=strategy), same)
         np.testing.assert_allclose(out["w"], GLOBAL["w"], rtol=1e-6)
         assert out["w"].dtype == np.float32

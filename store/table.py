@@ -6,59 +6,57 @@ was computed from, and a lost race surfaces as one exception, `Conflict`, handle
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from pynamodb.connection import Connection
-from pynamodb.exceptions import DoesNotExist, PutError, TransactWriteError, UpdateError
+from pynamodb.exceptions import DeleteError, DoesNotExist, PutError, TransactWriteError, UpdateError
 from pynamodb.transactions import TransactWrite
 
-from shared.records import (
+from shared.limits import MAX_ID_CHARS, MAX_KEY_CHARS, MAX_REASON_CHARS, bounded
+from shared.state import ParticipantView, RoundSummary, RunState, Snapshot, UpdateView
+from shared.table_keys import (
     PARTICIPANT_COUNT_SK,
     STATE_SK,
-    Models,
     health_sk,
-    models,
+    lease_sk,
     participant_sk,
-    participant_view,
     proof_sk,
     refusal_sk,
     round_sk,
     run_pk,
+    update_sk,
+)
+from shared.witness import Proof
+from store.records import (
+    Models,
+    models,
+    participant_record,
+    participant_view,
+    proof_record,
+    refusal_record,
     state_from_body,
     state_to_body,
     summary_from_body,
     summary_to_body,
-    update_sk,
+    update_record,
     update_view,
 )
-from shared.state import ParticipantView, RoundSummary, RunState, Snapshot, UpdateView
-from shared.witness import Proof
+from store.views import ParticipantRecord, ProofRecord, RefusalRecord, UpdateRecord
+
+__all__ = [
+    "Conflict",
+    "ParticipantRecord",
+    "ProofRecord",
+    "RefusalRecord",
+    "StateStore",
+    "UpdateRecord",
+]
 
 CONDITION_FAILED = {"ConditionalCheckFailedException", "TransactionCanceledException"}
 
 
 class Conflict(Exception):
     """Another writer changed the record first; re-read and decide again."""
-
-
-@dataclass(frozen=True)
-class UpdateRecord:
-    """What ingest learned about one uploaded update."""
-
-    round: int
-    pid: str
-    key: str
-    accepted: bool
-    reason: str = ""
-    samples: int = 0
-    digest: str = ""
-    size: int = 0
-    etag: str = ""
-    version_id: str = ""
-    norm: float = -1.0
-    received_at: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class StateStore:
@@ -111,6 +109,28 @@ class StateStore:
             raise
         return expected_version + 1
 
+    def claim(self, name: str, holder: str, until: float, now: float) -> bool:
+        """Take the lease `name` for `holder` until `until` (one conditional write): True unless another holder
+        has it and it has not expired by `now`."""
+        lease = self.m.lease
+        item = lease(self.pk, lease_sk(name), holder=holder, until=until)
+        try:
+            item.save(condition=lease.pk.does_not_exist() | (lease.until < now) | (lease.holder == holder))
+        except PutError as exc:
+            if exc.cause_response_code in CONDITION_FAILED:
+                return False
+            raise
+        return True
+
+    def release(self, name: str, holder: str) -> None:
+        """Give the lease back, if `holder` still has it."""
+        lease = self.m.lease
+        try:
+            lease(self.pk, lease_sk(name)).delete(condition=lease.holder == holder)
+        except DeleteError as exc:
+            if exc.cause_response_code not in CONDITION_FAILED:
+                raise
+
     def _connection(self) -> Connection:
         # One per store: building a pynamodb Connection builds a botocore client, which costs 50-300 ms.
         if self._tx_connection is None:
@@ -125,14 +145,15 @@ class StateStore:
         )
         return {i.pid: participant_view(i) for i in items}
 
-    def participant(self, pid: str) -> Any | None:
+    def participant(self, pid: str) -> ParticipantRecord | None:
         try:
-            return self.m.participant.get(self.pk, participant_sk(pid), consistent_read=True)
+            item = self.m.participant.get(self.pk, participant_sk(pid), consistent_read=True)
         except DoesNotExist:
             return None
+        return participant_record(item)
 
     def create_participant(
-        self, pid: str, at: float, public_key: str, info: dict[str, Any], limit: int
+        self, pid: str, at: float, public_key: str, info: dict[str, Any], limit: int, sent_at: float = 0.0
     ) -> str:
         """Register a new participant: "created", "exists" (a racing duplicate), or "full" (limit reached).
 
@@ -140,7 +161,8 @@ class StateStore:
         grow the table past `limit` participants.
         """
         item = self.m.participant(
-            self.pk, participant_sk(pid), pid=pid, joined_at=at, last_seen=at, public_key=public_key, info=info
+            self.pk, participant_sk(pid), pid=pid, joined_at=at, last_seen=at, public_key=public_key, info=info,
+            last_sent=sent_at,
         )
         counter = self.m.counter(self.pk, PARTICIPANT_COUNT_SK)
         n = self.m.counter.n
@@ -154,39 +176,46 @@ class StateStore:
                 raise
         return "exists" if self.participant(pid) is not None else "full"
 
-    def touch(self, pid: str, at: float, ready_epoch: int | None = None, info: dict[str, Any] | None = None) -> bool:
-        """Move last_seen forward (never back: events arrive out of order); False if pid never joined."""
+    def touch(self, pid: str, at: float) -> bool:
+        """Move last_seen (and heard_at) forward (never back: events arrive out of order); False if pid never joined."""
         p = self.m.participant
-        actions = [p.last_seen.set(at)]
+        try:
+            self.m.participant(self.pk, participant_sk(pid)).update(
+                actions=[p.last_seen.set(at), p.heard_at.set(at)], condition=p.pk.exists() & (p.last_seen < at)
+            )
+            return True
+        except UpdateError as exc:
+            if exc.cause_response_code not in CONDITION_FAILED:
+                raise
+        return self.participant(pid) is not None
+
+    def accept_message(
+        self, pid: str, sent_at: float, at: float, ready_epoch: int | None = None, info: dict[str, Any] | None = None
+    ) -> str:
+        """Take a join request's or heartbeat's news if it was sent after the last one accepted from `pid`:
+        "accepted", "duplicate" (that very message, delivered again), "stale" (an older message: a replay,
+        or overtaken by a newer one) or "unknown" (pid never joined).
+
+        One conditional write, so two deliveries of one message, or a replay racing the original, cannot
+        both move `last_seen` forward."""
+        p = self.m.participant
+        actions = [p.last_sent.set(sent_at), p.last_seen.set(at), p.heard_at.set(at)]
         if ready_epoch is not None:
             actions.append(p.ready_epoch.set(ready_epoch))
         if info is not None:
             actions.append(p.info.set(info))
         try:
             self.m.participant(self.pk, participant_sk(pid)).update(
-                actions=actions, condition=p.pk.exists() & (p.last_seen < at)
+                actions=actions, condition=p.pk.exists() & (p.last_sent.does_not_exist() | (p.last_sent < sent_at))
             )
-            return True
+            return "accepted"
         except UpdateError as exc:
             if exc.cause_response_code not in CONDITION_FAILED:
                 raise
-        if ready_epoch is not None and self._raise_ready_epoch(pid, ready_epoch):
-            return True
-        return self.participant(pid) is not None
-
-    def _raise_ready_epoch(self, pid: str, ready_epoch: int) -> bool:
-        """Record readiness even when the heartbeat is not newer than last_seen: event times are whole
-        seconds, so a participant's "ready" often lands in the same second as its join or previous beat."""
-        p = self.m.participant
-        try:
-            self.m.participant(self.pk, participant_sk(pid)).update(
-                actions=[p.ready_epoch.set(ready_epoch)], condition=p.pk.exists() & (p.ready_epoch < ready_epoch)
-            )
-            return True
-        except UpdateError as exc:
-            if exc.cause_response_code not in CONDITION_FAILED:
-                raise
-        return False
+        record = self.participant(pid)
+        if record is None:
+            return "unknown"
+        return "duplicate" if record.last_sent == sent_at else "stale"
 
     def set_init_offer(self, pid: str, digest: str) -> None:
         p = self.m.participant
@@ -208,44 +237,38 @@ class StateStore:
             round=rec.round,
             pid=rec.pid,
             accepted=rec.accepted,
-            reason=rec.reason,
+            reason=bounded(rec.reason, MAX_REASON_CHARS),
             samples=rec.samples,
             digest=rec.digest,
             size=rec.size,
-            key=rec.key,
-            etag=rec.etag,
-            version_id=rec.version_id,
+            key=bounded(rec.key, MAX_KEY_CHARS),
+            etag=bounded(rec.etag, MAX_ID_CHARS),
+            version_id=rec.version_id,  # read back to aggregate: never cut (S3 version ids are short)
             norm=rec.norm,
             received_at=rec.received_at,
             metrics=rec.metrics,
         )
-        try:
-            item.save(condition=self.m.update.pk.does_not_exist())
-            return True
-        except PutError as exc:
-            if exc.cause_response_code in CONDITION_FAILED:
-                return False
-            raise
+        return self._create(item)
 
-    def update_record(self, round_no: int, pid: str) -> Any | None:
+    def update_record(self, round_no: int, pid: str) -> UpdateRecord | None:
         try:
-            return self.m.update.get(self.pk, update_sk(round_no, pid), consistent_read=True)
+            item = self.m.update.get(self.pk, update_sk(round_no, pid), consistent_read=True)
         except DoesNotExist:
             return None
+        return update_record(item)
 
-    def all_updates(self) -> list[Any]:
-        return list(self.m.update.query(self.pk, self.m.update.sk.startswith("U#"), consistent_read=True))
+    def all_updates(self) -> list[UpdateRecord]:
+        """Every update record of the run, every round."""
+        items = self.m.update.query(self.pk, self.m.update.sk.startswith("U#"), consistent_read=True)
+        return [update_record(i) for i in items]
 
     def record_refusal(self, key: str, etag: str, reason: str, at: float, pid: str = "") -> bool:
         """Record an object refused before it could be tied to a round slot; once per (key, etag)."""
-        item = self.m.refusal(self.pk, refusal_sk(key, etag), key=key, etag=etag, reason=reason, at=at, pid=pid)
-        try:
-            item.save(condition=self.m.refusal.pk.does_not_exist())
-            return True
-        except PutError as exc:
-            if exc.cause_response_code in CONDITION_FAILED:
-                return False
-            raise
+        item = self.m.refusal(
+            self.pk, refusal_sk(key, etag), key=bounded(key, MAX_KEY_CHARS), etag=bounded(etag, MAX_ID_CHARS),
+            reason=bounded(reason, MAX_REASON_CHARS), at=at, pid=bounded(pid, MAX_ID_CHARS),
+        )
+        return self._create(item)
 
     def record_proof(self, round_no: int, pid: str, body: str, etag: str, at: float) -> bool:
         """Record a witness's proof once; False if this witness's proof for the round is already in."""
@@ -253,11 +276,12 @@ class StateStore:
                             received_at=at)
         return self._create(item)
 
-    def proof_record(self, round_no: int, pid: str) -> Any | None:
+    def proof_record(self, round_no: int, pid: str) -> ProofRecord | None:
         try:
-            return self.m.proof.get(self.pk, proof_sk(round_no, pid), consistent_read=True)
+            item = self.m.proof.get(self.pk, proof_sk(round_no, pid), consistent_read=True)
         except DoesNotExist:
             return None
+        return proof_record(item)
 
     def proofs(self, round_no: int) -> dict[str, Proof]:
         items = self.m.proof.query(self.pk, self.m.proof.sk.startswith(proof_sk(round_no)), consistent_read=True)
@@ -272,6 +296,7 @@ class StateStore:
         return {i.pid: tuple(i.named) for i in items}
 
     def _create(self, item: Any) -> bool:
+        """Put a record that must not exist yet; False if it does (a duplicate delivery got there first)."""
         try:
             item.save(condition=type(item).pk.does_not_exist())
             return True
@@ -280,9 +305,18 @@ class StateStore:
                 return False
             raise
 
-    def refusals(self) -> list[Any]:
-        return list(self.m.refusal.query(self.pk, self.m.refusal.sk.startswith("X#"), consistent_read=True))
+    def refusals(self) -> list[RefusalRecord]:
+        items = self.m.refusal.query(self.pk, self.m.refusal.sk.startswith("X#"), consistent_read=True)
+        return [refusal_record(i) for i in items]
 
     def rounds(self) -> list[RoundSummary]:
         items = self.m.round.query(self.pk, self.m.round.sk.startswith("R#"), consistent_read=True)
         return [summary_from_body(i.body) for i in items]
+
+    def round_summary(self, round_no: int) -> RoundSummary | None:
+        """A closed round's summary (one GetItem); None if it is not recorded."""
+        try:
+            item = self.m.round.get(self.pk, round_sk(round_no), consistent_read=True)
+        except DoesNotExist:
+            return None
+        return summary_from_body(item.body)

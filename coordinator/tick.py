@@ -6,17 +6,16 @@ normal: the loser's conditional commit fails with `Conflict`, it re-reads, and f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from functions.settings import Deps
+from coordinator.aggregation import AggregationBusy, write_aggregate
+from coordinator.deps import Deps
+from coordinator.models import CorruptInput, copy_global, read_header
 from shared import keys
-from shared.aggregate import WeightedInput, aggregate_file
-from shared.machine import Decision, resolve, tick
-from shared.records import state_to_body
+from shared.machine import Decision, exclude_input, resolve, tick
 from shared.state import (
     AdoptInitialModel,
     Aggregate,
@@ -27,18 +26,16 @@ from shared.state import (
     RunState,
     WriteCheckpoint,
 )
-from shared.store import Conflict
-from shared.wire import Manifest, WireError, decode, digest, parse_header
+from shared.wire import Manifest, WireError
+from store.blobs import NotFound, Tampered
+from store.records import state_to_body
+from store.table import Conflict
 
 MAX_ATTEMPTS = 6
 
 
 class TickContention(RuntimeError):
     """Every attempt lost its race; the next tick will try again (nothing is lost)."""
-
-
-class CorruptInput(RuntimeError):
-    """A stored object no longer matches what was recorded for it."""
 
 
 @dataclass(frozen=True)
@@ -58,12 +55,25 @@ def run_tick(deps: Deps, now: float | None = None) -> TickResult:
         snap = deps.store.load_snapshot()
         decision = tick(snap, deps.config, now)
         first = snap.state.version == 0  # the run's first commit publishes its configuration
+        if first and deps.bucket.head(keys.latest_checkpoint_key(deps.config.run_id)) is not None:
+            # An empty table beside a checkpoint is a run that lost its table, not a new run: starting over
+            # would overwrite the checkpoint with a new run's. Wait for the operator's `fed run restore`.
+            return TickResult(False, snap.state, attempt, notes=(
+                "the table holds no run state but the bucket holds a checkpoint: waiting for `fed run restore`",))
         if first:
             deps.bucket.put(keys.config_key(deps.config.run_id), deps.config.model_dump_json(indent=1).encode())
         if not decision.changed and not first:
             return TickResult(False, snap.state, attempt)
         started = time.perf_counter()
-        decision = carry_out_before_commit(deps, decision)
+        try:
+            decision = carry_out_before_commit(deps, decision)
+        except AggregationBusy as exc:  # the invocation aggregating the round commits it
+            return TickResult(False, snap.state, attempt, notes=(str(exc),))
+        except CorruptInput as exc:
+            if not exc.participant:
+                raise
+            _exclude(deps, snap.state, exc)  # the round goes on without that input: decide again
+            continue
         aggregation_seconds = time.perf_counter() - started
         summaries = tuple(e.summary for e in decision.effects if isinstance(e, RecordRound))
         try:
@@ -74,6 +84,13 @@ def run_tick(deps: Deps, now: float | None = None) -> TickResult:
         state = decision.state.evolve(version=version)
         return TickResult(True, state, attempt, decision.fired, notes, summaries, aggregation_seconds)
     raise TickContention(f"lost {MAX_ATTEMPTS} races in a row")
+
+
+def _exclude(deps: Deps, state: RunState, exc: CorruptInput) -> None:
+    """Commit the open round without one unreadable input, with the reason (a lost race re-reads)."""
+    reason = f"unreadable as recorded, left out: {str(exc)[:300]}"
+    with contextlib.suppress(Conflict):
+        deps.store.commit(exclude_input(state, exc.participant, reason), state.version)
 
 
 def carry_out_before_commit(deps: Deps, decision: Decision) -> Decision:
@@ -88,76 +105,43 @@ def carry_out_before_commit(deps: Deps, decision: Decision) -> Decision:
         if isinstance(effect, AdoptInitialModel):
             adopt_initial_model(deps, effect)
         elif isinstance(effect, Aggregate):
-            data = aggregate_round(deps, effect)
-            written = digest(data)
-            deps.bucket.put(keys.global_key(run_id, effect.round + 1, written), data)
+            written = write_aggregate(deps, effect)
             decision = resolve(decision, written)
         elif isinstance(effect, CarryGlobal):
             carried = effect.digest or written
-            deps.bucket.copy(keys.global_key(run_id, effect.round, carried),
-                             keys.global_key(run_id, effect.round + 1, carried))
+            copy_global(deps, effect.round, carried, keys.global_key(run_id, effect.round + 1, carried))
         elif isinstance(effect, WriteCheckpoint):
             write_checkpoint(deps, effect, decision.state)
     return decision
 
 
 def write_checkpoint(deps: Deps, effect: WriteCheckpoint, state: RunState) -> None:
-    """Global weights and the run's state at the end of an epoch, and a pointer to them."""
+    """Global weights and the run's state (every `checkpoint_every` rounds and at each epoch's end), then a
+    pointer to them: written last, so the pointer only ever names a complete checkpoint."""
     run_id = deps.config.run_id
-    source = keys.global_key(run_id, effect.round, state.global_digest)
-    deps.bucket.copy(source, keys.checkpoint_global_key(run_id, effect.epoch))
+    copy_global(deps, effect.round, state.global_digest, keys.checkpoint_global_key(run_id, effect.round))
     body = {
         "schema": 1,
         "epoch": effect.epoch,
         "round": effect.round,
-        "global_key": keys.checkpoint_global_key(run_id, effect.epoch),
+        "global_key": keys.checkpoint_global_key(run_id, effect.round),
         "global_digest": state.global_digest,
         "state": state_to_body(state),
         "config": deps.config.to_json_dict(),
     }
-    deps.bucket.put(keys.checkpoint_state_key(run_id, effect.epoch), json.dumps(body, indent=1).encode())
-    pointer = {"epoch": effect.epoch, "state_key": keys.checkpoint_state_key(run_id, effect.epoch)}
+    deps.bucket.put(keys.checkpoint_state_key(run_id, effect.round), json.dumps(body, indent=1).encode())
+    pointer = {"epoch": effect.epoch, "state_key": keys.checkpoint_state_key(run_id, effect.round)}
     deps.bucket.put(keys.latest_checkpoint_key(run_id), json.dumps(pointer).encode())
 
 
 def adopt_initial_model(deps: Deps, effect: AdoptInitialModel) -> None:
+    """Copy the recorded version of the offer (hashed as it streams) to round 0's global key."""
     run_id = deps.config.run_id
-    blob = deps.bucket.get(keys.init_key(run_id, effect.participant))
-    if digest(blob.data) != effect.digest:
-        raise CorruptInput(f"initial model offer of {effect.participant} changed after it was recorded")
-    manifest = Manifest.of(parse_header(blob.data))
+    key = keys.init_key(run_id, effect.participant)
+    try:
+        version_id, size = deps.bucket.verified_version(key, effect.digest)
+        manifest = Manifest.of(read_header(deps.bucket, key, version_id, size))
+    except (NotFound, Tampered, WireError):
+        raise CorruptInput(f"initial model offer of {effect.participant} changed after it was recorded") from None
     deps.bucket.put(keys.manifest_key(run_id), manifest.to_json().encode())
-    deps.bucket.put(keys.global_key(run_id, effect.round, effect.digest), blob.data)
-
-
-def load_manifest(deps: Deps) -> Manifest:
-    return Manifest.from_json(deps.bucket.get(keys.manifest_key(deps.config.run_id)).data)
-
-
-def aggregate_round(deps: Deps, effect: Aggregate) -> bytes:
-    """Stream the counted updates of a round, one at a time, into the next global model's bytes."""
-    run_id = deps.config.run_id
-    manifest = load_manifest(deps)
-
-    def loader(pid: str, version_id: str, want: str):  # type: ignore[no-untyped-def]
-        def load():  # type: ignore[no-untyped-def]
-            blob = deps.bucket.get(keys.update_key(run_id, effect.round, pid), version_id=version_id)
-            if digest(blob.data) != want:
-                raise CorruptInput(f"update of {pid} for round {effect.round} does not match its recorded digest")
-            try:
-                arrays, _ = decode(blob.data)
-            except WireError as exc:  # it was validated on arrival; reaching here means the bucket changed
-                raise CorruptInput(str(exc)) from None
-            return arrays
-
-        return load
-
-    inputs = [
-        WeightedInput(i.participant, i.samples, i.digest, loader(i.participant, i.version_id, i.digest))
-        for i in effect.inputs
-    ]
-    def load_reference() -> dict[str, np.ndarray]:  # the round's global model (for clipped_fedavg)
-        arrays, _ = decode(deps.bucket.get(keys.global_key(run_id, effect.round, effect.base_digest)).data)
-        return arrays
-
-    return aggregate_file(deps.config, manifest, effect.round + 1, inputs, load_reference)
+    deps.bucket.copy(key, keys.global_key(run_id, effect.round, effect.digest), version_id=version_id)

@@ -1,6 +1,6 @@
 """The whole local stack in one object: moto's server, the run's resources, and the dispatcher.
 
-What `cdk deploy` stands up on AWS, stood up in this process: the same bucket, table, rule and handler
+What `cdk deploy` stands up on AWS, stood up in this process: the same bucket, table, rules and handler
 functions, with moto's server in place of the services and the dispatcher in place of Lambda's
 triggers. `fed local`, `fed demo` and the end-to-end tests all start it through this class.
 """
@@ -10,16 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from infra.local.dispatcher import Dispatcher, FaultPlan
-from infra.local.resources import LocalResources, create_resources
-from infra.local.server import LocalServer
+from local.dispatcher import Dispatcher, FaultPlan
+from local.resources import LocalResources, create_resources
+from local.server import LocalServer
 from shared.config import RunConfig
-from shared.connection import Connection
-from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_ENDPOINT, ENV_RUN_ID, ENV_TABLE
+from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_ENDPOINT, ENV_RUN_ID, ENV_SHARD_RUNNER, ENV_TABLE
+from store.connection import Connection
 
 LOCAL_REGION = "us-east-1"
 
@@ -44,6 +45,7 @@ def function_environment(resources: LocalResources, config: RunConfig, log_level
         ENV_TABLE: resources.table,
         ENV_CONFIG: config.model_dump_json(),
         ENV_ENDPOINT: resources.endpoint,
+        ENV_SHARD_RUNNER: f"processes:{os.cpu_count() or 1}",  # aggregation shards on worker processes, one a core
         "POWERTOOLS_TRACE_DISABLED": "true",
         "POWERTOOLS_METRICS_DISABLED": "true",
         "POWERTOOLS_SERVICE_NAME": "fed-coordinator",
@@ -74,7 +76,8 @@ class LocalStack:
     config: RunConfig
     port: int = 0
     tick_interval: float = 1.0
-    workers: int = 3
+    workers: int = 3  # the main lane's (heartbeats, updates, offers, proofs, reports)
+    join_workers: int = 1  # the join lane's: a burst of joins waits in its own queue
     log_level: str = "INFO"
     log_file: Path | None = None  # the functions' logs; None: this process's stdout
     region: str = LOCAL_REGION
@@ -114,7 +117,8 @@ class LocalStack:
                 self._log_stream = self.log_file.open("a", buffering=1)
             self._previous_logs = route_function_logs(self.log_level, self._log_stream)
             if self.dispatch:
-                self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers, faults=self.faults)
+                self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers, faults=self.faults,
+                                             join_workers=self.join_workers)
                 self.dispatcher.start(deliver=not self.hold_events)
         except BaseException:
             self.stop()
@@ -154,7 +158,7 @@ class LocalStack:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _set_env(self, values: dict[str, str | None]) -> None:
+    def _set_env(self, values: Mapping[str, str | None]) -> None:
         for name, value in values.items():
             self._saved_env.setdefault(name, os.environ.get(name))
             if value is None:

@@ -1,20 +1,10 @@
 """DynamoDB items (pynamodb) of one run's table, and their conversion to the core's dataclasses.
 
-One table per run, keys `pk` / `sk`:
-    RUN#<run>  STATE                    the coordinator state (owned by the tick; versioned)
-    RUN#<run>  P#<participant>          join and liveness facts (owned by ingest)
-    RUN#<run>  U#<round>#<participant>  one update: accepted with its weight, or refused with a reason
-    RUN#<run>  R#<round>                a finished round's summary (metrics history)
-    RUN#<run>  W#<round>#<witness>      a witness proof (validated)
-    RUN#<run>  H#<round>#<reporter>     a health report naming peers believed unhealthy
-    RUN#<run>  COUNT#participants       how many participants have joined (bounded by max_participants)
-    RUN#<run>  X#<hash of key, etag>    an object refused outside any round slot, with the reason
-Every stored document carries `schema`.
+The key layout is `shared/table_keys.py`. Every stored document carries `schema`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from functools import cache
 from typing import Any
 
@@ -27,41 +17,10 @@ from pynamodb.attributes import (
 )
 from pynamodb.models import Model
 
-from shared.keys import ROUND_DIGITS
 from shared.state import Member, MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
+from store.views import ParticipantRecord, ProofRecord, RefusalRecord, UpdateRecord
 
 SCHEMA = 1
-
-
-def run_pk(run_id: str) -> str:
-    return f"RUN#{run_id}"
-
-
-STATE_SK = "STATE"
-
-
-def participant_sk(pid: str) -> str:
-    return f"P#{pid}"
-
-
-def update_sk(round_no: int, pid: str = "") -> str:
-    return f"U#{round_no:0{ROUND_DIGITS}d}#{pid}"
-
-
-def round_sk(round_no: int) -> str:
-    return f"R#{round_no:0{ROUND_DIGITS}d}"
-
-
-def proof_sk(round_no: int, pid: str = "") -> str:
-    return f"W#{round_no:0{ROUND_DIGITS}d}#{pid}"
-
-
-def health_sk(round_no: int, pid: str = "") -> str:
-    return f"H#{round_no:0{ROUND_DIGITS}d}#{pid}"
-
-
-def refusal_sk(key: str, etag: str) -> str:
-    return "X#" + hashlib.sha256(f"{key}\n{etag}".encode()).hexdigest()[:40]
 
 
 class _Item(Model):
@@ -86,6 +45,8 @@ class ParticipantItem(_Item):
     init_digest = UnicodeAttribute(default="")
     public_key = UnicodeAttribute(default="")
     info = JSONAttribute(default=dict)
+    last_sent = NumberAttribute(default=0)  # `sent_at` of the last join or heartbeat accepted (replays are older)
+    heard_at = NumberAttribute(default=0)  # last signed message accepted after the registering join; 0: none
 
 
 class UpdateItem(_Item):
@@ -128,7 +89,9 @@ class CounterItem(_Item):
     n = NumberAttribute(default=0)
 
 
-PARTICIPANT_COUNT_SK = "COUNT#participants"
+class LeaseItem(_Item):
+    holder = UnicodeAttribute()
+    until = NumberAttribute()
 
 
 class RefusalItem(_Item):
@@ -149,6 +112,7 @@ class Models:
         self.round = _bind(RoundItem, table, host, region)
         self.refusal = _bind(RefusalItem, table, host, region)
         self.counter = _bind(CounterItem, table, host, region)
+        self.lease = _bind(LeaseItem, table, host, region)
         self.proof = _bind(ProofItem, table, host, region)
         self.health = _bind(HealthItem, table, host, region)
 
@@ -228,12 +192,20 @@ def state_from_body(body: dict[str, Any], version: int) -> RunState:
 
 
 def participant_view(item: ParticipantItem) -> ParticipantView:
-    return ParticipantView(
+    return participant_record(item).view()
+
+
+def participant_record(item: ParticipantItem) -> ParticipantRecord:
+    return ParticipantRecord(
         pid=item.pid,
         joined_at=float(item.joined_at),
         last_seen=float(item.last_seen),
         ready_epoch=int(item.ready_epoch),
         init_digest=item.init_digest,
+        public_key=item.public_key,
+        info=dict(item.info or {}),
+        last_sent=float(item.last_sent or 0),
+        heard_at=float(item.heard_at or 0),
     )
 
 
@@ -249,6 +221,38 @@ def update_view(item: UpdateItem) -> UpdateView:
         version_id=item.version_id,
         norm=float(item.norm),
     )
+
+
+def update_record(item: UpdateItem) -> UpdateRecord:
+    return UpdateRecord(
+        round=int(item.round),
+        pid=item.pid,
+        key=item.key,
+        accepted=bool(item.accepted),
+        reason=item.reason,
+        samples=int(item.samples),
+        digest=item.digest,
+        size=int(item.size),
+        etag=item.etag,
+        version_id=item.version_id,
+        norm=float(item.norm),
+        received_at=float(item.received_at),
+        metrics={k: float(v) for k, v in (item.metrics or {}).items()},
+    )
+
+
+def proof_record(item: ProofItem) -> ProofRecord:
+    return ProofRecord(
+        round=int(item.round),
+        pid=item.pid,
+        etag=item.etag,
+        body=item.body,
+        received_at=float(item.received_at),
+    )
+
+
+def refusal_record(item: RefusalItem) -> RefusalRecord:
+    return RefusalRecord(key=item.key, etag=item.etag, reason=item.reason, at=float(item.at), pid=item.pid)
 
 
 def summary_to_body(s: RoundSummary) -> dict[str, Any]:

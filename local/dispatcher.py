@@ -1,11 +1,14 @@
-"""The local stand-in for Lambda's triggers: deliver queued S3 events to `ingest`, and scheduled ticks to `tick`.
+"""The local stand-in for Lambda's triggers: deliver queued S3 events to `ingest` and `join`, scheduled ticks to `tick`.
 
-On AWS, EventBridge invokes the ingest function for every "Object Created" event of the run's bucket and
-a schedule invokes the tick function every minute. Locally the same rule targets an SQS queue; the
-dispatcher long-polls it and hands each envelope (the message body is exactly the EventBridge event) to
-the very same handler, on a small thread pool so that deliveries race as Lambda invocations do. A
-message is deleted only after its handler returned; a handler that raises leaves it on the queue, and it
-is delivered again once its visibility timeout passes (Lambda's retry of a failed async invocation).
+On AWS, EventBridge invokes the ingest function for every "Object Created" event of the run's bucket but
+join requests (the main lane), sends join requests to a queue that the join function drains at a bounded
+concurrency (the join lane), and a schedule invokes the tick function every minute. Locally the same two
+rules target two SQS queues; the dispatcher long-polls each with its own workers (`workers` for the main
+lane, `join_workers` for the join lane, so a backlog of joins never occupies a worker heartbeats and
+updates need) and hands each envelope (the message body is exactly the EventBridge event) to the very same
+handler, on thread pools so that deliveries race as Lambda invocations do. A message is deleted only after
+its handler returned; a handler that raises leaves it on the queue, and it is delivered again once its
+visibility timeout passes (Lambda's retry of a failed async invocation, or the join queue's redelivery).
 
 A `FaultPlan` (tests, chaos runs) can make the dispatcher misbehave as EventBridge and Lambda are allowed
 to: deliver an event late (hold it back in the queue, so later events overtake it), deliver it to two
@@ -29,12 +32,14 @@ from typing import Any, Protocol
 import boto3
 from botocore.config import Config
 
-from infra.local.context import LocalContext
-from infra.local.resources import LocalResources
+from local.context import LocalContext
+from local.resources import LocalResources
 
 log = logging.getLogger("fed.local.dispatcher")
 
 Handler = Callable[[dict[str, Any], Any], Any]
+
+MAIN_LANE, JOIN_LANE = "ingest", "join"
 
 
 def scheduled_event(region: str, rule: str, at: float | None = None) -> dict[str, Any]:
@@ -72,6 +77,20 @@ def _local_invocation(handler: Handler) -> Handler:
     return invoke
 
 
+def _as_queue_batch(handler: Handler) -> Handler:
+    """The join function takes SQS batches (its event source mapping's); deliver one event as a batch of one,
+    and raise if the handler reports it failed, as the queue would deliver it again."""
+
+    def invoke(event: dict[str, Any], context: Any) -> Any:
+        record = {"messageId": str(uuid.uuid4()), "body": json.dumps(event), "eventSource": "aws:sqs"}
+        result = handler({"Records": [record]}, context)
+        if result.get("batchItemFailures"):
+            raise RuntimeError("the join function reported the join request as failed")
+        return result
+
+    return invoke
+
+
 @dataclass(frozen=True)
 class Delivery:
     """What to do with one received message. The default: deliver it once, then delete it."""
@@ -94,7 +113,8 @@ class FaultPlan(Protocol):
 class DispatchStats:
     """What the dispatcher has done so far (read by tests and `fed local`'s shutdown line)."""
 
-    delivered: int = 0
+    delivered: int = 0  # both lanes
+    joins_delivered: int = 0  # of which by the join lane
     failed: int = 0
     dropped: int = 0  # events given up on after max_attempts failed deliveries
     ticks: int = 0
@@ -110,8 +130,26 @@ class DispatchStats:
                 del self.errors[:-20]  # the last few are enough to diagnose
 
 
+@dataclass
+class Lane:
+    """One queue, its workers and the handler its events go to."""
+
+    name: str
+    queue_url: str
+    workers: int
+    function: str  # the Lambda function it stands in for (the invocation context's name)
+    handler: Handler | None = None
+    slots: threading.Semaphore = field(init=False, repr=False)
+    pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"the {self.name} lane needs at least one worker")
+        self.slots = threading.Semaphore(self.workers)
+
+
 class Dispatcher:
-    """Poll the run's ingest queue and the clock; call the handlers. `start()` / `stop()`; a context manager."""
+    """Poll the run's two queues and the clock; call the handlers. `start()` / `stop()`; a context manager."""
 
     def __init__(
         self,
@@ -124,51 +162,62 @@ class Dispatcher:
         ingest: Handler | None = None,
         tick: Handler | None = None,
         faults: FaultPlan | None = None,
+        join_workers: int = 1,
+        join: Handler | None = None,
     ) -> None:
+        """`ingest` and `join` take one "Object Created" event each (default: the ingest function, and the join
+        function given it as a batch of one); `faults` applies to both lanes."""
         if tick_interval <= 0:
             raise ValueError("tick_interval must be positive")
         self.resources = resources
         self.tick_interval = tick_interval
         self.workers = workers
+        self.join_workers = join_workers
         self.visibility_timeout = visibility_timeout
         self.max_attempts = max_attempts
         self.poll_wait = poll_wait
-        self._ingest, self._tick = ingest, tick
+        self._tick = tick
+        self.lanes = [Lane(MAIN_LANE, resources.queue_url, workers, "fed-local-ingest", ingest)]
+        if resources.join_queue_url:
+            self.lanes.append(Lane(JOIN_LANE, resources.join_queue_url, join_workers, "fed-local-join", join))
         self.faults = faults
         self._injected: dict[str, int] = {}  # message id -> receives caused by the fault plan, not by failures
         self._injected_lock = threading.Lock()
         self.stats = DispatchStats()
         self._stop = threading.Event()
         self._delivering = threading.Event()
-        self._slots = threading.Semaphore(workers)
-        self._pool: ThreadPoolExecutor | None = None
         self._threads: list[threading.Thread] = []
         self._sqs = boto3.client(
             "sqs",
             endpoint_url=resources.endpoint,
             region_name=resources.region,
-            config=Config(retries={"max_attempts": 4, "mode": "standard"}, read_timeout=poll_wait + 10),
+            config=Config(retries={"max_attempts": 4, "mode": "standard"}, read_timeout=poll_wait + 10,
+                          max_pool_connections=max(10, workers + join_workers + 4)),
         )
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
     def start(self, deliver: bool = True) -> Dispatcher:
         """Start ticking, and delivering queued events unless `deliver` is False (then: `release()`)."""
-        if self._ingest is None or self._tick is None:
+        if self._tick is None or any(lane.handler is None for lane in self.lanes):
             # Imported late: the handlers read their settings from the environment on first call,
             # which the caller sets up before starting the dispatcher.
-            from functions import ingest, tick
+            from functions import ingest, join, tick
 
-            self._ingest = self._ingest or _local_invocation(ingest.handler)
+            defaults = {MAIN_LANE: _local_invocation(ingest.handler),
+                        JOIN_LANE: _as_queue_batch(_local_invocation(join.handler))}
+            for lane in self.lanes:
+                lane.handler = lane.handler or defaults[lane.name]
             self._tick = self._tick or _local_invocation(tick.handler)
         self._stop.clear()
         if deliver:
             self._delivering.set()
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ingest")
-        self._threads = [
-            threading.Thread(target=self._poll_loop, name="dispatch-poll", daemon=True),
-            threading.Thread(target=self._tick_loop, name="dispatch-tick", daemon=True),
-        ]
+        self._threads = [threading.Thread(target=self._tick_loop, name="dispatch-tick", daemon=True)]
+        for lane in self.lanes:
+            lane.pool = ThreadPoolExecutor(lane.workers, thread_name_prefix=lane.name)
+            self._threads.append(
+                threading.Thread(target=self._poll_loop, args=(lane,), name=f"dispatch-poll-{lane.name}", daemon=True)
+            )
         for t in self._threads:
             t.start()
         return self
@@ -182,9 +231,11 @@ class Dispatcher:
         self._stop.set()
         for t in self._threads:
             t.join(timeout)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        self._threads, self._pool = [], None
+        for lane in self.lanes:
+            if lane.pool is not None:
+                lane.pool.shutdown(wait=True, cancel_futures=True)
+                lane.pool = None
+        self._threads = []
 
     def __enter__(self) -> Dispatcher:
         return self.start()
@@ -194,42 +245,42 @@ class Dispatcher:
 
     # --- ingest ------------------------------------------------------------------------------------------
 
-    def _poll_loop(self) -> None:
+    def _poll_loop(self, lane: Lane) -> None:
         while not self._stop.is_set():
             if not self._delivering.wait(0.2):
                 continue
-            free = self._acquire_slots()
+            free = self._acquire_slots(lane)
             if not free:
                 continue
             try:
-                messages = self._receive(free)
+                messages = self._receive(lane, free)
             except Exception as exc:  # the server going away at shutdown, or a transient error
-                self._release(free)
+                self._release(lane, free)
                 if not self._stop.is_set():
-                    log.warning("receiving from the ingest queue failed: %s", exc)
+                    log.warning("receiving from the %s queue failed: %s", lane.name, exc)
                     self._stop.wait(0.5)
                 continue
-            self._release(free - len(messages))
+            self._release(lane, free - len(messages))
             for message in messages:
-                assert self._pool is not None
-                self._pool.submit(self._deliver, message)
+                assert lane.pool is not None
+                lane.pool.submit(self._deliver, lane, message)
 
-    def _acquire_slots(self) -> int:
+    def _acquire_slots(self, lane: Lane) -> int:
         """Wait for one free worker, then take every free one: never receive more than can run now."""
-        if not self._slots.acquire(timeout=0.2):
+        if not lane.slots.acquire(timeout=0.2):
             return 0
         taken = 1
-        while taken < min(self.workers, 10) and self._slots.acquire(blocking=False):
+        while taken < min(lane.workers, 10) and lane.slots.acquire(blocking=False):
             taken += 1
         return taken
 
-    def _release(self, n: int) -> None:
+    def _release(self, lane: Lane, n: int) -> None:
         for _ in range(n):
-            self._slots.release()
+            lane.slots.release()
 
-    def _receive(self, most: int) -> list[dict[str, Any]]:
+    def _receive(self, lane: Lane, most: int) -> list[dict[str, Any]]:
         resp = self._sqs.receive_message(
-            QueueUrl=self.resources.queue_url,
+            QueueUrl=lane.queue_url,
             MaxNumberOfMessages=most,
             WaitTimeSeconds=self.poll_wait,
             VisibilityTimeout=self.visibility_timeout,
@@ -237,7 +288,7 @@ class Dispatcher:
         )
         return list(resp.get("Messages", []))
 
-    def _deliver(self, message: dict[str, Any]) -> None:
+    def _deliver(self, lane: Lane, message: dict[str, Any]) -> None:
         received = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
         with self._injected_lock:
             attempt = received - self._injected.get(message.get("MessageId", ""), 0)
@@ -247,41 +298,44 @@ class Dispatcher:
             if self.faults is not None:
                 plan = self.faults.delivery(event, received)
             if plan.hold > 0:
-                self._requeue(message, plan.hold)  # late: later events overtake it
+                self._requeue(lane, message, plan.hold)  # late: later events overtake it
                 return
-            self._invoke(event, plan.copies)
+            self._invoke(lane, event, plan.copies)
         except Exception as exc:
-            self.stats.add("failed", f"ingest: {type(exc).__name__}: {exc}")
+            self.stats.add("failed", f"{lane.name}: {type(exc).__name__}: {exc}")
             if attempt < self.max_attempts:
                 # Left on the queue: delivered again after the visibility timeout, as Lambda retries.
-                log.exception("ingest failed (attempt %d of %d); the event will be delivered again",
-                              attempt, self.max_attempts)
+                log.exception("%s failed (attempt %d of %d); the event will be delivered again",
+                              lane.name, attempt, self.max_attempts)
             else:
                 # Lambda gives up on an async event after its retries (to a dead-letter queue, if any).
-                log.exception("ingest failed %d times; the event is dropped: %s", attempt, message["Body"][:500])
+                log.exception("%s failed %d times; the event is dropped: %s", lane.name, attempt,
+                              message["Body"][:500])
                 self.stats.add("dropped")
-                self._delete(message)
+                self._delete(lane, message)
         else:
             if plan.again_after > 0:
-                self._requeue(message, plan.again_after)  # delivered again later: an at-least-once duplicate
+                self._requeue(lane, message, plan.again_after)  # delivered again later: an at-least-once duplicate
             else:
-                self._delete(message)
+                self._delete(lane, message)
             self.stats.add("delivered")
+            if lane.name == JOIN_LANE:
+                self.stats.add("joins_delivered")
         finally:
-            self._slots.release()
+            lane.slots.release()
 
-    def _invoke(self, event: dict[str, Any], copies: int) -> None:
-        """Call ingest with the event in `copies` invocations at once; raise the first failure."""
-        assert self._ingest is not None
+    def _invoke(self, lane: Lane, event: dict[str, Any], copies: int) -> None:
+        """Call the lane's handler with the event in `copies` invocations at once; raise the first failure."""
+        handler = lane.handler
+        assert handler is not None
         if copies <= 1:
-            self._ingest(event, LocalContext(function_name="fed-local-ingest"))
+            handler(event, LocalContext(function_name=lane.function))
             return
         errors: list[BaseException] = []
 
         def one() -> None:
             try:
-                assert self._ingest is not None
-                self._ingest(event, LocalContext(function_name="fed-local-ingest"))
+                handler(event, LocalContext(function_name=lane.function))
             except BaseException as exc:  # re-raised in the delivering thread
                 errors.append(exc)
 
@@ -294,23 +348,23 @@ class Dispatcher:
         if errors:
             raise errors[0]
 
-    def _requeue(self, message: dict[str, Any], seconds: int) -> None:
+    def _requeue(self, lane: Lane, message: dict[str, Any], seconds: int) -> None:
         """Leave a message on the queue, visible again in `seconds`; the receive this causes is no retry."""
         with self._injected_lock:
             mid = message.get("MessageId", "")
             self._injected[mid] = self._injected.get(mid, 0) + 1
         try:
             self._sqs.change_message_visibility(
-                QueueUrl=self.resources.queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=seconds
+                QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=seconds
             )
         except Exception as exc:  # it comes back after the visibility timeout anyway
             log.warning("could not requeue a message: %s", exc)
 
-    def _delete(self, message: dict[str, Any]) -> None:
+    def _delete(self, lane: Lane, message: dict[str, Any]) -> None:
         with self._injected_lock:
             self._injected.pop(message.get("MessageId", ""), None)
         try:
-            self._sqs.delete_message(QueueUrl=self.resources.queue_url, ReceiptHandle=message["ReceiptHandle"])
+            self._sqs.delete_message(QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"])
         except Exception as exc:  # a duplicate delivery later is harmless: ingest is idempotent
             log.warning("could not delete a delivered message: %s", exc)
 

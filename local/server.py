@@ -131,6 +131,10 @@ class LocalServer:
         # Imported here: moto costs about a second to import and only the local run needs it.
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 
+        from local import moto_ranges
+
+        moto_ranges.apply()
+
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log line per request
         app: WSGIApp = SerialDynamoDB(DomainDispatcherApplication(create_backend_app))
         if self.count_requests:
@@ -139,7 +143,7 @@ class LocalServer:
             self._server = make_server(self.host, self.port, app, threaded=True, request_handler=MotoRequestHandler)
         except SystemExit:  # werkzeug prints a hint and exits when the port is taken
             raise OSError(f"port {self.port} on {self.host} is already in use") from None
-        self._server.daemon_threads = True
+        self._server.daemon_threads = True  # type: ignore[attr-defined]  # ThreadedWSGIServer has it; the stub says Base
         self._thread = threading.Thread(target=self._server.serve_forever, name="moto-server", daemon=True)
         self._thread.start()
         return self

@@ -8,26 +8,23 @@ with its reason and never raises: bad input must not stop the run.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from functions.coordinator import load_manifest
-from functions.settings import Deps
+from coordinator.deps import Deps
+from coordinator.models import GlobalModel, read_global
+from coordinator.streamed import Streamed, stream_model
 from shared import keys
-from shared.blobs import Blob, NotFound
+from shared.admission import bounded_info, check_update_meta, slot_problem, staleness
 from shared.keys import KeyError_, ObjectKind
-from shared.selection import assigned_count
-from shared.signing import verify
-from shared.state import Phase, RunState
-from shared.store import UpdateRecord
-from shared.wire import UpdateMeta, WireError, decode, digest, non_finite, parse_header
+from shared.limits import MAX_REASON_CHARS, bounded
+from shared.messages import MAX_CONTROL_BYTES, HealthReport, Heartbeat, JoinRequest, parse_message
+from shared.signing import verify, verify_digest
+from shared.state import MemberStatus, Phase, RunState
+from shared.wire import UpdateMeta, WireError
 from shared.witness import MAX_PROOF_BYTES, Proof, ProofError
-
-MAX_CONTROL_BYTES = 64 * 1024  # join requests, heartbeats and health reports are small JSON documents
+from store.blobs import Blob, NotFound
+from store.table import UpdateRecord
 
 
 @dataclass(frozen=True)
@@ -51,6 +48,13 @@ class Outcome:
     participant: str = ""
     recorded: bool = True  # False: this object had been handled before (a duplicate event)
     refusal: bool = False  # refused before reaching any record the coordinator reads: no need to tick
+    # False: recorded, but nothing a tick decides on now (a heartbeat from a participant that is no active member
+    # of the epoch in progress: its liveness matters only when an epoch starts, which the schedule or a member's
+    # next message ticks). Spares the run a tick (a read of every participant) per heartbeat of an outsider.
+    ticks: bool = True
+
+    def __post_init__(self) -> None:  # a reason may quote the refused object: bounded wherever it goes
+        object.__setattr__(self, "reason", bounded(self.reason, MAX_REASON_CHARS))
 
 
 def ingest_object(deps: Deps, obj: ObjectCreated) -> Outcome:
@@ -101,61 +105,95 @@ def _signed(deps: Deps, obj: ObjectCreated, pid: str, limit: int) -> bytes:
     return blob.data
 
 
-def _json_object(data: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError("not a JSON document") from None
-    if not isinstance(body, dict):
-        raise ValueError("not a JSON object")
-    return body
-
-
 def _join(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     try:  # a join is signed with the key it registers: proof that the joiner holds it
         blob = _read(deps, obj, MAX_CONTROL_BYTES)
-        body = _json_object(blob.data)
-        verify(str(body.get("public_key", "")), obj.key, blob.data, blob.metadata)
+        request = parse_message(JoinRequest, blob.data)
+        verify(request.public_key, obj.key, blob.data, blob.metadata)
     except (ValueError, NotFound) as exc:
         return _refuse(deps, obj, "join", f"join request refused: {exc}", pid)
-    if body.get("run_id") != deps.config.run_id:
-        wrong = f"join request for run {body.get('run_id')!r}, this is {deps.config.run_id!r}"
+    if request.run_id != deps.config.run_id:
+        wrong = f"join request for run {request.run_id!r}, this is {deps.config.run_id!r}"
         return _refuse(deps, obj, "join", wrong, pid)
-    if body.get("participant") != pid:
+    if request.participant != pid:
         return _refuse(deps, obj, "join", "join request names another participant than its key", pid)
-    info = body.get("info") if isinstance(body.get("info"), dict) else {}
-    public_key = str(body.get("public_key", ""))
+    if reason := staleness(request.sent_at, obj.time, deps.config.max_clock_skew):
+        return _refuse(deps, obj, "join", f"join request refused: {reason}", pid)
+    info = bounded_info(request.info)
+    public_key = request.public_key
     existing = deps.store.participant(pid)
     if existing is None:
-        created = deps.store.create_participant(pid, obj.time, public_key, _small(info), deps.config.max_participants)
+        created = deps.store.create_participant(pid, obj.time, public_key, info, deps.config.max_participants,
+                                                request.sent_at)
         if created == "full":
             return _refuse(deps, obj, "join", f"the run is full: {deps.config.max_participants} participants", pid)
         if created == "created":
+            _heartbeat_that_overtook_the_join(deps, pid, public_key)
             return Outcome("join", obj.key, True, "", pid)
-        existing = deps.store.participant(pid)
+        existing = deps.store.participant(pid)  # a racing join registered pid first
+        if existing is None:  # lost the race, yet no record to read back: nothing to compare the key with
+            return _refuse(deps, obj, "join", f"join request raced with another registration of {pid} whose "
+                           "record could not be read back; join again", pid)
     if existing.public_key != public_key:
         return _refuse(deps, obj, "join", "join request with another key than the one registered", pid)
-    deps.store.touch(pid, obj.time)
-    return Outcome("join", obj.key, True, "rejoined", pid)
+    taken = deps.store.accept_message(pid, request.sent_at, obj.time)
+    if taken == "stale":
+        return _refuse(deps, obj, "join", _replayed("join request", request.sent_at), pid)
+    return Outcome("join", obj.key, True, "rejoined", pid, recorded=taken == "accepted")
 
 
-def _small(info: dict[str, Any]) -> dict[str, Any]:
-    """Keep a bounded, flat copy of participant-supplied info (it is displayed, never trusted)."""
-    return {str(k)[:40]: v if isinstance(v, int | float) else str(v)[:200] for k, v in list(info.items())[:20]}
+def _heartbeat_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> None:
+    """Take the participant's latest heartbeat now that it is registered, if it was sent after the join request.
+
+    Join requests have a lane of their own, so a participant's first heartbeat often reaches ingest before its
+    join request is registered, and is refused as coming from a participant that never joined. An epoch admits
+    only participants heard from after their join: without this, an honest joiner would wait a whole heartbeat
+    interval more. The heartbeat is checked as ingest checks any (signed by the key just registered, fresh,
+    sent after the last message accepted from it); anything wrong with it leaves the record as it is."""
+    try:
+        blob = deps.bucket.get(keys.heartbeat_key(deps.config.run_id, pid), max_bytes=MAX_CONTROL_BYTES)
+        verify(public_key, keys.heartbeat_key(deps.config.run_id, pid), blob.data, blob.metadata)
+        beat = parse_message(Heartbeat, blob.data)
+    except (ValueError, NotFound):
+        return
+    if beat.participant != pid or not blob.last_modified:
+        return
+    if staleness(beat.sent_at, blob.last_modified, deps.config.max_clock_skew):
+        return
+    deps.store.accept_message(pid, beat.sent_at, blob.last_modified, beat.ready_epoch,
+                              bounded_info(beat.info) if beat.info else None)
+
+
+def _replayed(what: str, sent_at: float) -> str:
+    return (f"{what} refused: replayed or out of order: sent at {sent_at:.3f}, not after the last message "
+            "accepted from this participant")
 
 
 def _heartbeat(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     try:
-        body = _json_object(_signed(deps, obj, pid, MAX_CONTROL_BYTES))
+        beat = parse_message(Heartbeat, _signed(deps, obj, pid, MAX_CONTROL_BYTES))
     except (ValueError, NotFound) as exc:
         return _refuse(deps, obj, "heartbeat", f"heartbeat refused: {exc}", pid)
-    ready = body.get("ready_epoch")
-    info = body.get("info") if isinstance(body.get("info"), dict) else None
-    ready_epoch = ready if isinstance(ready, int) else None
-    known = deps.store.touch(pid, obj.time, ready_epoch, _small(info) if info else None)
-    if not known:
+    if beat.participant != pid:
+        return _refuse(deps, obj, "heartbeat", "heartbeat names another participant than its key", pid)
+    if reason := staleness(beat.sent_at, obj.time, deps.config.max_clock_skew):
+        return _refuse(deps, obj, "heartbeat", f"heartbeat refused: {reason}", pid)
+    taken = deps.store.accept_message(pid, beat.sent_at, obj.time, beat.ready_epoch,
+                                      bounded_info(beat.info) if beat.info else None)
+    if taken == "unknown":
         return _refuse(deps, obj, "heartbeat", "heartbeat from a participant that never joined", pid)
-    return Outcome("heartbeat", obj.key, True, participant=pid)
+    if taken == "stale":
+        return _refuse(deps, obj, "heartbeat", _replayed("heartbeat", beat.sent_at), pid)
+    recorded = taken == "accepted"
+    return Outcome("heartbeat", obj.key, True, participant=pid, recorded=recorded,
+                   ticks=recorded and _heartbeat_matters_now(deps.store.read_state(), pid))
+
+
+def _heartbeat_matters_now(state: RunState, pid: str) -> bool:
+    """A heartbeat can change a tick's decision only from an active member of the epoch in progress (liveness,
+    readiness), or while the run waits for members (the heartbeat may complete an epoch's admission)."""
+    member = state.members.get(pid)
+    return state.phase is Phase.WAITING or (member is not None and member.status is MemberStatus.ACTIVE)
 
 
 def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
@@ -163,17 +201,26 @@ def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     if state.has_model:  # every participant offers; once one offer was adopted the others are moot
         return Outcome("init", obj.key, False, "the run already has a model", pid, recorded=False, refusal=True)
     try:
-        data = _signed(deps, obj, pid, deps.config.max_update_bytes)
-        header = parse_header(data)
-        if not header.tensors:
-            raise WireError("the file holds no tensors")
-        arrays, _ = decode(data)
-        if reason := non_finite(arrays):
-            raise WireError(reason)
+        scanned = _signed_model(deps, obj, pid, None, check=True)
+        if scanned.problem:
+            raise WireError(scanned.problem)
     except (WireError, ValueError, NotFound) as exc:
         return _refuse(deps, obj, "init", f"initial model refused: {exc}", pid)
-    deps.store.set_init_offer(pid, digest(data))
+    deps.store.set_init_offer(pid, scanned.digest)
     return Outcome("init", obj.key, True, participant=pid)
+
+
+def _signed_model(deps: Deps, obj: ObjectCreated, pid: str, model: GlobalModel | None, check: bool) -> Streamed:
+    """Stream a model file once: its size limit, then its digest, its signature by `pid`'s registered key and
+    (if `check`) its validity. Raises ValueError (SignatureError among them) for an unusable upload."""
+    record = deps.store.participant(pid)
+    if record is None:
+        raise ValueError("from a participant that never joined")
+    if obj.size > deps.config.max_update_bytes:
+        raise ValueError(f"over the size limit: {obj.size} bytes > {deps.config.max_update_bytes}")
+    scanned = stream_model(deps, obj.key, obj.version_id, obj.size, model, check)
+    verify_digest(record.public_key, obj.key, scanned.digest, scanned.metadata)
+    return scanned
 
 
 def _update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
@@ -183,14 +230,16 @@ def _update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
             return Outcome("update", obj.key, existing.accepted, existing.reason, pid, recorded=False)
         return _refuse(deps, obj, "update", f"duplicate: an update for round {round_no} was already received", pid)
     state = deps.store.read_state()
-    if reason := _slot_problem(state, round_no, pid):
+    if reason := slot_problem(state, round_no, pid, obj.time):
         return _refuse(deps, obj, "update", reason, pid)
+    selected = pid in state.selected
     try:  # an unsigned, mis-signed or oversized object never takes the participant's slot
-        data = _signed(deps, obj, pid, deps.config.max_update_bytes)
+        model = _global_model(deps, state) if selected else None  # its header is the manifest (not manifest.json)
+        scanned = _signed_model(deps, obj, pid, model, check=selected)
     except (ValueError, NotFound) as exc:
         return _refuse(deps, obj, "update", f"update refused: {exc}", pid)
     deps.store.touch(pid, obj.time)  # a signed upload shows the participant is alive
-    record = _validate_update(deps, obj, data, pid, round_no, state)
+    record = _validate_update(deps, obj, scanned, pid, round_no, state)
     if not deps.store.record_update(record):  # a racing delivery of the same object got there first
         return Outcome("update", obj.key, record.accepted, record.reason, pid, recorded=False)
     return Outcome("update", obj.key, record.accepted, record.reason, pid)
@@ -223,11 +272,7 @@ def _proof(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
 
 def _health_report(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
     try:
-        body = _json_object(_signed(deps, obj, pid, MAX_CONTROL_BYTES))
-        named = body.get("unhealthy")
-        if not isinstance(named, list) or len(named) > 1000:
-            raise ValueError("'unhealthy' must be a list of at most 1000 participant ids")
-        named = [keys.validate_participant_id(p) for p in named]
+        named = parse_message(HealthReport, _signed(deps, obj, pid, MAX_CONTROL_BYTES)).unhealthy
     except (ValueError, NotFound) as exc:
         return _refuse(deps, obj, "health", f"health report refused: {exc}", pid)
     state = deps.store.read_state()
@@ -240,77 +285,31 @@ def _health_report(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> O
     return Outcome("health", obj.key, True, participant=pid, recorded=recorded)
 
 
-def _slot_problem(state: RunState, round_no: int, pid: str) -> str:
-    """Why an update cannot belong to a round slot at all (recorded outside the slots), or ""."""
-    if state.phase is Phase.FINISHED:
-        return "the run is finished"
-    if round_no != state.round:
-        return f"wrong round: update for round {round_no}, the run is at round {state.round}"
-    if state.phase is not Phase.TRAIN:
-        return f"round {round_no} is not accepting updates (phase {state.phase})"
-    if pid not in state.members:
-        return f"{pid} is not a member of epoch {state.epoch}"
-    return ""
-
-
 def _validate_update(
-    deps: Deps, obj: ObjectCreated, data: bytes, pid: str, round_no: int, state: RunState
+    deps: Deps, obj: ObjectCreated, scanned: Streamed, pid: str, round_no: int, state: RunState
 ) -> UpdateRecord:
     base = UpdateRecord(round_no, pid, obj.key, False, etag=obj.etag, version_id=obj.version_id,
                         size=obj.size, received_at=obj.time)
     if pid not in state.selected:
         return _replace(base, reason=f"not selected for round {round_no}")
     try:
-        header = parse_header(data)
-        manifest = load_manifest(deps)
-        if reason := manifest.mismatch(header):
-            raise WireError(reason)
-        meta = UpdateMeta.from_metadata(header.metadata)
-        _check_meta(deps, meta, pid, round_no, state)
-        arrays, _ = decode(data)
-        if reason := non_finite(arrays):
-            raise WireError(reason)
+        if scanned.problem or scanned.header is None:
+            raise WireError(scanned.problem or "no header")
+        meta = UpdateMeta.from_metadata(scanned.header.metadata)
+        check_update_meta(meta, deps.config, state, pid, round_no)
     except (WireError, ValueError) as exc:
         return _replace(base, reason=str(exc))
-    norm = _distance(arrays, _global_arrays(deps, state))
-    return _replace(base, accepted=True, samples=meta.samples, digest=digest(data), metrics=dict(meta.metrics),
-                    norm=norm)
+    return _replace(base, accepted=True, samples=meta.samples, digest=scanned.digest, metrics=dict(meta.metrics),
+                    norm=scanned.distance)
 
 
-_GLOBAL_CACHE: dict[str, dict[str, np.ndarray]] = {}
 
-
-def _global_arrays(deps: Deps, state: RunState) -> dict[str, np.ndarray]:
-    """The round's global model, kept across invocations of a warm function (one model at most)."""
-    cached = _GLOBAL_CACHE.get(state.global_digest)  # one read: concurrent invocations may replace the entry
-    if cached is None:
-        blob = deps.bucket.get(keys.global_key(deps.config.run_id, state.round, state.global_digest))
-        cached = decode(blob.data)[0]
-        _GLOBAL_CACHE.clear()
-        _GLOBAL_CACHE[state.global_digest] = cached
-    return cached
-
-
-def _distance(update: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> float:
-    """L2 distance between an update and the global model over the float tensors."""
-    total = 0.0
-    for name, arr in update.items():
-        if arr.dtype.kind == "f":
-            diff = arr.astype(np.float64) - reference[name]
-            total += float(np.dot(diff.ravel(), diff.ravel()))
-    return math.sqrt(total)
-
-
-def _check_meta(deps: Deps, meta: UpdateMeta, pid: str, round_no: int, state: RunState) -> None:
-    if meta.run_id != deps.config.run_id or meta.round != round_no or meta.participant != pid:
-        raise WireError("metadata names another run, round or participant than the key")
-    if meta.samples <= 0:
-        raise WireError(f"sample count must be positive, got {meta.samples}")
-    if deps.config.dataset_size:
-        assigned = assigned_count(deps.config.dataset_size, state.selected, pid)
-        if meta.samples > assigned:
-            raise WireError(f"claims {meta.samples} samples, more than the {assigned} it was assigned")
+def _global_model(deps: Deps, state: RunState) -> GlobalModel:
+    """The round's global model, authenticated by its digest (once per warm function: `read_global`)."""
+    return read_global(deps, state.round, state.global_digest)
 
 
 def _replace(rec: UpdateRecord, **changes: Any) -> UpdateRecord:
+    if "reason" in changes:
+        changes["reason"] = bounded(changes["reason"], MAX_REASON_CHARS)
     return dataclasses.replace(rec, **changes)

@@ -10,14 +10,14 @@ import json
 import time
 from dataclasses import dataclass
 
-from functions.coordinator import TickResult, run_tick
-from functions.settings import Deps
+from coordinator.deps import Deps
+from coordinator.tick import TickResult, run_tick
 from shared import keys
-from shared.blobs import NotFound
-from shared.records import state_from_body
 from shared.state import Phase, RunState
-from shared.store import Conflict
 from shared.wire import digest
+from store.blobs import NotFound
+from store.records import state_from_body
+from store.table import Conflict
 
 MAX_ATTEMPTS = 6
 

@@ -1,8 +1,10 @@
 """Create, on any endpoint (moto here), the resources the CDK stack declares, from the same names.
 
-Bucket (versioned, EventBridge notifications on), table (pk/sk), and the "Object Created" rule of
-`shared.naming.object_created_pattern`, whose target here is an SQS queue the local dispatcher polls
-(on AWS the target is the ingest function).
+Bucket (versioned, EventBridge notifications on), table (pk/sk), and the two "Object Created" rules: the
+main lane (`shared.naming.object_created_pattern`, everything but join requests), whose target here is an
+SQS queue the local dispatcher polls (on AWS: the ingest function), and the join lane
+(`join_request_pattern`), whose target is a second queue with its own dispatcher worker (on AWS: a queue the
+join function drains at a bounded concurrency).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from shared.naming import (
     TABLE_RANGE_KEY,
     ingest_queue_name,
     ingest_rule_name,
+    join_queue_name,
+    join_request_pattern,
+    join_rule_name,
     local_bucket_name,
     object_created_pattern,
     table_name,
@@ -30,9 +35,15 @@ class LocalResources:
     run_id: str
     bucket: str
     table: str
-    queue_url: str
+    queue_url: str  # the main lane: every upload but join requests
     endpoint: str | None
     region: str
+    join_queue_url: str = ""  # the join lane: runs/<run>/join/
+
+    @property
+    def queue_urls(self) -> tuple[str, ...]:
+        """Both lanes' queues (for draining checks)."""
+        return tuple(url for url in (self.queue_url, self.join_queue_url) if url)
 
 
 def client(service: str, endpoint: str | None, region: str) -> Any:
@@ -70,10 +81,16 @@ def create_resources(run_id: str, endpoint: str | None = None, region: str = "us
         if exc.response["Error"]["Code"] != "ResourceInUseException":
             raise
     sqs = client("sqs", endpoint, region)
-    queue_url = sqs.create_queue(QueueName=ingest_queue_name(run_id))["QueueUrl"]
-    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
     events = client("events", endpoint, region)
-    rule = ingest_rule_name(run_id)
-    events.put_rule(Name=rule, EventPattern=json.dumps(object_created_pattern(bucket, run_id)), State="ENABLED")
-    events.put_targets(Rule=rule, Targets=[{"Id": "ingest", "Arn": queue_arn}])
-    return LocalResources(run_id, bucket, table, queue_url, endpoint, region)
+    lanes = (
+        (ingest_queue_name(run_id), ingest_rule_name(run_id), object_created_pattern(bucket, run_id), "ingest"),
+        (join_queue_name(run_id), join_rule_name(run_id), join_request_pattern(bucket, run_id), "join"),
+    )
+    urls = []
+    for queue, rule, pattern, target in lanes:
+        url = sqs.create_queue(QueueName=queue)["QueueUrl"]
+        arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        events.put_rule(Name=rule, EventPattern=json.dumps(pattern), State="ENABLED")
+        events.put_targets(Rule=rule, Targets=[{"Id": target, "Arn": arn}])
+        urls.append(url)
+    return LocalResources(run_id, bucket, table, urls[0], endpoint, region, join_queue_url=urls[1])

@@ -1,0 +1,1 @@
+"""The coordinator service: a tick against the stores, intake of uploads, operator actions, verify."""

@@ -1,0 +1,192 @@
+"""Writing a round's aggregate: the global model computed piece by piece from ranged reads of the counted
+updates, in parameter shards, and stored once under its content address.
+
+A model of one piece (8 MiB) is computed and PUT in one go. A larger one is written as a multipart upload
+to a staging key named by the aggregation job (a digest of everything that determines the output), each
+shard of pieces by its own worker: every piece is one part, hashed as it is written, so the digest
+(`shared.digest`) is combined from the workers' piece hashes without reading the object again. When every
+part is in, the upload is completed and copied to `keys.global_key(round, digest)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from coordinator.deps import Deps, ShardRunner
+from coordinator.models import CorruptInput, GlobalModel, ObjectRange, read_global, read_header
+from shared import keys
+from shared.aggregate import PieceAggregator, Plan, WeightedInput, round_plan
+from shared.config import Strategy
+from shared.digest import PIECE_BYTES, combine, digest, piece_hash
+from shared.messages import PieceDone, ShardDone, ShardInput, ShardTask
+from shared.state import Aggregate, AggregateInput
+from shared.wire import Manifest
+
+log = logging.getLogger("fed-coordinator")
+
+SHARD_ATTEMPTS = 3
+# A multi-piece aggregation holds a lease on its round: every tick in the meantime (a heartbeat's, the
+# schedule's) would otherwise start the same aggregation again. It expires after a conservative estimate of the
+# work, so an invocation that dies holding it delays the round by at most that long.
+LEASE_SLACK_SECONDS = 30.0
+LEASE_BYTES_PER_SECOND = 100e6  # update bytes aggregated per second, well below what the shard workers reach
+
+
+class AggregationBusy(RuntimeError):
+    """Another invocation is aggregating this round (it commits; this one does nothing)."""
+
+
+def weighted_inputs(deps: Deps, round_no: int, inputs: Sequence[AggregateInput | ShardInput]) -> list[WeightedInput]:
+    """The counted updates of a round as range sources over the exact object versions ingest accepted (hashed
+    then: an S3 object version never changes, so they are not hashed again)."""
+    run_id = deps.config.run_id
+    return [
+        WeightedInput(i.participant, i.samples, i.digest,
+                      ObjectRange(deps.bucket, keys.update_key(run_id, round_no, i.participant), i.version_id,
+                                  owner=i.participant),
+                      i.norm)
+        for i in inputs
+    ]
+
+
+def job_id(plan: Plan, base_digest: str) -> str:
+    return hashlib.sha256(plan.header + base_digest.encode()).hexdigest()
+
+
+def write_aggregate(deps: Deps, effect: Aggregate) -> str:
+    """Compute and store the global model of `effect.round + 1`; its digest."""
+    head = deps.bucket.head(keys.global_key(deps.config.run_id, effect.round, effect.base_digest))
+    size = int(head["ContentLength"]) if head else 0
+    if size <= PIECE_BYTES:  # a small model: computed in a moment, a second tick doing it too costs nothing
+        return _write_aggregate(deps, effect)
+    lease, holder = f"aggregate#{effect.round}", uuid.uuid4().hex
+    work = size * (len(effect.inputs) + 1) / LEASE_BYTES_PER_SECOND
+    if not deps.store.claim(lease, holder, time.time() + LEASE_SLACK_SECONDS + work, time.time()):
+        raise AggregationBusy(f"round {effect.round} is being aggregated by another invocation")
+    try:
+        return _write_aggregate(deps, effect)
+    finally:
+        deps.store.release(lease, holder)
+
+
+def _write_aggregate(deps: Deps, effect: Aggregate) -> str:
+    base = read_global(deps, effect.round, effect.base_digest)
+    inputs = weighted_inputs(deps, effect.round, effect.inputs)
+    plan = round_plan(deps.config, base.manifest, effect.round + 1, inputs)
+    if plan.pieces == 1:
+        data = PieceAggregator(deps.config, plan, inputs, _base_source(deps, base)).piece(0)
+        written = digest(data)
+        deps.bucket.put(keys.global_key(deps.config.run_id, effect.round + 1, written), data)
+        return written
+    return _write_in_shards(deps, effect, plan, base)
+
+
+def _write_in_shards(deps: Deps, effect: Aggregate, plan: Plan, base: GlobalModel) -> str:
+    run_id = deps.config.run_id
+    staging = keys.staging_key(run_id, effect.round + 1, job_id(plan, effect.base_digest))
+    upload_id = deps.bucket.start_multipart(staging)
+    tasks = [
+        ShardTask(round=effect.round, base_digest=effect.base_digest, base_version=base.version_id,
+                  base_size=base.size, inputs=[ShardInput(participant=i.participant, samples=i.samples,
+                                                          digest=i.digest, version_id=i.version_id, norm=i.norm)
+                                               for i in effect.inputs],
+                  staging=staging, upload_id=upload_id, first=shard.start, stop=shard.stop)
+        for shard in plan.shards(deps.config.shard_bytes)
+    ]
+    try:
+        results = (deps.shard_runner or threads_runner(deps))(tasks)
+        pieces = [p for done in results for p in done.pieces]
+        if [p.index for p in pieces] != list(range(plan.pieces)):
+            raise RuntimeError(f"shard workers returned pieces {[p.index for p in pieces][:10]}..., expected "
+                               f"0..{plan.pieces - 1}")
+        version = deps.bucket.complete_multipart(staging, upload_id, [(p.etag, bytes.fromhex(p.hash)) for p in pieces])
+    except BaseException:
+        deps.bucket.abort_multipart(staging, upload_id)
+        raise
+    written = combine(bytes.fromhex(p.hash) for p in pieces)
+    deps.bucket.copy(staging, keys.global_key(run_id, effect.round + 1, written), version_id=version)
+    return written
+
+
+def _base_source(deps: Deps, base: GlobalModel) -> ObjectRange | None:
+    return base.source(deps) if deps.config.strategy is Strategy.CLIPPED_FEDAVG else None
+
+
+def run_shard(deps: Deps, task: ShardTask) -> ShardDone:
+    """A shard worker's job: compute pieces [first, stop) of the task's global model and upload each as its
+    part (idempotent: a retried shard writes the same bytes to the same part numbers). Memory: a few pieces."""
+    key = keys.global_key(deps.config.run_id, task.round, task.base_digest)
+    header = read_header(deps.bucket, key, task.base_version, task.base_size)
+    base = GlobalModel(key, Manifest.of(header), task.base_version, header.data_offset, task.base_size)
+    inputs = weighted_inputs(deps, task.round, task.inputs)
+    plan = round_plan(deps.config, base.manifest, task.round + 1, inputs)
+    if keys.staging_key(deps.config.run_id, task.round + 1, job_id(plan, task.base_digest)) != task.staging:
+        raise ValueError("the shard task's staging key does not name the job its inputs make")
+    worker = PieceAggregator(deps.config, plan, inputs, _base_source(deps, base))
+
+    def upload(index: int, data: bytearray) -> PieceDone:
+        sha = piece_hash(data)
+        etag = deps.bucket.put_part(task.staging, task.upload_id, index + 1, data, sha)
+        return PieceDone(index=index, etag=etag, hash=sha.hex())
+
+    pieces: list[PieceDone] = []
+    with ThreadPoolExecutor(max_workers=1) as uploader:  # piece i is hashed and uploaded while i + 1 is computed
+        pending: Future[PieceDone] | None = None  # (at most one: memory stays at two pieces)
+        for index in range(task.first, min(task.stop, plan.pieces)):
+            data = worker.piece(index)
+            if pending is not None:
+                pieces.append(pending.result())
+            pending = uploader.submit(upload, index, data)
+        if pending is not None:
+            pieces.append(pending.result())
+    return ShardDone(pieces=pieces)
+
+
+def threads_runner(deps: Deps, workers: int | None = None) -> ShardRunner:
+    """Shards on threads of this process (numpy and hashing release the GIL): the default, and what a tick
+    does without shard workers."""
+
+    def run(tasks: Sequence[ShardTask]) -> list[ShardDone]:
+        with ThreadPoolExecutor(max_workers=workers or len(tasks)) as pool:
+            return list(pool.map(lambda t: retried(lambda: run_shard(deps, t), t), tasks))
+
+    return run
+
+
+def shard_outcome(deps: Deps, task: ShardTask) -> dict[str, object]:
+    """A shard worker's reply, as JSON: its `ShardDone`, or which input could not be read (the tick leaves that
+    update out: an exception would not carry the participant across a process or a Lambda invocation)."""
+    try:
+        return {"done": run_shard(deps, task).model_dump(mode="json")}
+    except CorruptInput as exc:
+        return {"corrupt": {"message": str(exc)[:1000], "participant": exc.participant, "missing": exc.missing}}
+
+
+def from_outcome(outcome: dict[str, Any]) -> ShardDone:
+    """The inverse of `shard_outcome`: the result, or the CorruptInput it reports raised here."""
+    if "corrupt" in outcome:
+        c = outcome["corrupt"]
+        raise CorruptInput(str(c["message"]), str(c["participant"]), bool(c["missing"]))
+    return ShardDone.model_validate(outcome["done"])
+
+
+def retried(attempt: Callable[[], ShardDone], task: ShardTask) -> ShardDone:
+    """A shard task tried up to SHARD_ATTEMPTS times (its work is idempotent); an unreadable input is not
+    retried: the tick leaves that update out."""
+    for n in range(1, SHARD_ATTEMPTS + 1):
+        try:
+            return attempt()
+        except CorruptInput:
+            raise
+        except Exception as exc:
+            if n == SHARD_ATTEMPTS:
+                raise
+            log.warning("shard [%d, %d) of round %d failed (%s: %s); retrying", task.first, task.stop, task.round,
+                        type(exc).__name__, exc)
+    raise AssertionError("unreachable")

@@ -1,0 +1,40 @@
+"""What the coordinator service works with: the run's config and its two stores, bound to one endpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+from shared.config import RunConfig
+from shared.messages import ShardDone, ShardTask
+from store.blobs import Bucket, s3_client
+from store.table import StateStore
+
+
+class SettingsError(RuntimeError):
+    pass
+
+
+# Runs aggregation shard tasks somewhere (threads of this process, worker processes, a shard-worker Lambda) and
+# returns their results in order; raises if a task failed after its retries (`coordinator.aggregation`).
+ShardRunner = Callable[[Sequence[ShardTask]], list[ShardDone]]
+
+
+@dataclass(frozen=True)
+class Deps:
+    """The run's config and its two stores, bound to one endpoint."""
+
+    config: RunConfig
+    store: StateStore
+    bucket: Bucket
+    shard_runner: ShardRunner | None = None  # None: threads of the calling process
+
+
+@cache
+def build_deps(run_id: str, bucket: str, table: str, config_json: str, endpoint: str | None, region: str) -> Deps:
+    """One `Deps` per distinct set of names (cached: a Lambda's warm invocations share its clients)."""
+    config = RunConfig.model_validate_json(config_json)
+    if config.run_id != run_id:
+        raise SettingsError(f"the configuration is for run {config.run_id!r}, but the run id is {run_id!r}")
+    return Deps(config, StateStore(table, run_id, endpoint, region), Bucket(bucket, s3_client(endpoint, region)))

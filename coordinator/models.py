@@ -1,0 +1,104 @@
+"""Model files in the bucket as the coordinator reads them: authenticated by digest, read by byte range."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.deps import Deps
+from shared import keys
+from shared.wire import Header, Manifest, WireError, header_length, parse_header_prefix
+from store.blobs import Bucket, NotFound, Tampered
+
+
+class CorruptInput(RuntimeError):
+    """A stored object no longer matches what was recorded for it (or cannot be read back at all)."""
+
+    def __init__(self, message: str, participant: str = "", missing: bool = False) -> None:
+        super().__init__(message)
+        self.participant = participant  # whose recorded update it is, if it is one
+        self.missing = missing  # the object is gone (expired or deleted), rather than changed
+
+
+class ObjectRange:
+    """One version of a model file in the bucket, read by ranges of its data section (`shared.aggregate`)."""
+
+    def __init__(self, bucket: Bucket, key: str, version_id: str, data_offset: int = -1, owner: str = "") -> None:
+        self.bucket, self.key, self.version_id, self.owner = bucket, key, version_id, owner
+        self._data_offset = data_offset
+
+    @property
+    def data_offset(self) -> int:
+        if self._data_offset < 0:  # one small read: where this file's data section starts
+            first = bytearray(8)
+            self._get(0, memoryview(first))
+            self._data_offset = 8 + header_length(bytes(first), 1 << 62)
+        return self._data_offset
+
+    def readinto(self, begin: int, buf: memoryview) -> None:
+        self._get(self.data_offset + begin, buf)
+
+    def _get(self, begin: int, buf: memoryview) -> None:
+        try:
+            self.bucket.read_range(self.key, begin, buf, self.version_id)
+        except NotFound as exc:
+            raise CorruptInput(f"{self.key[:200]} (version {self.version_id[:64]!r}) is not in the bucket, or "
+                               f"shorter than recorded ({str(exc)[-200:]})", self.owner, missing=True) from None
+
+
+@dataclass(frozen=True)
+class GlobalModel:
+    """A committed global model, authenticated by its digest (read as it streams: memory is one chunk); its
+    header is the run's manifest."""
+
+    key: str
+    manifest: Manifest
+    version_id: str
+    data_offset: int
+    size: int
+
+    def source(self, deps: Deps) -> ObjectRange:
+        return ObjectRange(deps.bucket, self.key, self.version_id, self.data_offset)
+
+
+_VERIFIED: dict[tuple[str, str], GlobalModel] = {}  # (bucket, key) -> the version authenticated (a few at most)
+
+
+def read_global(deps: Deps, round_no: int, want: str) -> GlobalModel:
+    """The global model that round `round_no` trains from, authenticated by the digest the state records
+    (never `manifest.json` or whatever else was written at the key since: those are not trusted). Hashing it
+    streams the whole model, so a warm function remembers the version it authenticated (a version never changes;
+    one that is gone — a restored run wrote the model again — is authenticated afresh)."""
+    key = keys.global_key(deps.config.run_id, round_no, want)
+    known = _VERIFIED.get((deps.bucket.name, key))
+    if known is not None and deps.bucket.has_version(key, known.version_id):
+        return known
+    model = _authenticate(deps, round_no, want, key)
+    if len(_VERIFIED) >= 4:
+        _VERIFIED.clear()
+    _VERIFIED[(deps.bucket.name, key)] = model
+    return model
+
+
+def _authenticate(deps: Deps, round_no: int, want: str, key: str) -> GlobalModel:
+    try:
+        version_id, size = deps.bucket.verified_version(key, want)
+        header = read_header(deps.bucket, key, version_id, size)
+    except (NotFound, Tampered, WireError) as exc:
+        raise CorruptInput(f"the global model of round {round_no} cannot be read back: {exc}",
+                           missing=isinstance(exc, NotFound)) from None
+    return GlobalModel(key, Manifest.of(header), version_id, header.data_offset, size)
+
+
+def read_header(bucket: Bucket, key: str, version_id: str, size: int) -> Header:
+    """A model file's header, read by range (two small GETs) and checked against the file's size."""
+    first = bytearray(8)
+    bucket.read_range(key, 0, memoryview(first), version_id)
+    prefix = bytearray(8 + header_length(bytes(first), size))
+    bucket.read_range(key, 0, memoryview(prefix), version_id)
+    return parse_header_prefix(bytes(prefix), size)
+
+
+def copy_global(deps: Deps, round_no: int, want: str, dest: str) -> None:
+    """Copy the authenticated version of a committed global model (not whatever was written over it)."""
+    version = read_global(deps, round_no, want).version_id
+    deps.bucket.copy(keys.global_key(deps.config.run_id, round_no, want), dest, version_id=version)

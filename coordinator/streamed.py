@@ -1,0 +1,95 @@
+"""One uploaded model file read once, as it streams: its digest, its header, and the data-section checks
+(`shared.scan`) against the round's global model. Memory: a few blocks, whatever the file's size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.deps import Deps
+from coordinator.models import GlobalModel
+from shared.digest import PIECE_BYTES, TreeHasher
+from shared.scan import DataScan
+from shared.wire import Header, Manifest, WireError, header_length, parse_header_prefix
+
+BLOCK = PIECE_BYTES
+
+
+@dataclass
+class Streamed:
+    digest: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    header: Header | None = None
+    problem: str = ""  # why the file is not a valid model of the run ("" if it is, or was not checked)
+    distance: float = -1.0
+
+
+def stream_model(deps: Deps, key: str, version_id: str, size: int, model: GlobalModel | None,
+                 check: bool = True) -> Streamed:
+    """Hash every byte of one object version; if `check`, validate it against `model` (its manifest and
+    canonical layout, finiteness, distance) — or, with no model, as a stand-alone file (an initial offer)."""
+    resp, chunks = deps.bucket.stream(key, version_id)
+    out = Streamed(metadata=dict(resp.get("Metadata", {})))
+    hasher, pending = TreeHasher(), bytearray()
+    scan: DataScan | None = None
+    position = 0  # data-section offset of pending[0]
+    reference = bytearray(BLOCK) if model is not None else None
+    for chunk in chunks:
+        hasher.update(chunk)
+        if not check or out.problem:
+            continue
+        pending += chunk
+        if out.header is None:
+            try:
+                if len(pending) < 8:
+                    continue
+                need = 8 + header_length(bytes(pending[:8]), size)
+                if len(pending) < need:
+                    continue
+                out.header = parse_header_prefix(bytes(pending[:need]), size)
+                scan = _scan_for(out.header, model)
+                del pending[:need]
+            except WireError as exc:
+                out.problem = str(exc)
+                continue
+        assert scan is not None
+        while len(pending) >= BLOCK:
+            _feed(deps, scan, model, position, memoryview(pending[:BLOCK]), reference)  # (a copy: pending shrinks)
+            del pending[:BLOCK]
+            position += BLOCK
+        out.problem = scan.problem
+    out.digest = hasher.hexdigest()
+    if hasher.size != size:
+        out.problem = out.problem or f"object changed while read: {hasher.size} bytes, {size} announced"
+    if check and not out.problem:
+        if out.header is None:
+            out.problem = f"truncated safetensors file: {size} bytes end inside the header"
+        else:
+            assert scan is not None
+            _feed(deps, scan, model, position, memoryview(pending), reference)
+            out.problem = scan.problem
+            out.distance = scan.distance if model is not None else -1.0
+    return out
+
+
+def _scan_for(header: Header, model: GlobalModel | None) -> DataScan:
+    if model is not None:
+        if reason := model.manifest.mismatch(header):
+            raise WireError(reason)
+        return DataScan(model.manifest)
+    manifest = Manifest.of(header)
+    if not header.tensors:
+        raise WireError("the file holds no tensors")
+    if reason := manifest.mismatch(header):  # laid out canonically, as every later file must be
+        raise WireError(reason)
+    return DataScan(manifest)
+
+
+def _feed(deps: Deps, scan: DataScan, model: GlobalModel | None, begin: int, block: memoryview,
+          reference: bytearray | None) -> None:
+    if not len(block):
+        return
+    ref = None
+    if model is not None and reference is not None:
+        ref = memoryview(reference)[: len(block)]
+        model.source(deps).readinto(begin, ref)
+    scan.feed(begin, block, ref)

@@ -1,0 +1,312 @@
+"""The training duty: the run's task on this host, the global model (downloaded once, cached by digest) and a
+round's training and upload.
+
+Model files stay on disk: the global model streams from the bucket into `<state-dir>/cache` (verified against the
+digest the run state records before it is used, kept across restarts) and is loaded from there tensor by tensor;
+an update (and an initial-model offer) is written by safetensors into `<state-dir>/outbox`, hashed, uploaded from
+the file and deleted. A model is held in memory once, by torch.
+
+torch is imported where it is used, so that the daemon starts (and answers --help) without loading it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from participant.decide import Fetch, Train
+from participant.journal import JournalKeeper
+from participant.protocol import ParticipantError, closed_while_training
+from participant.remote import Remote, Stopped
+from participant.ui import Reporter
+from shared import keys
+from shared.config import RunConfig
+from shared.digest import digest_file
+from shared.selection import assignment
+from shared.wire import UpdateMeta
+from store.blobs import NotFound
+
+if TYPE_CHECKING:
+    from participant.tensors import ModelSource
+
+log = logging.getLogger("participant")
+
+CACHE_KEEP = 3
+MODEL_SUFFIX = ".safetensors"
+UNVERIFIED_SUFFIX = ".unverified"  # a downloaded global model until its digest is checked
+
+# Tells the heartbeat what the participant is doing ("training round 3 (40%)").
+Doing = Callable[[str], None]
+
+
+def train_seed(round_seed: str, pid: str) -> int:
+    """The torch seed of one participant's round: the same after a restart, different across peers."""
+    return int(hashlib.sha256(f"fed-train:{round_seed}:{pid}".encode()).hexdigest()[:15], 16)
+
+
+def resolve_device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ParticipantError("--device cuda: CUDA is not available on this host (torch "
+                               f"{torch.__version__}); use --device cpu or auto")
+    if name not in {"cpu", "cuda"} and not name.startswith("cuda:"):
+        raise ParticipantError(f"--device {name!r}: use auto, cpu, cuda or cuda:N")
+    return torch.device(name)
+
+
+@contextmanager
+def mixed_precision(device: Any) -> Iterator[None]:
+    """Training's forward passes in bfloat16 on CUDA (`torch.autocast`), the weights staying float32 (the optimizer
+    steps them in float32, and updates are float32 files); nothing changes on a CPU."""
+    import torch
+
+    with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext():
+        yield
+
+
+def warm_up_autograd(device: Any) -> None:
+    """One backward pass and optimizer step on a throwaway layer: torch initialises autograd and the optimizers
+    lazily, which costs about a second on a CPU (several on a busy one). Paid here, at start-up, it does not
+    make the first round slower than the others (and miss a tight deadline)."""
+    import torch
+
+    layer = torch.nn.Linear(4, 2).to(device)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    with mixed_precision(device):
+        loss = torch.nn.functional.cross_entropy(layer(torch.zeros(3, 4, device=device)),
+                                                 torch.zeros(3, dtype=torch.long, device=device))
+    torch.autograd.backward(loss)  # what loss.backward() calls (and, unlike it, typed)
+    opt.step()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The run's task on this host: what training, witnessing and the final evaluation run."""
+
+    spec: str  # module:object of the task
+    config: RunConfig
+    task: Any  # a participant.task.Task
+    device: Any  # a torch.device
+    specs: Any = None  # the task model's tensor names, shapes and dtypes (participant.tensors.Specs)
+
+    @property
+    def dataset_size(self) -> int:
+        return self.config.dataset_size or int(self.task.train_size)
+
+
+def load_workload(spec: str, config: RunConfig, device: str, threads: int) -> Workload:
+    """Load the task, check it fits the run, pick the device and load the data (so the first round does not)."""
+    from participant.task import TaskError, load_task
+
+    try:
+        task = load_task(spec)
+    except TaskError as exc:
+        raise ParticipantError(str(exc)) from None
+    size = int(task.train_size)
+    if config.dataset_size and config.dataset_size != size:
+        raise ParticipantError(
+            f"the run's dataset_size is {config.dataset_size}, but task {spec} has {size} training samples: "
+            "every participant must train the same data set (fix the run config or --task)"
+        )
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    from participant.tensors import specs_of
+
+    started = time.perf_counter()
+    model = task.build_model(config.seed)
+    work = Workload(spec, config, task, resolve_device(device), specs_of(model))
+    fresh = task.evaluate(model, work.device)  # loads the data now
+    del model
+    warm_up_autograd(work.device)
+    log.info("task %s: %d training samples, data loaded in %.1fs (untrained model: test accuracy %.4f); "
+             "device %s, %d torch thread(s)", spec, work.dataset_size, time.perf_counter() - started,
+             fresh.get("test_accuracy", math.nan), work.device, torch.get_num_threads())
+    return work
+
+
+class Training:
+    """Offer the initial model, fetch global models (cached under `cache_dir`), train and upload a round."""
+
+    def __init__(self, remote: Remote, kept: JournalKeeper, reporter: Reporter, stop: threading.Event,
+                 doing: Doing, cache_dir: Path, run_id: str, pid: str, outbox: Path | None = None) -> None:
+        self.remote, self.kept, self.ui, self.stop, self.doing = remote, kept, reporter, stop, doing
+        self.cache_dir, self.run_id, self.pid = cache_dir, run_id, pid
+        # model files we write, until they are uploaded (beside the cache: the state directory)
+        self.outbox = outbox if outbox is not None else cache_dir.parent / "outbox"
+        # files a process killed mid-write or mid-download left behind
+        leftovers = [*self.outbox.glob("*"), *cache_dir.glob(f"*{UNVERIFIED_SUFFIX}"), *cache_dir.glob(".*.part")]
+        for left in leftovers:
+            left.unlink(missing_ok=True)
+        self.global_evals: dict[str, dict[str, float]] = {}  # the held global model's evaluation, by digest
+
+    def offer_model(self, work: Workload) -> None:
+        from participant.tensors import save_model
+
+        path = save_model(work.task.build_model(work.config.seed), self.outbox / f"init{MODEL_SUFFIX}")
+        try:
+            size, content_digest = path.stat().st_size, digest_file(path)
+            with self.ui.track("offer the initial model", size, "bytes") as up:
+                self.remote.upload_file(keys.init_key(self.run_id, self.pid), path, "offering the initial model", up,
+                                        content_digest)
+        finally:
+            path.unlink(missing_ok=True)
+        log.info("offered the initial model (%d bytes, digest %s)", size, content_digest[:12])
+
+    # --- the global model ---------------------------------------------------------------------------
+
+    def fetch_file(self, work: Workload, action: Fetch) -> Path | None:
+        """The global model `action` names, as a file in the cache: from the cache or streamed from the bucket, its
+        digest checked against the run state's before it is used and its tensors fitting the task; None when it is
+        not available yet (asked again at the next poll)."""
+        from participant.tensors import TensorMismatch, check_fits
+
+        path = self.cache_dir / f"{action.digest}{MODEL_SUFFIX}"
+        source = "cache"
+        if path.exists() and digest_file(path) != action.digest:
+            log.warning("cached model %s is corrupt; downloading it again", path.name[:12])
+            path.unlink(missing_ok=True)
+        if not path.exists():
+            started = time.perf_counter()
+            if not self._download(action, path):
+                if self.stop.wait(1.0):
+                    raise Stopped() from None
+                return None
+            source = f"downloaded in {time.perf_counter() - started:.2f}s"
+        try:
+            check_fits(work.specs, path)
+        except TensorMismatch as exc:
+            raise ParticipantError(f"the run's global model does not fit task {work.spec}: {exc}") from None
+        log.info("round %d: global model %s (%d bytes, %s)", action.round, action.digest[:12], path.stat().st_size,
+                 source)
+        return path
+
+    def _download(self, action: Fetch, path: Path) -> bool:
+        """Stream the global model into the cache as `path`, once its digest is the one the run records; False if
+        it is not in the bucket yet, or is not what the run says (then nothing is kept)."""
+        key = keys.global_key(self.run_id, action.round, action.digest)
+        unverified = path.with_suffix(UNVERIFIED_SUFFIX)
+        self.doing(f"downloading the global model of round {action.round}")
+        try:
+            with self.ui.track(f"download round {action.round}", 0, "bytes") as progress:
+                got = self.remote.download_file(key, unverified, progress)
+        except NotFound:
+            log.warning("round %d: the global model %s is not in the bucket yet; retrying", action.round, key)
+            return False
+        if got != action.digest:
+            unverified.unlink(missing_ok=True)
+            log.warning("round %d: downloaded global model has digest %s, the run says %s; retrying",
+                        action.round, got[:12], action.digest[:12])
+            return False
+        os.replace(unverified, path)
+        files = sorted(self.cache_dir.glob(f"*{MODEL_SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in files[CACHE_KEEP:]:
+            old.unlink(missing_ok=True)
+        return True
+
+    def evaluate(self, work: Workload, model_file: ModelSource) -> dict[str, float]:
+        """A model's evaluation on the task's held-out data."""
+        from participant.tensors import load_into
+
+        model = load_into(work.task.build_model(work.config.seed), model_file)
+        return {k: float(v) for k, v in work.task.evaluate(model, work.device).items()}
+
+    def global_eval(self, work: Workload, held: str, held_model: ModelSource) -> dict[str, float]:
+        """The held global model's evaluation (computed once per model)."""
+        if held not in self.global_evals:
+            self.global_evals = {held: self.evaluate(work, held_model)}
+        return self.global_evals[held]
+
+    # --- a round --------------------------------------------------------------------------------------
+
+    def train(self, work: Workload, a: Train, held_model: ModelSource) -> bool:
+        """Train our assignment of the round from the global model and upload the update; False if it was not
+        sent (too large, or the round closed meanwhile)."""
+        indices = assignment(a.seed, work.dataset_size, a.selected, self.pid)
+        previous = self.kept.start_training(a.round, a.digest)
+        if previous and previous.get("round") == a.round:
+            log.info("round %d: retraining (interrupted by a restart)", a.round)
+        path, metrics = self._fit(work, a, held_model, indices)
+        try:
+            return self._send(work, a, path, len(indices), metrics)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _send(self, work: Workload, a: Train, path: Path, samples: int, metrics: dict[str, float]) -> bool:
+        size = path.stat().st_size
+        if size > work.config.max_update_bytes:
+            log.error("round %d: the update is %d bytes, over the run's limit of %d; not sent", a.round, size,
+                      work.config.max_update_bytes)
+            return False
+        if closed_while_training(self.remote, a, self.pid):
+            return False
+        content_digest = digest_file(path)
+        key = keys.update_key(self.run_id, a.round, self.pid)
+        self.doing(f"uploading round {a.round}")
+        started = time.perf_counter()
+        with self.ui.track(f"upload round {a.round}", size, "bytes") as up:
+            self.remote.upload_file(key, path, f"uploading the round {a.round} update", up, content_digest)
+        self.kept.uploaded(a.round, {"digest": content_digest, "samples": samples, "at": time.time(),
+                                     "metrics": metrics})
+        self.doing(f"uploaded round {a.round}")
+        log.info("round %d: update uploaded (%d bytes, %d samples, %.2fs)", a.round, size, samples,
+                 time.perf_counter() - started)
+        return True
+
+    def _fit(self, work: Workload, a: Train, held_model: ModelSource,
+             indices: np.ndarray) -> tuple[Path, dict[str, float]]:
+        """Train the samples `indices` from the global model; return the update's file (in the outbox) and its
+        metrics."""
+        import torch
+
+        from participant.tensors import load_into, save_model
+
+        config, task = work.config, work.task
+        model = load_into(task.build_model(config.seed), held_model)
+        global_eval = task.evaluate(model, work.device)
+        self.global_evals = {a.digest: dict(global_eval)}  # a witness compares the round's updates with it
+        seed = train_seed(a.seed, self.pid)
+        torch.manual_seed(seed)
+        self.doing(f"training round {a.round}")
+        started = time.perf_counter()
+
+        def progress_cb(done: int, total: int) -> None:
+            if self.stop.is_set():
+                raise Stopped()
+            bar(done, total)
+            self.doing(f"training round {a.round} ({100 * done // max(total, 1)}%)")
+
+        log.info("round %d: training %d samples for %d local epoch(s)", a.round, len(indices), config.local_epochs)
+        with self.ui.track(f"train round {a.round}", 0) as bar, mixed_precision(work.device):
+            metrics = dict(task.train(model, indices, config, work.device, progress_cb, seed=seed))
+        seconds = time.perf_counter() - started
+        local_eval = task.evaluate(model, work.device)
+        metrics.update(
+            test_accuracy=local_eval.get("test_accuracy", math.nan),
+            test_loss=local_eval.get("test_loss", math.nan),
+            global_test_accuracy=global_eval.get("test_accuracy", math.nan),
+            global_test_loss=global_eval.get("test_loss", math.nan),
+            train_seconds=seconds,
+        )
+        metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+        meta = UpdateMeta(self.run_id, a.round, self.pid, len(indices), metrics)
+        path = save_model(model, self.outbox / f"update-{a.round:06d}{MODEL_SUFFIX}", meta.to_metadata())
+        log.info("round %d: trained in %.2fs: loss %.4f, test accuracy %.4f (global model %.4f)", a.round, seconds,
+                 metrics.get("loss", math.nan), metrics.get("test_accuracy", math.nan),
+                 metrics.get("global_test_accuracy", math.nan))
+        return path, metrics

@@ -1,0 +1,54 @@
+"""The key layout of a run's DynamoDB table (one place; pure, so the CDK app and the participant use it too).
+
+One table per run, keys `pk` / `sk`:
+    RUN#<run>  STATE                    the coordinator state (owned by the tick; versioned)
+    RUN#<run>  P#<participant>          join and liveness facts (owned by ingest)
+    RUN#<run>  U#<round>#<participant>  one update: accepted with its weight, or refused with a reason
+    RUN#<run>  R#<round>                a finished round's summary (metrics history)
+    RUN#<run>  W#<round>#<witness>      a witness proof (validated)
+    RUN#<run>  H#<round>#<reporter>     a health report naming peers believed unhealthy
+    RUN#<run>  COUNT#participants       how many participants have joined (bounded by max_participants)
+    RUN#<run>  X#<hash of key, etag>    an object refused outside any round slot, with the reason
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from shared.keys import ROUND_DIGITS
+
+STATE_SK = "STATE"
+PARTICIPANT_COUNT_SK = "COUNT#participants"
+
+
+def run_pk(run_id: str) -> str:
+    return f"RUN#{run_id}"
+
+
+def lease_sk(name: str) -> str:
+    """A short-lived claim on a piece of work (one round's aggregation), held by one invocation."""
+    return f"LEASE#{name}"
+
+
+def participant_sk(pid: str) -> str:
+    return f"P#{pid}"
+
+
+def update_sk(round_no: int, pid: str = "") -> str:
+    return f"U#{round_no:0{ROUND_DIGITS}d}#{pid}"
+
+
+def round_sk(round_no: int) -> str:
+    return f"R#{round_no:0{ROUND_DIGITS}d}"
+
+
+def proof_sk(round_no: int, pid: str = "") -> str:
+    return f"W#{round_no:0{ROUND_DIGITS}d}#{pid}"
+
+
+def health_sk(round_no: int, pid: str = "") -> str:
+    return f"H#{round_no:0{ROUND_DIGITS}d}#{pid}"
+
+
+def refusal_sk(key: str, etag: str) -> str:
+    return "X#" + hashlib.sha256(f"{key}\n{etag}".encode()).hexdigest()[:40]

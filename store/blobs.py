@@ -1,0 +1,175 @@
+"""The run's bucket: the small S3 surface the coordinator and participants use."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from shared.digest import TreeHasher
+
+STREAM_CHUNK = 8 * 1024 * 1024
+COPY_CONFIG = TransferConfig(multipart_threshold=5 * 1000**3, multipart_chunksize=512 * 1024**2, max_concurrency=8)
+
+
+class NotFound(Exception):
+    pass
+
+
+class Tampered(Exception):
+    """No stored version of a content-addressed object holds the bytes its digest names."""
+
+
+MAX_VERSIONS_TRIED = 20  # how far back a verified read looks past versions someone wrote over the object
+
+
+@dataclass(frozen=True)
+class Blob:
+    data: bytes
+    etag: str
+    metadata: dict[str, str]
+    version_id: str = ""
+    last_modified: float = 0.0  # when S3 stored it (seconds since the epoch); 0: not known
+
+
+def s3_client(endpoint: str | None = None, region: str = "us-east-1") -> Any:
+    # Checksums are sent as headers where we have them (parts carry their SHA-256, which is their digest piece
+    # hash); botocore's default would stream every large body through a CRC in aws-chunked encoding instead.
+    # Reads are checked by our own digest (a multipart object's checksum is of its parts, not of its bytes).
+    config = Config(retries={"max_attempts": 8, "mode": "standard"}, s3={"addressing_style": "path"},
+                    request_checksum_calculation="when_required", response_checksum_validation="when_required")
+    return boto3.client("s3", endpoint_url=endpoint, region_name=region, config=config)
+
+
+class Bucket:
+    def __init__(self, name: str, client: Any) -> None:
+        self.name = name
+        self.client = client
+
+    def _get_object(self, key: str, version_id: str = "", **extra: Any) -> dict[str, Any]:
+        """GetObject (a given version if named); NotFound for a missing key, version or range."""
+        if version_id:
+            extra["VersionId"] = version_id
+        try:
+            return dict(self.client.get_object(Bucket=self.name, Key=key, **extra))
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] in {"NoSuchKey", "NoSuchVersion", "404", "InvalidRange"}:
+                raise NotFound(f"{key}: {exc}" if "Range" in extra else key) from None
+            raise
+
+    def get(self, key: str, max_bytes: int | None = None, version_id: str = "") -> Blob:
+        """Read an object (a given version if named); with max_bytes, refuse (ValueError) a larger one."""
+        resp = self._get_object(key, version_id)
+        body = resp["Body"]
+        if max_bytes is not None and resp["ContentLength"] > max_bytes:
+            body.close()
+            raise ValueError(f"object is {resp['ContentLength']} bytes, over the {max_bytes}-byte limit")
+        modified = resp.get("LastModified")
+        return Blob(
+            body.read(), resp["ETag"].strip('"'), dict(resp.get("Metadata", {})), resp.get("VersionId") or "",
+            modified.timestamp() if modified is not None else 0.0,
+        )
+
+    def read_range(self, key: str, begin: int, buf: memoryview, version_id: str = "") -> None:
+        """Fill `buf` with the object's bytes from `begin` (one ranged GET, read straight into `buf`)."""
+        if not len(buf):
+            return
+        resp = self._get_object(key, version_id, Range=f"bytes={begin}-{begin + len(buf) - 1}")
+        raw, filled = resp["Body"]._raw_stream, 0  # urllib3's response: readinto avoids a copy per chunk
+        while filled < len(buf):
+            n = raw.readinto(buf[filled:])
+            if not n:
+                raise NotFound(f"{key}: short ranged read ({filled} of {len(buf)} bytes)")
+            filled += n
+
+    def stream(self, key: str, version_id: str = "", chunk: int = STREAM_CHUNK) -> tuple[dict[str, Any], Any]:
+        """The object's GET response and an iterator over its bytes in chunks (never the whole object)."""
+        resp = self._get_object(key, version_id)
+        return resp, resp["Body"].iter_chunks(chunk)
+
+    def verified_version(self, key: str, want: str) -> tuple[str, int]:
+        """(version id, size) of the version of `key` whose digest is `want`, hashed as it streams (memory: one
+        chunk): the current version, or else the newest earlier one that matches. Objects the coordinator wrote
+        are read back only this way, so bytes written over them (locally nothing stops anyone; on AWS, IAM does)
+        are never taken for the coordinator's own."""
+        current = self.digest_of(key)
+        if current[0] == want:
+            return current[1], current[2]
+        pages = self.client.get_paginator("list_object_versions").paginate(Bucket=self.name, Prefix=key)
+        versions = [v for page in pages for v in page.get("Versions", []) if v["Key"] == key]
+        for v in sorted(versions, key=lambda v: v["LastModified"], reverse=True)[:MAX_VERSIONS_TRIED]:
+            if v["VersionId"] != current[1]:
+                older = self.digest_of(key, v["VersionId"])
+                if older[0] == want:
+                    return older[1], older[2]
+        raise Tampered(f"no version of {key[:200]} matches its digest {want[:64]}")
+
+    def digest_of(self, key: str, version_id: str = "") -> tuple[str, str, int]:
+        """(content digest, version id, size) of an object version, hashed as it streams."""
+        resp, chunks = self.stream(key, version_id)
+        hasher = TreeHasher()
+        for chunk in chunks:
+            hasher.update(chunk)
+        return hasher.hexdigest(), resp.get("VersionId") or "", hasher.size
+
+    # --- multipart: a large object written in parts, by several writers ----------------------------------
+
+    def start_multipart(self, key: str) -> str:
+        resp = self.client.create_multipart_upload(Bucket=self.name, Key=key, ChecksumAlgorithm="SHA256")
+        return str(resp["UploadId"])
+
+    def put_part(self, key: str, upload_id: str, number: int, data: bytes | bytearray, sha256: bytes) -> str:
+        """Upload part `number`; S3 checks it against `sha256` (its SHA-256, which the caller has anyway)."""
+        resp = self.client.upload_part(Bucket=self.name, Key=key, UploadId=upload_id, PartNumber=number,
+                                       Body=bytes(data), ChecksumSHA256=base64.b64encode(sha256).decode())
+        return str(resp["ETag"]).strip('"')
+
+    def complete_multipart(self, key: str, upload_id: str, written: list[tuple[str, bytes]]) -> str:
+        """Stitch parts 1..n (their ETags and SHA-256s, in order) into one object; its version id."""
+        parts = [{"PartNumber": n, "ETag": f'"{etag}"', "ChecksumSHA256": base64.b64encode(sha).decode()}
+                 for n, (etag, sha) in enumerate(written, start=1)]
+        resp = self.client.complete_multipart_upload(Bucket=self.name, Key=key, UploadId=upload_id,
+                                                     MultipartUpload={"Parts": parts})
+        return str(resp.get("VersionId") or "")
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.name, Key=key, UploadId=upload_id)
+        except ClientError:
+            pass  # already completed or aborted: nothing left to clean up
+
+    def has_version(self, key: str, version_id: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.name, Key=key, VersionId=version_id)
+            return True
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] in {"NoSuchKey", "NoSuchVersion", "404", "NotFound", "400"}:
+                return False
+            raise
+
+    def head(self, key: str) -> dict[str, Any] | None:
+        try:
+            return dict(self.client.head_object(Bucket=self.name, Key=key))
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] in {"NoSuchKey", "404", "NotFound"}:
+                return None
+            raise
+
+    def put(self, key: str, data: bytes | bytearray, metadata: dict[str, str] | None = None) -> str:
+        resp = self.client.put_object(Bucket=self.name, Key=key, Body=bytes(data), Metadata=metadata or {})
+        return str(resp["ETag"]).strip('"')
+
+    def copy(self, source: str, dest: str, version_id: str = "") -> None:
+        """Server-side copy of `source` (a given version if named) to `dest`: one CopyObject up to S3's 5 GB limit
+        for it, beyond that a multipart copy (UploadPartCopy) in parallel parts."""
+        origin = {"Bucket": self.name, "Key": source} | ({"VersionId": version_id} if version_id else {})
+        self.client.copy(origin, self.name, dest, Config=COPY_CONFIG)
+
+    def keys(self, prefix: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=prefix)
+        return [o["Key"] for page in pages for o in page.get("Contents", [])]

@@ -1,0 +1,74 @@
+"""What `StateStore` hands back about the records ingest writes: plain frozen data, no pynamodb.
+
+The coordinator's own view of these records (what a tick reads) is `shared.state.ParticipantView` and
+`UpdateView`; these carry every stored field, for ingest's checks, `fed status`, `fed verify` and tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.state import ParticipantView
+
+
+@dataclass(frozen=True)
+class ParticipantRecord:
+    """A participant as ingest registered it."""
+
+    pid: str
+    joined_at: float
+    last_seen: float
+    ready_epoch: int = 0
+    init_digest: str = ""
+    public_key: str = ""
+    info: Mapping[str, Any] = field(default_factory=dict)  # participant-supplied, displayed and never trusted
+    last_sent: float = 0.0  # `sent_at` of the last join request or heartbeat accepted
+    heard_at: float = 0.0  # last signed message accepted after the join that registered it; 0: none yet
+
+    def view(self) -> ParticipantView:
+        """What a tick needs of this record."""
+        return ParticipantView(self.pid, self.joined_at, self.last_seen, self.ready_epoch, self.init_digest,
+                               heard_at=self.heard_at)
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """What ingest learned about one uploaded update."""
+
+    round: int
+    pid: str
+    key: str
+    accepted: bool
+    reason: str = ""
+    samples: int = 0
+    digest: str = ""
+    size: int = 0
+    etag: str = ""
+    version_id: str = ""
+    norm: float = -1.0
+    received_at: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProofRecord:
+    """A witness's proof for a round, as uploaded and validated."""
+
+    round: int
+    pid: str
+    etag: str
+    body: str  # the proof's JSON
+    received_at: float
+
+
+@dataclass(frozen=True)
+class RefusalRecord:
+    """An object refused before it could be tied to a round slot."""
+
+    key: str
+    etag: str  # "<etag>:<version id>" of the refused object
+    reason: str
+    at: float
+    pid: str = ""

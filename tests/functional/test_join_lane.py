@@ -1,0 +1,181 @@
+"""The join lane locally: join requests have their own rule, queue and dispatcher worker, so a backlog of
+joins never delays a heartbeat (the attack: hundreds of signed identities joining within seconds held the
+heartbeats of honest members back until they were dropped as silent)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import boto3
+import pytest
+
+from fed.localrun import wait_until
+from local.dispatcher import Dispatcher
+from local.stack import LocalStack
+from shared import keys
+from shared.config import RunConfig
+from shared.messages import Heartbeat, JoinRequest
+from shared.signing import Signer
+from store.table import StateStore
+from tests.functional.conftest import Harness
+
+RUN = "lane-test"
+FLOOD = 300
+
+
+@pytest.fixture()
+def stack() -> Iterator[LocalStack]:
+    config = RunConfig(run_id=RUN, min_clients=2, min_per_round=1, total_rounds=1, liveness_timeout=600)
+    with LocalStack(config, tick_interval=0.5, log_level="WARNING") as s:
+        yield s
+
+
+def until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    assert wait_until(predicate, timeout, 0.05), "condition not reached in time"
+
+
+class Uploader:
+    def __init__(self, stack: LocalStack) -> None:
+        c = stack.connection
+        self.bucket = c.bucket
+        self.s3 = boto3.client("s3", endpoint_url=c.endpoint, region_name=c.region)
+        self.signers: dict[str, Signer] = {}
+
+    def put(self, key: str, body: bytes, pid: str) -> None:
+        signer = self.signers.setdefault(pid, Signer.generate())
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=signer.metadata(key, body))
+
+    def join(self, pid: str) -> None:
+        signer = self.signers.setdefault(pid, Signer.generate())
+        request = JoinRequest(run_id=RUN, participant=pid, public_key=signer.public_key, sent_at=time.time())
+        self.put(keys.join_key(RUN, pid), request.model_dump_json().encode(), pid)
+
+    def heartbeat(self, pid: str) -> float:
+        beat = Heartbeat(participant=pid, sent_at=time.time())
+        self.put(keys.heartbeat_key(RUN, pid), beat.model_dump_json().encode(), pid)
+        return beat.sent_at
+
+
+def queued(stack: LocalStack, url: str) -> int:
+    sqs = boto3.client("sqs", endpoint_url=stack.endpoint, region_name="us-east-1")
+    attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    return int(attrs["ApproximateNumberOfMessages"]) + int(attrs["ApproximateNumberOfMessagesNotVisible"])
+
+
+def drain(stack: LocalStack, url: str) -> list[str]:
+    """Every key queued on `url` (removed from it)."""
+    sqs = boto3.client("sqs", endpoint_url=stack.endpoint, region_name="us-east-1")
+    found: list[str] = []
+    while messages := sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1).get("Messages"):
+        for m in messages:
+            found.append(json.loads(m["Body"])["detail"]["object"]["key"])
+            sqs.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
+    return found
+
+
+def test_join_requests_go_down_the_join_lane_and_everything_else_down_the_main_one() -> None:
+    # Given the local stack's resources, nobody delivering
+    config = RunConfig(run_id=RUN, min_clients=2, min_per_round=1, total_rounds=1)
+    with LocalStack(config, dispatch=False, log_level="WARNING") as stack:
+        assert stack.resources is not None
+        up = Uploader(stack)
+        # When a join request, a heartbeat, an update, an offer, a witness proof, a health report, an object the
+        # coordinator writes and a key outside the layout are uploaded
+        up.join("alice")
+        others = [keys.heartbeat_key(RUN, "alice"), keys.update_key(RUN, 3, "alice"), keys.init_key(RUN, "alice"),
+                  keys.witness_key(RUN, 3, "alice"), keys.health_key(RUN, 3, "alice"), keys.manifest_key(RUN),
+                  f"{keys.run_prefix(RUN)}joined/alice", f"{keys.run_prefix(RUN)}join"]
+        for key in others:
+            up.put(key, b"{}", "alice")
+        # Then the join request is queued on the join lane only, every other object on the main lane only
+        assert drain(stack, stack.resources.join_queue_url) == [keys.join_key(RUN, "alice")]
+        assert sorted(drain(stack, stack.resources.queue_url)) == sorted(others)
+
+
+def test_a_heartbeat_is_delivered_while_hundreds_of_joins_wait_in_their_lane(stack: LocalStack) -> None:
+    # Given alice, a registered participant, and the dispatcher stopped while a flood of 300 signed join
+    # requests from distinct identities is uploaded, then alice's heartbeat
+    assert stack.resources is not None and stack.dispatcher is not None
+    c = stack.connection
+    store = StateStore(c.table, c.run_id, c.endpoint, c.region)
+    up = Uploader(stack)
+    up.join("alice")
+    until(lambda: store.participant("alice") is not None)
+    stack.dispatcher.stop()
+    for i in range(FLOOD):
+        up.join(f"flood{i:03d}")
+    sent = up.heartbeat("alice")
+    until(lambda: queued(stack, stack.resources.join_queue_url) == FLOOD)  # type: ignore[union-attr]
+
+    # When a dispatcher delivers them (the stack's lanes: 3 main-lane workers, 1 join-lane worker), with the real
+    # ingest and join functions
+    began = time.monotonic()
+    dispatcher = Dispatcher(stack.resources, tick_interval=0.5)
+    stats: dict[str, Any] = {}
+    with dispatcher:
+        until(lambda: (r := store.participant("alice")) is not None and r.last_sent == sent)
+        stats["heartbeat after"] = time.monotonic() - began
+        stats["joins registered by then"] = len(store.participants()) - 1
+        stats["joins still queued then"] = queued(stack, stack.resources.join_queue_url)
+        # (the join lane goes on meanwhile, one join request at a time)
+        until(lambda: dispatcher.stats.joins_delivered >= 3)
+    print(f"\njoin-lane backlog: {stats}")
+
+    # Then the heartbeat was recorded before the join lane was drained: before most joins were even registered
+    assert stats["joins registered by then"] < FLOOD / 2, stats
+    assert stats["joins still queued then"] > FLOOD / 2, stats
+    record = store.participant("alice")
+    assert record is not None and record.heard_at > 0
+    assert dispatcher.stats.failed == 0
+
+
+# --- a heartbeat that overtakes its join request -----------------------------------------------------------
+
+
+def test_a_heartbeat_that_overtook_the_join_counts_once_the_join_is_registered(harness: Harness) -> None:
+    # Given alice's join request still waiting in its lane while her first heartbeat is delivered: refused
+    run = harness.config.run_id
+    join = harness.put(keys.join_key(run, "alice"), harness.join_bytes("alice"))
+    beat = harness.send(keys.heartbeat_key(run, "alice"), harness.heartbeat_bytes("alice", ready_epoch=0))
+    assert beat["accepted"] is False and "never joined" in beat["reason"]
+    # When the join request is delivered
+    assert harness.deliver(join)["accepted"] is True
+    # Then her heartbeat is taken now: she has been heard from since her join, and may be admitted
+    record = harness.deps.store.participant("alice")
+    assert record is not None and record.heard_at > 0
+    assert harness.deps.store.participants()["alice"].proven
+
+
+@pytest.mark.parametrize("case", ["sent before the join", "signed by another key", "names another participant"])
+def test_a_heartbeat_found_at_registration_counts_only_if_it_is_alices_and_later(harness: Harness, case: str) -> None:
+    # Given, in alice's heartbeat key, a heartbeat that is not hers or not sent after her join request
+    run = harness.config.run_id
+    now = time.time()
+    if case == "sent before the join":
+        harness.put(keys.heartbeat_key(run, "alice"), harness.heartbeat_bytes("alice", sent_at=now - 5))
+    elif case == "signed by another key":
+        harness.put(keys.heartbeat_key(run, "alice"), harness.heartbeat_bytes("alice", sent_at=now + 1),
+                    signed_by="mallory")
+    else:
+        harness.put(keys.heartbeat_key(run, "alice"), harness.heartbeat_bytes("bob", sent_at=now + 1))
+    # When her join request (sent now) is registered
+    assert harness.send(keys.join_key(run, "alice"), harness.join_bytes("alice", sent_at=now))["accepted"]
+    # Then she is registered but not yet heard from since: no epoch would admit her yet
+    assert not harness.deps.store.participants()["alice"].proven
+
+
+def test_a_heartbeat_from_a_participant_outside_the_epoch_does_not_tick(harness: Harness) -> None:
+    # Given a round in progress with alice and bob, and carol registered since (she waits for the next epoch)
+    harness.start(["alice", "bob"])
+    harness.join_alive("carol")
+    assert "carol" not in harness.state().members
+    # When carol and alice heartbeat
+    outsider, member = harness.heartbeat("carol"), harness.heartbeat("alice")
+    # Then both are recorded, but only the member's heartbeat ticks: an outsider's liveness changes nothing
+    # before the next epoch starts, and a flood of registered identities must not cost a tick per heartbeat
+    assert outsider["accepted"] and outsider["recorded"] and "tick" not in outsider
+    assert member["accepted"] and member["recorded"] and "tick" in member
+    assert harness.deps.store.participants()["carol"].proven

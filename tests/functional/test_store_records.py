@@ -1,0 +1,57 @@
+"""`StateStore` hands back plain typed records, never pynamodb items; and ingest copes with a lost join race."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shared import keys
+from shared.state import RoundSummary
+from store.table import StateStore
+from store.views import ParticipantRecord, ProofRecord, RefusalRecord, UpdateRecord
+from tests.functional.conftest import MODEL, Harness
+
+
+def model(k: float) -> dict[str, np.ndarray]:
+    return {name: (arr + k).astype(arr.dtype) for name, arr in MODEL.items()}
+
+
+def test_records_come_back_as_typed_dataclasses(harness: Harness) -> None:
+    harness.start(["alice", "bob"])
+    store = harness.deps.store
+    alice = store.participant("alice")
+    assert isinstance(alice, ParticipantRecord)
+    assert alice.public_key == harness.signer("alice").public_key and alice.info == {"host": "test"}
+    assert store.participant("nobody") is None
+    harness.upload("alice", model(1))
+    harness.upload("bob", model(2))
+    rec = store.update_record(0, "alice")
+    assert isinstance(rec, UpdateRecord) and rec.accepted
+    assert rec.key == keys.update_key(harness.config.run_id, 0, "alice")
+    assert all(isinstance(u, UpdateRecord) for u in store.all_updates()) and len(store.all_updates()) == 2
+    store.record_proof(0, "alice", "{}", "etag", 1.0)
+    assert store.proof_record(0, "alice") == ProofRecord(0, "alice", "etag", "{}", 1.0)
+    assert store.proof_record(0, "bob") is None
+    store.record_refusal("some/key", "e:v", "no reason", 2.0, "bob")
+    assert store.refusals() == [RefusalRecord("some/key", "e:v", "no reason", 2.0, "bob")]
+    summary = store.round_summary(0)
+    assert isinstance(summary, RoundSummary) and summary == store.rounds()[0]
+    assert store.round_summary(99) is None
+
+
+def test_a_join_that_lost_a_race_to_a_record_it_cannot_read_is_refused(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness.scheduled_tick()
+
+    def lost(self: StateStore, *args: Any) -> str:
+        return "exists"
+
+    # Given a join whose registration loses to a racing one, and the winner's record cannot be read back
+    monkeypatch.setattr(StateStore, "create_participant", lost)
+    monkeypatch.setattr(StateStore, "participant", lambda self, pid: None)
+    # Then the join is refused with the reason, instead of failing
+    out = harness.join("alice")
+    assert out["accepted"] is False and "raced with another registration" in out["reason"]

@@ -1,0 +1,112 @@
+"""The participant's poll loop (participant.protocol), the daemon's and the load test's, against scripted reads."""
+
+from __future__ import annotations
+
+from participant.decide import Fetch, Finish, Train, still_open
+from participant.journal import Journal, JournalKeeper
+from participant.protocol import POLL_FIRST, POLL_GROWTH, Outcome, Participant
+from shared.config import RunConfig
+from shared.state import Member, Phase, RunState
+from store.views import ParticipantRecord, UpdateRecord
+
+G = "a" * 64
+
+
+class Script:
+    """Reads that hand out the given states in turn (the last one from then on)."""
+
+    def __init__(self, *states: RunState) -> None:
+        self.states = list(states)
+        self.record_reads = 0
+
+    def read_state(self) -> RunState:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def read_config(self) -> RunConfig | None:
+        return RunConfig(run_id="r-run")
+
+    def participant_record(self) -> ParticipantRecord | None:
+        self.record_reads += 1
+        return ParticipantRecord("alice", joined_at=100.0, last_seen=100.0)
+
+    def update_record(self, round_no: int) -> UpdateRecord | None:
+        return None
+
+    def update_stored(self, round_no: int, since: float | None = None) -> bool:
+        return False
+
+
+class Recorder(Participant):
+    def __init__(self, reads: Script) -> None:
+        super().__init__("alice", "r-run", reads, JournalKeeper(Journal("r-run", "alice")), poll_max=1.0)
+        self.did: list[str] = []
+        self.pauses: list[float] = []
+
+    def _check_stop(self) -> None:
+        if len(self.pauses) > 50:
+            raise TimeoutError("looping")
+
+    def _pause(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+
+    def _send_join(self) -> None:
+        self.did.append("join")
+
+    def _send_ready(self, epoch: int) -> None:
+        self.did.append(f"ready {epoch}")
+
+    def _offer_model(self) -> None:
+        self.did.append("offer")
+
+    def _fetch(self, action: Fetch) -> None:
+        self.did.append(f"fetch {action.round}")
+        self.held = action.digest
+
+    def _train(self, action: Train) -> bool:
+        self.did.append(f"train {action.round}")
+        self.kept.uploaded(action.round, {"digest": "d"})
+        return True
+
+    def _finish(self, action: Finish) -> Outcome:
+        self.did.append("finish")
+        return Outcome(True, self.rounds_uploaded)
+
+
+def run_state(phase: Phase, round_no: int = 0, digest: str = G, version: int = 1) -> RunState:
+    return RunState(run_id="r-run", version=version, phase=phase, epoch=1, round=round_no, seed="c" * 64,
+                    members={"alice": Member()}, selected=("alice",), global_digest=digest)
+
+
+def test_a_participant_joins_offers_trains_and_finishes() -> None:
+    script = Script(
+        run_state(Phase.WAITING, digest=""),
+        run_state(Phase.WAITING, digest=""),
+        run_state(Phase.TRAIN),
+        run_state(Phase.TRAIN),
+        run_state(Phase.FINISHED, round_no=1),
+    )
+    p = Recorder(script)
+    p._join()
+    outcome = p._loop()
+    assert outcome == Outcome(True, 1)
+    assert p.did == ["join", "offer", "fetch 0", "train 0", "finish"]  # the final model is the one held
+    assert p.joined_at == 100.0 and p.journal.joined_at == 100.0  # the journal is tied to this incarnation
+    # one wait (for members), jittered around the first poll interval
+    assert len(p.pauses) == 1 and POLL_FIRST * 0.75 <= p.pauses[0] <= POLL_FIRST * 1.25
+
+
+def test_waiting_backs_off_up_to_poll_max() -> None:
+    p = Recorder(Script(*[run_state(Phase.COOLDOWN)] * 30, run_state(Phase.FINISHED, digest="")))
+    p.joined_at = 100.0
+    p._loop()
+    assert len(p.pauses) == 30
+    assert all(b <= a * POLL_GROWTH * 1.25 / 0.75 for a, b in zip(p.pauses, p.pauses[1:], strict=False))
+    assert max(p.pauses) <= 1.0 * 1.25 and p.pauses[-1] >= 1.0 * 0.75
+
+
+def test_still_open() -> None:
+    a = Train(3, 1, "s", ("alice", "bob"), G)
+    assert still_open(run_state(Phase.TRAIN, round_no=3), a, "alice")
+    assert not still_open(run_state(Phase.TRAIN, round_no=4), a, "alice")
+    assert not still_open(run_state(Phase.WITNESS, round_no=3), a, "alice")
+    assert not still_open(run_state(Phase.TRAIN, round_no=3), a, "carol")
