@@ -1,0 +1,45 @@
+"""Objects the coordinator wrote are trusted only as its committed state records them.
+
+Locally (and on any bucket whose policy a user loosened) anyone can overwrite `manifest.json` or a global
+model's key. The coordinator must read the version its state authenticates (by digest), never what is at
+the key now: a forged object can neither make valid updates be refused nor change what is aggregated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from coordinator.verify import verify_run
+from shared import keys, wire
+from tests.functional.conftest import MODEL, Harness
+
+
+def test_a_forged_manifest_does_not_make_valid_updates_be_refused(harness: Harness) -> None:
+    # Given a run training round 0, whose manifest.json an attacker replaced by one of another model
+    harness.start(["alice", "bob"])
+    other = wire.Manifest({"evil": wire.TensorSpec("F32", (7,))})
+    harness.s3.put_object(Bucket=harness.res.bucket, Key=keys.manifest_key(harness.config.run_id),
+                          Body=other.to_json().encode())
+    # When both upload updates shaped like the real model
+    a = harness.upload("alice", {k: v + 1 for k, v in MODEL.items()}, samples=10)
+    b = harness.upload("bob", {k: v + 3 for k, v in MODEL.items()}, samples=10)
+    # Then both are accepted and averaged
+    assert a["accepted"] and b["accepted"], (a, b)
+    assert harness.state().round == 1
+    np.testing.assert_allclose(harness.global_model(1)["dense.bias"], 2.0)
+
+
+def test_a_global_model_overwritten_at_its_key_is_not_what_the_round_trains_from(harness: Harness) -> None:
+    # Given a run training round 0, whose global model's key an attacker overwrote with other weights
+    harness.start(["alice", "bob"])
+    forged = {k: np.full_like(v, 1000.0) for k, v in MODEL.items()}
+    harness.s3.put_object(Bucket=harness.res.bucket, Key=harness.global_key(0), Body=wire.encode(forged))
+    # When the round closes
+    harness.upload("alice", {k: v + 1 for k, v in MODEL.items()}, samples=10)
+    harness.upload("bob", {k: v + 3 for k, v in MODEL.items()}, samples=10)
+    # Then the aggregate is computed from the authenticated version (the updates' mean, nothing of the
+    # forgery), the run goes on, and anyone can still recompute it from the bucket
+    state = harness.state()
+    assert state.round == 1
+    np.testing.assert_allclose(harness.global_model(1)["dense.bias"], 2.0)
+    assert all(check.ok for check in verify_run(harness.deps)), [c for c in verify_run(harness.deps) if not c.ok]
