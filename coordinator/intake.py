@@ -16,6 +16,7 @@ from coordinator.models import GlobalModel, read_global
 from coordinator.streamed import Streamed, stream_model
 from shared import keys
 from shared.admission import bounded_info, check_update_meta, slot_problem, staleness
+from shared.config import DataMode
 from shared.keys import KeyError_, ObjectKind
 from shared.limits import MAX_REASON_CHARS, bounded
 from shared.messages import MAX_CONTROL_BYTES, HealthReport, Heartbeat, JoinRequest, parse_message
@@ -119,12 +120,15 @@ def _join(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
         return _refuse(deps, obj, "join", "join request names another participant than its key", pid)
     if reason := staleness(request.sent_at, obj.time, deps.config.max_clock_skew):
         return _refuse(deps, obj, "join", f"join request refused: {reason}", pid)
+    if deps.config.data_mode is DataMode.LOCAL and request.samples is None:
+        return _refuse(deps, obj, "join", "join request refused: the run trains on local data, and the request "
+                       "does not say how many samples the participant holds (field 'samples')", pid)
     info = bounded_info(request.info)
     public_key = request.public_key
     existing = deps.store.participant(pid)
     if existing is None:
         created = deps.store.create_participant(pid, obj.time, public_key, info, deps.config.max_participants,
-                                                request.sent_at)
+                                                request.sent_at, request.samples or 0)
         if created == "full":
             return _refuse(deps, obj, "join", f"the run is full: {deps.config.max_participants} participants", pid)
         if created == "created":
@@ -296,12 +300,20 @@ def _validate_update(
         if scanned.problem or scanned.header is None:
             raise WireError(scanned.problem or "no header")
         meta = UpdateMeta.from_metadata(scanned.header.metadata)
-        check_update_meta(meta, deps.config, state, pid, round_no)
+        check_update_meta(meta, deps.config, state, pid, round_no, _registered_samples(deps, pid))
     except (WireError, ValueError) as exc:
         return _replace(base, reason=str(exc))
     return _replace(base, accepted=True, samples=meta.samples, digest=scanned.digest, metrics=dict(meta.metrics),
                     norm=scanned.distance)
 
+
+
+def _registered_samples(deps: Deps, pid: str) -> int:
+    """Local data mode: the sample count `pid` registered when it joined (0 otherwise, or if unknown)."""
+    if deps.config.data_mode is not DataMode.LOCAL:
+        return 0
+    record = deps.store.participant(pid)
+    return record.samples if record is not None else 0
 
 
 def _global_model(deps: Deps, state: RunState) -> GlobalModel:

@@ -126,6 +126,12 @@ def demo(
         help="SIGKILL one participant in the middle of a round: the coordinator drops it and the run goes on "
         "(the demo's default config then needs only N-1 members).",
     ),
+    split: str | None = typer.Option(
+        None, "--split", metavar="iid|dirichlet:ALPHA",
+        help="Train on private data (data_mode = local): the training set is split among the participants, "
+        "IID or with a Dirichlet(ALPHA) label skew (0.1: a few digits each; 100: close to IID), and each trains "
+        "only on its own part. Default: every round assigns each participant a slice of the shared set.",
+    ),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Give up (exit 1) if the run has not finished."),
     tick_interval: float = typer.Option(1.0, "--tick-interval", min=0.05, help="Seconds between scheduled ticks."),
     workdir: Path | None = typer.Option(
@@ -146,7 +152,8 @@ def demo(
         err.print(f"[red]unknown --task {task!r}[/]: choose one of {', '.join(DEMO_TASKS)}")
         raise typer.Exit(2)
     options = DemoOptions(participants=participants, rounds=rounds, report=report, plot=plot, config=_load(config),
-                          kill_one=kill_one, timeout=timeout, tick_interval=tick_interval, workdir=workdir, task=task)
+                          kill_one=kill_one, timeout=timeout, tick_interval=tick_interval, workdir=workdir, task=task,
+                          split=split)
     try:
         run_demo(options, console)
     except DemoFailed as exc:

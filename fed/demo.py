@@ -30,9 +30,10 @@ from rich.console import Console
 from fed.localrun import RoundFollower, store_for
 from fed.plot import PlotUnavailable, RoundPoint, write_png
 from local.stack import LocalStack, client_environment
+from participant.splits import parse_split
 from participant.tasks import digits_meta, lm_meta
 from shared import keys
-from shared.config import RunConfig
+from shared.config import DataMode, RunConfig
 from shared.state import Phase, RoundSummary
 from shared.wire import digest
 from store.blobs import Bucket, s3_client
@@ -311,6 +312,7 @@ class DemoOptions:
     workdir: Path | None = None
     keep: bool = False
     task: str | None = None  # a DEMO_TASKS name; None: digits, or the --config file's task
+    split: str | None = None  # local data mode: iid or dirichlet:ALPHA, part i to participant i; None: assigned
 
 
 @dataclass
@@ -362,8 +364,19 @@ def format_row(r: RoundRow) -> str:
 
 
 def resolve_config(opts: DemoOptions) -> RunConfig:
+    if opts.split is not None:
+        if "/" in opts.split:
+            raise DemoFailed(f"--split {opts.split}: give iid or dirichlet:ALPHA; participant i gets part i")
+        try:
+            parse_split(opts.split, 0, opts.participants)
+        except ValueError as exc:
+            raise DemoFailed(f"--split: {exc}") from None
     if opts.config is None:
-        return demo_config(opts.participants, opts.rounds, opts.kill_one, task=opts.task or DEFAULT_TASK)
+        local: dict[str, Any] = {"data_mode": DataMode.LOCAL, "dataset_size": 0} if opts.split else {}
+        return demo_config(opts.participants, opts.rounds, opts.kill_one, task=opts.task or DEFAULT_TASK, **local)
+    if opts.split and opts.config.data_mode is not DataMode.LOCAL:
+        raise DemoFailed("--split gives each participant its own data, but the --config file's data_mode is "
+                         f"{opts.config.data_mode}: set data_mode = \"local\" there")
     if opts.task is not None and demo_task(opts.task).spec.partition(":")[0] != opts.config.task.partition(":")[0]:
         raise DemoFailed(f"--task {opts.task} and the --config file's task ({opts.config.task}) disagree: "
                          "leave --task out to run the config's task")
@@ -400,7 +413,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         console.print(f"logs: {workdir / 'logs'}   watch: fed status --connection {connection_file} --watch")
         names = [f"p{i}" for i in range(1, opts.participants + 1)]
         procs = Participants(connection_file, workdir)
-        procs.spawn(names)
+        procs.spawn(names, {name: ["--data", f"{opts.split}:{i}/{len(names)}"] for i, name in enumerate(names)}
+                    if opts.split else None)
         evaluator = Evaluator(config, stack.connection)
         with console.status(f"starting {len(names)} participant processes"):
             await_joins(stack, names, procs)
@@ -418,6 +432,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
             "final_accuracy": final_accuracy,
             "wall_seconds": round(wall, 2),
             "participants": opts.participants,
+            "split": opts.split,
             "killed": [p.name for p in procs.procs.values() if p.killed],
             "aggregated_rounds": final.aggregated,
         }

@@ -130,6 +130,13 @@ def start(
         help="Python object providing model, data, training and evaluation (see participant.task.Task), e.g. "
              "participant.tasks.digits:task. Every participant of a run must use the same model and data.",
     ),
+    data: str = typer.Option(
+        None, "--data", metavar="SPEC",
+        help="Runs in local data mode (data_mode = local) only: this participant's own data, passed to the task's "
+             "local_data (a path, or a spec the task defines). Its sample count is registered when joining; an "
+             "update may not claim more. Built-in digits: iid:I/N or dirichlet:ALPHA:I/N (part I of N, label "
+             "skew Dirichlet(ALPHA)), e.g. dirichlet:0.5:3/8.",
+    ),
     state_dir: Path = typer.Option(
         None, "--state-dir", metavar="DIR", show_default="~/.fed/<run>/<id>",
         help="Where progress (rounds uploaded, the round in training) and the global-model cache are kept.",
@@ -194,7 +201,7 @@ def start(
 
     options = Options(
         pid=pid, state_dir=state_dir or default_state_dir(conn.run_id, pid), task=task, device=device,
-        threads=threads, max_rounds=max_rounds, poll_max=poll_max,
+        threads=threads, max_rounds=max_rounds, poll_max=poll_max, data=data,
     )
     endpoint = conn.endpoint or f"AWS {conn.region}"
     log.info("participant %s, run %s (bucket %s, table %s, %s); state in %s", pid, conn.run_id, conn.bucket,

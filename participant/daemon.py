@@ -47,6 +47,7 @@ class Options:
     threads: int = 0  # torch intra-op threads; 0: torch's default
     max_rounds: int = 0  # leave after uploading this many updates; 0: run to the end
     poll_max: float = POLL_MAX
+    data: str | None = None  # local data mode: what the task's local_data loads (a path or a split spec)
 
 
 def default_state_dir(run_id: str, pid: str) -> Path:
@@ -72,6 +73,7 @@ class Daemon(Participant):
         self.task: Any = None
         self.specs: Any = None  # the task model's tensor specs (participant.tensors.specs_of)
         self.device: Any = None
+        self.own: Any = None  # local data mode: the indices of this participant's own data
         self.training = Training(self.remote, self.kept, reporter, stop, self._doing, state_dir / "cache", run_id,
                                  pid)
         self.witnessing = Witnessing(self.remote, self.kept, self.training, stop, self._doing, state_dir, run_id, pid)
@@ -85,8 +87,12 @@ class Daemon(Participant):
     def run(self) -> Outcome:
         heart = None
         try:
+            work = None
+            if self.opt.data:  # its own data: loaded first, since the join request registers its sample count
+                self.config = self._wait_for_config()
+                work = self._load_workload(self.config)
             self._join()
-            self.config = self._wait_for_config()
+            self.config = self.config or self._wait_for_config()
             log.info("run config: task %s, %d rounds, %d local epoch(s), batch %d, learning rate %g",
                      self.opt.task or self.config.task, self.config.total_rounds, self.config.local_epochs,
                      self.config.batch_size, self.config.learning_rate)
@@ -95,8 +101,8 @@ class Daemon(Participant):
             self.activity = "loading the task"
             heart = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
             heart.start()
-            work = load_workload(self.opt.task or self.config.task, self.config, self.opt.device, self.opt.threads)
-            self.task, self.device, self.specs = work.task, work.device, work.specs
+            if work is None:
+                self._load_workload(self.config)
             if self.journal.training:
                 log.info("round %s was being trained when this participant last stopped; it is retrained if "
                          "the round is still open", self.journal.training.get("round"))
@@ -109,11 +115,16 @@ class Daemon(Participant):
             if heart is not None:
                 heart.join(timeout=5)
 
+    def _load_workload(self, config: RunConfig) -> Workload:
+        work = load_workload(self.opt.task or config.task, config, self.opt.device, self.opt.threads, self.opt.data)
+        self.task, self.device, self.specs, self.own = work.task, work.device, work.specs, work.own
+        return work
+
     def _work(self) -> Workload:
         """The run's task on this host (loaded by `run`)."""
         if self.config is None or self.task is None:
             raise RuntimeError("the run's task is not loaded yet")
-        return Workload(self.opt.task or self.config.task, self.config, self.task, self.device, self.specs)
+        return Workload(self.opt.task or self.config.task, self.config, self.task, self.device, self.specs, self.own)
 
     def _doing(self, activity: str) -> None:
         self.activity = activity
@@ -175,7 +186,8 @@ class Daemon(Participant):
 
     def _send_join(self) -> None:
         request = JoinRequest(run_id=self.run_id, participant=self.pid, public_key=self.signer.public_key,
-                              sent_at=self.sent_at(), info=self._info())
+                              sent_at=self.sent_at(), info=self._info(),
+                              samples=len(self.own) if self.own is not None else None)
         self.remote.put_json(keys.join_key(self.run_id, self.pid), request.model_dump(mode="json"),
                              "sending the join request")
 

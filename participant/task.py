@@ -39,6 +39,9 @@ class Task(Protocol):
       round retrained after a restart gives the same update. (The daemon also seeds torch's global RNG
       with it, which is enough in a process that trains one model at a time.)
     - `evaluate(model, device)`: `{"test_accuracy": ..., "test_loss": ...}` on the task's held-out set.
+    - optional, for runs in local data mode: `local_data(spec)`: load this participant's own data (`spec` is
+      what `fed-participant start --data` was given: a path, or a spec the task defines) and return the
+      indices `train` is called with each round; their number is the sample count registered at join.
     """
 
     train_size: int

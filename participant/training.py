@@ -31,7 +31,7 @@ from participant.protocol import ParticipantError, closed_while_training
 from participant.remote import Remote, Stopped
 from participant.ui import Reporter
 from shared import keys
-from shared.config import RunConfig
+from shared.config import DataMode, RunConfig
 from shared.digest import digest_file
 from shared.selection import assignment
 from shared.wire import UpdateMeta
@@ -102,14 +102,16 @@ class Workload:
     task: Any  # a participant.task.Task
     device: Any  # a torch.device
     specs: Any = None  # the task model's tensor names, shapes and dtypes (participant.tensors.Specs)
+    own: Any = None  # local data mode: the indices of this participant's own data (np.ndarray); None: assigned
 
     @property
     def dataset_size(self) -> int:
         return self.config.dataset_size or int(self.task.train_size)
 
 
-def load_workload(spec: str, config: RunConfig, device: str, threads: int) -> Workload:
-    """Load the task, check it fits the run, pick the device and load the data (so the first round does not)."""
+def load_workload(spec: str, config: RunConfig, device: str, threads: int, data: str | None = None) -> Workload:
+    """Load the task, check it fits the run, pick the device and load the data (so the first round does not);
+    in local data mode, this participant's own data as `data` names it."""
     from participant.task import TaskError, load_task
 
     try:
@@ -117,7 +119,8 @@ def load_workload(spec: str, config: RunConfig, device: str, threads: int) -> Wo
     except TaskError as exc:
         raise ParticipantError(str(exc)) from None
     size = int(task.train_size)
-    if config.dataset_size and config.dataset_size != size:
+    own = own_data(task, spec, config, data)
+    if own is None and config.dataset_size and config.dataset_size != size:
         raise ParticipantError(
             f"the run's dataset_size is {config.dataset_size}, but task {spec} has {size} training samples: "
             "every participant must train the same data set (fix the run config or --task)"
@@ -130,7 +133,7 @@ def load_workload(spec: str, config: RunConfig, device: str, threads: int) -> Wo
 
     started = time.perf_counter()
     model = task.build_model(config.seed)
-    work = Workload(spec, config, task, resolve_device(device), specs_of(model))
+    work = Workload(spec, config, task, resolve_device(device), specs_of(model), own)
     fresh = task.evaluate(model, work.device)  # loads the data now
     del model
     warm_up_autograd(work.device)
@@ -138,6 +141,31 @@ def load_workload(spec: str, config: RunConfig, device: str, threads: int) -> Wo
              "device %s, %d torch thread(s)", spec, work.dataset_size, time.perf_counter() - started,
              fresh.get("test_accuracy", math.nan), work.device, torch.get_num_threads())
     return work
+
+
+def own_data(task: Any, spec: str, config: RunConfig, data: str | None) -> np.ndarray | None:
+    """Local data mode: the indices of this participant's own samples (`task.local_data(data)`); None in
+    assigned mode. A mode and a `--data` that do not fit each other are refused before anything is sent."""
+    if config.data_mode is DataMode.ASSIGNED:
+        if data:
+            raise ParticipantError(f"--data {data}: run {config.run_id} assigns slices of one shared training set "
+                                   "each round (data_mode = assigned); start without --data")
+        return None
+    if not data:
+        raise ParticipantError(f"run {config.run_id} trains on each participant's own data (data_mode = local): "
+                               "start with --data (for the built-in digits task, iid:I/N or dirichlet:ALPHA:I/N)")
+    if not callable(getattr(task, "local_data", None)):
+        raise ParticipantError(f"task {spec} cannot load local data: it has no local_data(spec) method "
+                               "(see participant.task.Task)")
+    try:
+        own = np.asarray(task.local_data(data), dtype=np.int64)
+    except (ValueError, OSError) as exc:
+        raise ParticipantError(f"--data {data}: {exc}") from None
+    if own.ndim != 1 or len(own) == 0:
+        raise ParticipantError(f"--data {data}: task {spec} found no samples")
+    if int(own.min()) < 0 or int(own.max()) >= int(task.train_size):
+        raise ParticipantError(f"--data {data}: task {spec} returned indices outside [0, {task.train_size})")
+    return own
 
 
 class Training:
@@ -237,7 +265,7 @@ class Training:
     def train(self, work: Workload, a: Train, held_model: ModelSource) -> bool:
         """Train our assignment of the round from the global model and upload the update; False if it was not
         sent (too large, or the round closed meanwhile)."""
-        indices = assignment(a.seed, work.dataset_size, a.selected, self.pid)
+        indices = work.own if work.own is not None else assignment(a.seed, work.dataset_size, a.selected, self.pid)
         previous = self.kept.start_training(a.round, a.digest)
         if previous and previous.get("round") == a.round:
             log.info("round %d: retraining (interrupted by a restart)", a.round)

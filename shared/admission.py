@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shared.config import RunConfig
+from shared.config import DataMode, RunConfig
 from shared.selection import assigned_count
 from shared.state import Phase, RunState
 from shared.wire import UpdateMeta, WireError
@@ -38,14 +38,20 @@ def slot_problem(state: RunState, round_no: int, pid: str, uploaded_at: float | 
     return ""
 
 
-def check_update_meta(meta: UpdateMeta, config: RunConfig, state: RunState, pid: str, round_no: int) -> None:
+def check_update_meta(
+    meta: UpdateMeta, config: RunConfig, state: RunState, pid: str, round_no: int, registered: int = 0
+) -> None:
     """Raise WireError unless an update's metadata names its key's run, round and participant and claims a
-    believable sample count: positive, and (with a known data set) at most what the participant was assigned."""
+    believable sample count: positive, in local data mode at most the `registered` count of its own data, and
+    (with a known shared data set) at most what the participant was assigned."""
     if meta.run_id != config.run_id or meta.round != round_no or meta.participant != pid:
         raise WireError("metadata names another run, round or participant than the key")
     if meta.samples <= 0:
         raise WireError(f"sample count must be positive, got {meta.samples}")
-    if config.dataset_size:
+    if config.data_mode is DataMode.LOCAL:
+        if meta.samples > registered:
+            raise WireError(f"claims {meta.samples} samples, more than the {registered} its join registered")
+    elif config.dataset_size:
         assigned = assigned_count(config.dataset_size, state.selected, pid)
         if meta.samples > assigned:
             raise WireError(f"claims {meta.samples} samples, more than the {assigned} it was assigned")

@@ -27,6 +27,13 @@ class Strategy(StrEnum):
     CLIPPED_FEDAVG = "clipped_fedavg"
 
 
+class DataMode(StrEnum):
+    """Where a participant's training data comes from."""
+
+    ASSIGNED = "assigned"  # one shared training set; each round the coordinator assigns index slices of it
+    LOCAL = "local"  # each participant's own (private) data; it registers its sample count when it joins
+
+
 class RunConfig(BaseModel):
     """What a run is: who may join, how rounds are paced, how updates are combined and checked."""
 
@@ -77,6 +84,10 @@ class RunConfig(BaseModel):
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
     clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")
     task: str = Field("participant.tasks.digits:task", description="module:object of the training task.")
+    data_mode: DataMode = Field(
+        DataMode.ASSIGNED, description="assigned: every host holds the same training set and trains the slices "
+        "each round assigns it; local: each trains on its own data (`fed-participant start --data`), registering "
+        "its sample count at join, and an update claiming more samples than registered is refused.")
     dataset_size: int = Field(0, ge=0, description="Samples in the shared training set; 0: from the task.")
     local_epochs: int = Field(1, ge=1, description="Passes over its assigned data per round.")
     batch_size: int = Field(32, ge=1)

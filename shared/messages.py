@@ -171,6 +171,9 @@ class JoinRequest(Message):
     public_key: Annotated[str, Text(min_length=1, max_length=MAX_PUBLIC_KEY)]
     sent_at: SentAt
     info: Info = Field(default_factory=dict)
+    # Local data mode: how many samples the participant's own data holds (registered once; an update may claim
+    # at most this many). Absent in assigned mode.
+    samples: Annotated[int, Field(ge=1, le=MAX_COUNTER)] | None = None
 
 
 class Heartbeat(Message):

@@ -47,6 +47,7 @@ class ParticipantItem(_Item):
     info = JSONAttribute(default=dict)
     last_sent = NumberAttribute(default=0)  # `sent_at` of the last join or heartbeat accepted (replays are older)
     heard_at = NumberAttribute(default=0)  # last signed message accepted after the registering join; 0: none
+    samples = NumberAttribute(default=0)  # local data mode: the sample count registered at join; 0: none
 
 
 class UpdateItem(_Item):
@@ -206,6 +207,7 @@ def participant_record(item: ParticipantItem) -> ParticipantRecord:
         info=dict(item.info or {}),
         last_sent=float(item.last_sent or 0),
         heard_at=float(item.heard_at or 0),
+        samples=int(item.samples or 0),
     )
 
 

@@ -153,7 +153,8 @@ class StateStore:
         return participant_record(item)
 
     def create_participant(
-        self, pid: str, at: float, public_key: str, info: dict[str, Any], limit: int, sent_at: float = 0.0
+        self, pid: str, at: float, public_key: str, info: dict[str, Any], limit: int, sent_at: float = 0.0,
+        samples: int = 0,
     ) -> str:
         """Register a new participant: "created", "exists" (a racing duplicate), or "full" (limit reached).
 
@@ -162,7 +163,7 @@ class StateStore:
         """
         item = self.m.participant(
             self.pk, participant_sk(pid), pid=pid, joined_at=at, last_seen=at, public_key=public_key, info=info,
-            last_sent=sent_at,
+            last_sent=sent_at, samples=samples,
         )
         counter = self.m.counter(self.pk, PARTICIPANT_COUNT_SK)
         n = self.m.counter.n

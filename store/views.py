@@ -26,6 +26,7 @@ class ParticipantRecord:
     info: Mapping[str, Any] = field(default_factory=dict)  # participant-supplied, displayed and never trusted
     last_sent: float = 0.0  # `sent_at` of the last join request or heartbeat accepted
     heard_at: float = 0.0  # last signed message accepted after the join that registered it; 0: none yet
+    samples: int = 0  # local data mode: its own data's sample count, registered at join (never changed); 0: none
 
     def view(self) -> ParticipantView:
         """What a tick needs of this record."""

@@ -8,6 +8,7 @@ passes run in bfloat16 (`torch.autocast`) while the weights, and SGD's steps, st
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,9 +18,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from participant.splits import label_counts, parse_split, partition
 from participant.task import Progress
 from participant.tasks import digits_meta
 from shared.config import RunConfig
+
+log = logging.getLogger("participant")
 
 
 class Digits:
@@ -71,6 +75,16 @@ class Digits:
     ) -> dict[str, float]:
         with self.around_train(model, progress):
             return self._train(model, indices, config, device, progress, seed)
+
+    def local_data(self, spec: str) -> np.ndarray:
+        """Local data mode: this participant's own part of the training set, as a split spec names it
+        (`iid:I/N` or `dirichlet:ALPHA:I/N`, see participant.splits): indices into the training set."""
+        split = parse_split(spec)
+        labels = self._data[1].numpy()
+        own = partition(labels, split.parts, split.alpha, seed=digits_meta.SPLIT_SEED)[split.part]
+        counts = " ".join(f"{d}:{c}" for d, c in enumerate(label_counts(labels, own, 10)))
+        log.info("local data %s: %d samples (per digit %s)", spec, len(own), counts)
+        return own
 
     @contextmanager
     def around_train(self, model: nn.Module, progress: Progress | None) -> Iterator[None]:
