@@ -8,7 +8,8 @@ for each round, so a participant that dies mid-round retrains the same update af
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -33,7 +34,8 @@ class Task(Protocol):
     - `build_model(seed)`: a freshly initialised model; the same seed gives the same weights on every
       host (every participant offers the same initial model).
     - `train(model, indices, config, device, progress, seed)`: train `model` in place on exactly the
-      samples `indices`, for `config.local_epochs` passes with `config.batch_size` and
+      samples `indices`, for `config.local_epochs` passes (or `config.local_steps` steps: `local_batches`
+      gives the batches either way) with `config.batch_size` and
       `config.learning_rate`; return metrics, at least `loss` (mean training loss). Draw every random
       choice (shuffling, dropout) from `seed` — e.g. a `torch.Generator().manual_seed(seed)` — so a
       round retrained after a restart gives the same update. (The daemon also seeds torch's global RNG
@@ -62,6 +64,28 @@ class Task(Protocol):
 
 
 REQUIRED = ("train_size", "build_model", "train", "evaluate")
+
+
+def local_batches(count: int, config: RunConfig, generator: torch.Generator) -> tuple[int, Iterator[torch.Tensor]]:
+    """A round's mini-batches as positions in `range(count)`: `config.local_steps` batches if it is set (DiLoCo's
+    H inner steps; the data is gone through again, in a new order each pass, as often as needed), else
+    `config.local_epochs` passes; every order drawn from `generator`. Returns (number of batches, batches)."""
+    if count <= 0:
+        raise ValueError("no samples to train on")
+    per_pass = math.ceil(count / config.batch_size)
+    total = config.local_steps or per_pass * config.local_epochs
+
+    def batches() -> Iterator[torch.Tensor]:
+        done = 0
+        while done < total:
+            order = torch.randperm(count, generator=generator)
+            for start in range(0, count, config.batch_size):
+                if done == total:
+                    return
+                yield order[start : start + config.batch_size]
+                done += 1
+
+    return total, batches()
 
 
 def load_task(spec: str) -> Task:

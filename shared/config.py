@@ -89,7 +89,10 @@ class RunConfig(BaseModel):
         "each round assigns it; local: each trains on its own data (`fed-participant start --data`), registering "
         "its sample count at join, and an update claiming more samples than registered is refused.")
     dataset_size: int = Field(0, ge=0, description="Samples in the shared training set; 0: from the task.")
-    local_epochs: int = Field(1, ge=1, description="Passes over its assigned data per round.")
+    local_epochs: int = Field(1, ge=1, description="Passes over its data per round (unless local_steps is set).")
+    local_steps: int = Field(
+        0, ge=0, description="Optimizer steps each participant takes per round (DiLoCo's H inner steps), cycling "
+        "through its data in fresh seeded orders as often as needed; 0: local_epochs passes instead.")
     batch_size: int = Field(32, ge=1)
     learning_rate: float = Field(0.05, gt=0)
     max_update_bytes: int = Field(

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from participant.splits import label_counts, parse_split, partition
-from participant.task import Progress
+from participant.task import Progress, local_batches
 from participant.tasks import digits_meta
 from shared.config import RunConfig
 
@@ -104,24 +104,21 @@ class Digits:
         model.to(device).train()
         opt = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=self.momentum)
         loss_fn = nn.CrossEntropyLoss()
-        steps_per_epoch = math.ceil(len(idx) / config.batch_size)
-        total, done, loss_sum, seen = steps_per_epoch * config.local_epochs, 0, 0.0, 0
-        generator = torch.Generator().manual_seed(seed)
+        total, batches = local_batches(len(idx), config, torch.Generator().manual_seed(seed))
+        done, loss_sum, seen = 0, 0.0, 0
         bf16 = device.type == "cuda"
-        for _ in range(config.local_epochs):
-            perm = torch.randperm(len(idx), generator=generator).to(device)
-            for start in range(0, len(idx), config.batch_size):
-                batch = perm[start : start + config.batch_size]
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-                    loss = loss_fn(model(x[batch]), y[batch])
-                loss.backward()
-                opt.step()
-                loss_sum += float(loss.detach()) * len(batch)
-                seen += len(batch)
-                done += 1
-                if progress is not None:
-                    progress(done, total)
+        for batch in batches:
+            batch = batch.to(device)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(model(x[batch]), y[batch])
+            loss.backward()
+            opt.step()
+            loss_sum += float(loss.detach()) * len(batch)
+            seen += len(batch)
+            done += 1
+            if progress is not None:
+                progress(done, total)
         return {"loss": loss_sum / seen}
 
     @torch.no_grad()

@@ -13,7 +13,8 @@ residual stream), a final LayerNorm and an untied linear head. No dropout. Weigh
 `torch.Generator` seeded with the run's seed (normal, std 0.02; the residual projections 0.02 / sqrt(2 n_layers)).
 
 Training: AdamW (betas 0.9/0.95, no weight decay, a fresh optimizer every round) at `config.learning_rate`, batches
-of `config.batch_size` chunks in an order drawn from the round's seed, `config.local_epochs` passes, gradient norm
+of `config.batch_size` chunks in an order drawn from the round's seed, `config.local_epochs` passes (or
+`config.local_steps` inner steps, DiLoCo's H), gradient norm
 clipped to 1. On CUDA the forward and backward passes run under bf16 autocast with float32 master weights (the
 update stays float32); on the CPU everything is float32.
 
@@ -47,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from participant.task import Progress
+from participant.task import Progress, local_batches
 from participant.tasks import lm_meta
 from shared.config import RunConfig
 
@@ -185,27 +186,25 @@ class ByteLM:
         chunks = train_chunks[idx].to(device=device, dtype=torch.long)
         model.to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=self.betas, weight_decay=0.0)
-        steps_per_epoch = math.ceil(len(idx) / config.batch_size)
-        total, done = steps_per_epoch * config.local_epochs, 0
+        total, batches = local_batches(len(idx), config, torch.Generator().manual_seed(seed))
+        done, seen = 0, 0
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync a step
-        generator = torch.Generator().manual_seed(seed)
-        for _ in range(config.local_epochs):
-            order = torch.randperm(len(idx), generator=generator).to(device)
-            for start in range(0, len(idx), config.batch_size):
-                batch = chunks[order[start : start + config.batch_size]]
-                opt.zero_grad(set_to_none=True)
-                with _autocast(device):
-                    logits = model(batch[:, :-1])
-                loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-                torch.autograd.backward(loss)
-                if self.grad_clip > 0:
-                    nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip)
-                opt.step()
-                loss_sum += loss.detach().double() * len(batch)
-                done += 1
-                if progress is not None:
-                    progress(done, total)
-        return {"loss": float(loss_sum) / (len(idx) * config.local_epochs)}
+        for positions in batches:
+            batch = chunks[positions.to(device)]
+            opt.zero_grad(set_to_none=True)
+            with _autocast(device):
+                logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+            torch.autograd.backward(loss)
+            if self.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip)
+            opt.step()
+            loss_sum += loss.detach().double() * len(batch)
+            seen += len(batch)
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        return {"loss": float(loss_sum) / seen}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from participant.task import Task, TaskError, load_task
+from participant.task import Task, TaskError, load_task, local_batches
 from participant.tasks import digits_meta
 from participant.tasks.digits import Digits
 from shared.config import RunConfig
@@ -132,3 +132,30 @@ def test_load_task_calls_a_class_or_factory(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(TaskError, match="no GPU here"):
         load_task("my_tasks_mod:broken")
     sys.modules.pop("my_tasks_mod", None)
+
+
+def positions(config: RunConfig, count: int, seed: int = 7) -> tuple[int, list[list[int]]]:
+    total, batches = local_batches(count, config, torch.Generator().manual_seed(seed))
+    return total, [b.tolist() for b in batches]
+
+
+def test_local_epochs_go_through_the_data_that_many_times_in_new_orders() -> None:
+    total, batches = positions(RunConfig(run_id="r-1", batch_size=4, local_epochs=2), 10)
+    assert total == len(batches) == 6
+    first, second = sum(batches[:3], []), sum(batches[3:], [])
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+
+
+def test_local_steps_take_exactly_h_batches_cycling_through_the_data() -> None:
+    total, batches = positions(RunConfig(run_id="r-1", batch_size=4, local_steps=7), 10)
+    assert total == len(batches) == 7
+    assert sorted(sum(batches[:3], [])) == list(range(10))  # a whole pass, then the next in another order
+    assert all(0 < len(b) <= 4 for b in batches)
+    assert positions(RunConfig(run_id="r-1", batch_size=4, local_steps=7), 10) == (total, batches)
+
+
+def test_the_digits_task_trains_h_steps_when_local_steps_is_set(digits: Digits) -> None:
+    config = RunConfig(run_id="r-1", batch_size=16, local_steps=5)
+    calls: list[tuple[int, int]] = []
+    digits.train(digits.build_model(0), range(100), config, torch.device("cpu"), lambda d, t: calls.append((d, t)))
+    assert calls == [(d, 5) for d in range(1, 6)]
