@@ -19,7 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 from pydantic import StringConstraints as Text
 from pydantic_core import ErrorDetails
 
@@ -174,6 +184,13 @@ class JoinRequest(Message):
     # Local data mode: how many samples the participant's own data holds (registered once; an update may claim
     # at most this many). Absent in assigned mode.
     samples: Annotated[int, Field(ge=1, le=MAX_COUNTER)] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_samples(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body: dict[str, Any] = handler(self)
+        if body.get("samples") is None:  # assigned mode: the join reads exactly as it did before local mode
+            body.pop("samples", None)
+        return body
 
 
 class Heartbeat(Message):
