@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PARTICIPANTS ?= 4
 
-.PHONY: venv demo test test-slow bench bench-big synth lint clean
+.PHONY: venv demo test test-slow bench bench-big bench-learning synth lint clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,9 @@ bench: $(STAMP)
 
 # The whole loop with a ~1 GB update (fp32, then the same parameters in bf16), K = 1 and 2 shards: per-round
 # transfer, ingest and aggregation times, the data-movement limit measured beside them, peak memory per process.
+bench-learning: $(STAMP)
+	$(PY) benchmarks/learning.py
+
 bench-big: $(STAMP)
 	$(PY) benchmarks/big_loop.py
 

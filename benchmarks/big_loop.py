@@ -82,11 +82,11 @@ class Timings:
                 self.ingest.append((obj.key, started, time.time(), outcome.accepted))
             return outcome
 
-        def write_aggregate(deps: Any, effect: Any) -> str:
+        def write_aggregate(deps: Any, effect: Any) -> tuple[str, str]:
             started = time.time()
             written = saved[1](deps, effect)
             self.aggregations.append((started, time.time()))
-            return str(written)
+            return written
 
         def timed(original: Callable[..., Any]) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:

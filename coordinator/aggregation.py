@@ -20,11 +20,13 @@ from typing import Any
 
 from coordinator.deps import Deps, ShardRunner
 from coordinator.models import CorruptInput, GlobalModel, ObjectRange, read_global, read_header
+from coordinator.optimizer_state import StoredState
 from shared import keys
-from shared.aggregate import PieceAggregator, Plan, WeightedInput, round_plan
+from shared.aggregate import PieceAggregator, Plan, StateSource, WeightedInput, round_plan
 from shared.config import Strategy
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
 from shared.messages import PieceDone, ShardDone, ShardInput, ShardTask
+from shared.server_opt import ServerStep, encode_index
 from shared.state import Aggregate, AggregateInput
 from shared.wire import Manifest
 
@@ -55,12 +57,13 @@ def weighted_inputs(deps: Deps, round_no: int, inputs: Sequence[AggregateInput |
     ]
 
 
-def job_id(plan: Plan, base_digest: str) -> str:
-    return hashlib.sha256(plan.header + base_digest.encode()).hexdigest()
+def job_id(plan: Plan, base_digest: str, optimizer_digest: str = "") -> str:
+    return hashlib.sha256(plan.header + base_digest.encode() + optimizer_digest.encode()).hexdigest()
 
 
-def write_aggregate(deps: Deps, effect: Aggregate) -> str:
-    """Compute and store the global model of `effect.round + 1`; its digest."""
+def write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:
+    """Compute and store the global model of `effect.round + 1` and, with a server optimizer, the state its
+    step leaves (its piece files, then its index); their digests ("" for no state)."""
     head = deps.bucket.head(keys.global_key(deps.config.run_id, effect.round, effect.base_digest))
     size = int(head["ContentLength"]) if head else 0
     if size <= PIECE_BYTES:  # a small model: computed in a moment, a second tick doing it too costs nothing
@@ -75,28 +78,54 @@ def write_aggregate(deps: Deps, effect: Aggregate) -> str:
         deps.store.release(lease, holder)
 
 
-def _write_aggregate(deps: Deps, effect: Aggregate) -> str:
+def _write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:
     base = read_global(deps, effect.round, effect.base_digest)
     inputs = weighted_inputs(deps, effect.round, effect.inputs)
     plan = round_plan(deps.config, base.manifest, effect.round + 1, inputs)
     if plan.pieces == 1:
-        data = PieceAggregator(deps.config, plan, inputs, _base_source(deps, base)).piece(0)
+        state = state_source(deps, effect.round, effect.optimizer_digest, plan)
+        worker = PieceAggregator(deps.config, plan, inputs, base_source(deps, base), state)
+        data, piece_state = worker.piece_with_state(0)
         written = digest(data)
         deps.bucket.put(keys.global_key(deps.config.run_id, effect.round + 1, written), data)
-        return written
+        pieces = [] if piece_state is None else [_put_state_piece(deps, effect.round + 1, piece_state)]
+        return written, _put_state_index(deps, effect.round + 1, written, pieces)
     return _write_in_shards(deps, effect, plan, base)
 
 
-def _write_in_shards(deps: Deps, effect: Aggregate, plan: Plan, base: GlobalModel) -> str:
+def state_source(deps: Deps, round_no: int, optimizer_digest: str, plan: Plan) -> StateSource | None:
+    """The server optimizer state round `round_no` starts from (None: zeros, or no optimizer)."""
+    step = ServerStep.of(deps.config)
+    if step is None or not optimizer_digest:
+        return None
+    return StoredState(deps, step, round_no, optimizer_digest, plan.pieces)
+
+
+def _put_state_piece(deps: Deps, round_no: int, data: bytes) -> str:
+    written = digest(data)
+    deps.bucket.put(keys.optimizer_key(deps.config.run_id, round_no, written), data)
+    return written
+
+
+def _put_state_index(deps: Deps, round_no: int, global_digest: str, pieces: list[str]) -> str:
+    """Written last, once every piece file is in: the state's digest names only a complete state."""
+    step = ServerStep.of(deps.config)
+    if step is None:
+        return ""
+    return _put_state_piece(deps, round_no, encode_index(step, round_no, global_digest, pieces))
+
+
+def _write_in_shards(deps: Deps, effect: Aggregate, plan: Plan, base: GlobalModel) -> tuple[str, str]:
     run_id = deps.config.run_id
-    staging = keys.staging_key(run_id, effect.round + 1, job_id(plan, effect.base_digest))
+    staging = keys.staging_key(run_id, effect.round + 1, job_id(plan, effect.base_digest, effect.optimizer_digest))
     upload_id = deps.bucket.start_multipart(staging)
     tasks = [
         ShardTask(round=effect.round, base_digest=effect.base_digest, base_version=base.version_id,
                   base_size=base.size, inputs=[ShardInput(participant=i.participant, samples=i.samples,
                                                           digest=i.digest, version_id=i.version_id, norm=i.norm)
                                                for i in effect.inputs],
-                  staging=staging, upload_id=upload_id, first=shard.start, stop=shard.stop)
+                  staging=staging, upload_id=upload_id, first=shard.start, stop=shard.stop,
+                  optimizer_digest=effect.optimizer_digest)
         for shard in plan.shards(deps.config.shard_bytes)
     ]
     try:
@@ -111,11 +140,13 @@ def _write_in_shards(deps: Deps, effect: Aggregate, plan: Plan, base: GlobalMode
         raise
     written = combine(bytes.fromhex(p.hash) for p in pieces)
     deps.bucket.copy(staging, keys.global_key(run_id, effect.round + 1, written), version_id=version)
-    return written
+    return written, _put_state_index(deps, effect.round + 1, written, [p.state for p in pieces if p.state])
 
 
-def _base_source(deps: Deps, base: GlobalModel) -> ObjectRange | None:
-    return base.source(deps) if deps.config.strategy is Strategy.CLIPPED_FEDAVG else None
+def base_source(deps: Deps, base: GlobalModel) -> ObjectRange | None:
+    """The round's global model, read by range: what clipping and a server optimizer start from."""
+    needed = deps.config.strategy is Strategy.CLIPPED_FEDAVG or ServerStep.of(deps.config) is not None
+    return base.source(deps) if needed else None
 
 
 def run_shard(deps: Deps, task: ShardTask) -> ShardDone:
@@ -126,23 +157,26 @@ def run_shard(deps: Deps, task: ShardTask) -> ShardDone:
     base = GlobalModel(key, Manifest.of(header), task.base_version, header.data_offset, task.base_size)
     inputs = weighted_inputs(deps, task.round, task.inputs)
     plan = round_plan(deps.config, base.manifest, task.round + 1, inputs)
-    if keys.staging_key(deps.config.run_id, task.round + 1, job_id(plan, task.base_digest)) != task.staging:
+    job = job_id(plan, task.base_digest, task.optimizer_digest)
+    if keys.staging_key(deps.config.run_id, task.round + 1, job) != task.staging:
         raise ValueError("the shard task's staging key does not name the job its inputs make")
-    worker = PieceAggregator(deps.config, plan, inputs, _base_source(deps, base))
+    state = state_source(deps, task.round, task.optimizer_digest, plan)
+    worker = PieceAggregator(deps.config, plan, inputs, base_source(deps, base), state)
 
-    def upload(index: int, data: bytearray) -> PieceDone:
+    def upload(index: int, data: bytearray, piece_state: bytes | None) -> PieceDone:
         sha = piece_hash(data)
         etag = deps.bucket.put_part(task.staging, task.upload_id, index + 1, data, sha)
-        return PieceDone(index=index, etag=etag, hash=sha.hex())
+        written = "" if piece_state is None else _put_state_piece(deps, task.round + 1, piece_state)
+        return PieceDone(index=index, etag=etag, hash=sha.hex(), state=written)
 
     pieces: list[PieceDone] = []
     with ThreadPoolExecutor(max_workers=1) as uploader:  # piece i is hashed and uploaded while i + 1 is computed
         pending: Future[PieceDone] | None = None  # (at most one: memory stays at two pieces)
         for index in range(task.first, min(task.stop, plan.pieces)):
-            data = worker.piece(index)
+            data, piece_state = worker.piece_with_state(index)
             if pending is not None:
                 pieces.append(pending.result())
-            pending = uploader.submit(upload, index, data)
+            pending = uploader.submit(upload, index, data, piece_state)
         if pending is not None:
             pieces.append(pending.result())
     return ShardDone(pieces=pieces)

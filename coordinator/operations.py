@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from coordinator.deps import Deps
 from coordinator.tick import TickResult, run_tick
 from shared import keys
+from shared.server_opt import MAX_INDEX_BYTES, StateError, index_pieces
 from shared.state import Phase, RunState
 from shared.wire import digest
-from store.blobs import NotFound
+from store.blobs import NotFound, Tampered
 from store.records import state_from_body
 from store.table import Conflict
 
@@ -75,6 +76,9 @@ def restore(deps: Deps, force: bool = False) -> Restored:
     if digest(model) != body["global_digest"]:
         raise OperationError("the checkpoint's global model does not match its recorded digest")
     deps.bucket.put(keys.global_key(run_id, saved.round, body["global_digest"]), model)
+    optimizer = str(body.get("optimizer_digest", ""))
+    if optimizer:
+        _restore_state(deps, saved.round, optimizer)
     state = RunState(
         run_id,
         phase=Phase.WAITING,
@@ -82,8 +86,25 @@ def restore(deps: Deps, force: bool = False) -> Restored:
         round=saved.round,
         aggregated=saved.aggregated,
         global_digest=body["global_digest"],
+        optimizer_digest=optimizer,
         model_source=saved.model_source,
         phase_started=time.time(),
     )
     deps.store.commit(state, current.version)
     return Restored(saved.epoch, saved.round, saved.aggregated, body["global_digest"])
+
+
+def _restore_state(deps: Deps, round_no: int, digest: str) -> None:
+    """Copy the checkpoint's server optimizer state back beside the global model, each file authenticated by
+    the digest the checkpoint's index lists."""
+    run_id = deps.config.run_id
+    try:
+        index = deps.bucket.get_verified(keys.checkpoint_optimizer_key(run_id, round_no, digest), digest,
+                                         MAX_INDEX_BYTES)
+        files = [digest, *index_pieces(index)]
+        for file in files:
+            key = keys.checkpoint_optimizer_key(run_id, round_no, file)
+            version, _ = deps.bucket.verified_version(key, file)
+            deps.bucket.copy(key, keys.optimizer_key(run_id, round_no, file), version_id=version)
+    except (NotFound, Tampered, StateError, ValueError) as exc:
+        raise OperationError(f"the checkpoint's optimizer state cannot be read back: {exc}") from None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from coordinator.aggregation import AggregationBusy, write_aggregate
 from coordinator.deps import Deps
 from coordinator.models import CorruptInput, copy_global, read_header
+from coordinator.optimizer_state import copy_state
 from shared import keys
 from shared.machine import Decision, exclude_input, resolve, tick
 from shared.state import (
@@ -100,19 +101,26 @@ def carry_out_before_commit(deps: Deps, decision: Decision) -> Decision:
     orphan under its own digest, and can never replace the model the winner committed to.
     """
     run_id = deps.config.run_id
-    written = ""  # digest of an aggregate written by this tick (a carry in the same tick copies it)
+    written, written_state = "", ""  # an aggregate and optimizer state written by this tick (a carry copies them)
     for effect in decision.effects:
         if isinstance(effect, AdoptInitialModel):
             adopt_initial_model(deps, effect)
         elif isinstance(effect, Aggregate):
-            written = write_aggregate(deps, effect)
-            decision = resolve(decision, written)
+            written, written_state = write_aggregate(deps, effect)
+            decision = resolve(decision, written, written_state)
         elif isinstance(effect, CarryGlobal):
             carried = effect.digest or written
             copy_global(deps, effect.round, carried, keys.global_key(run_id, effect.round + 1, carried))
+            if carried_state := effect.optimizer_digest if effect.digest else written_state:
+                carry_state(deps, effect.round, carried_state)
         elif isinstance(effect, WriteCheckpoint):
             write_checkpoint(deps, effect, decision.state)
     return decision
+
+
+def carry_state(deps: Deps, round_no: int, digest: str) -> None:
+    """The optimizer state goes on unchanged with the global model of a round that was not aggregated."""
+    copy_state(deps, round_no, digest, lambda file: keys.optimizer_key(deps.config.run_id, round_no + 1, file))
 
 
 def write_checkpoint(deps: Deps, effect: WriteCheckpoint, state: RunState) -> None:
@@ -120,12 +128,16 @@ def write_checkpoint(deps: Deps, effect: WriteCheckpoint, state: RunState) -> No
     pointer to them: written last, so the pointer only ever names a complete checkpoint."""
     run_id = deps.config.run_id
     copy_global(deps, effect.round, state.global_digest, keys.checkpoint_global_key(run_id, effect.round))
+    if state.optimizer_digest:
+        copy_state(deps, effect.round, state.optimizer_digest,
+                   lambda d: keys.checkpoint_optimizer_key(run_id, effect.round, d))
     body = {
         "schema": 1,
         "epoch": effect.epoch,
         "round": effect.round,
         "global_key": keys.checkpoint_global_key(run_id, effect.round),
         "global_digest": state.global_digest,
+        "optimizer_digest": state.optimizer_digest,
         "state": state_to_body(state),
         "config": deps.config.to_json_dict(),
     }

@@ -49,6 +49,7 @@ class VerifyLine:
     problem: str
     expired: bool = False  # cannot be recomputed any more (its objects are gone); `passes` if nothing contradicts
     passes: bool = False
+    optimizer: str = ""  # the server optimizer state recorded after the round ("": none)
 
     @classmethod
     def of(cls, check: RoundCheck) -> VerifyLine:
@@ -59,11 +60,15 @@ class VerifyLine:
                 parts.append("recomputed differs from recorded")
             if check.stored != check.expected:
                 parts.append("stored object differs from recorded")
+            if check.optimizer_recomputed != check.optimizer_expected:
+                parts.append("recomputed optimizer state differs from recorded")
+            if check.optimizer_stored != check.optimizer_expected:
+                parts.append(f"stored optimizer state differs from recorded ({check.optimizer_stored[:60]})")
             problem = "; ".join(parts)
         return cls(check.round, check.expected, check.recomputed, check.stored, check.ok, problem, check.expired,
-                   check.passes)
+                   check.passes, check.optimizer_expected)
 
     def to_json(self) -> dict[str, object]:
         return {"round": self.round, "recorded": self.recorded, "recomputed": self.recomputed,
                 "stored": self.stored, "ok": self.ok, "problem": self.problem, "expired": self.expired,
-                "passes": self.passes}
+                "passes": self.passes, "optimizer_state": self.optimizer}

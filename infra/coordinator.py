@@ -129,8 +129,10 @@ def shard_statements(bucket: s3.IBucket, run_id: str) -> list[iam.PolicyStatemen
         iam.PolicyStatement(
             sid="UploadStagedParts",
             # UploadPart is authorized as s3:PutObject; creating, completing and aborting the upload is the tick's.
+            # The server optimizer's state is written piece by piece by the worker computing the piece.
             actions=["s3:PutObject"],
-            resources=[bucket.arn_for_objects(layout.staging_objects(run_id))],
+            resources=[bucket.arn_for_objects(layout.staging_objects(run_id)),
+                       bucket.arn_for_objects(layout.optimizer_objects(run_id))],
         ),
     ]
 
@@ -283,7 +285,8 @@ class Coordinator(Construct):
                 "IAM5",
                 "Object ARNs end in a wildcard only below this run's prefix: the function reads any object "
                 "of its run (uploads, join requests, heartbeats, models) and writes only global models of "
-                "any round, checkpoints (besides manifest and config) and the staged aggregate of any round "
+                "any round, the server optimizer state's files (rounds/<round>/optimizer/<digest>), checkpoints "
+                "(besides manifest and config) and the staged aggregate of any round "
                 "(rounds/<round>/staging/<job id>), whose keys are not known at deploy time.",
                 findings=[f"Resource::{arn_ref(bucket)}/{key}" for key in wildcards],
             )
@@ -292,9 +295,11 @@ class Coordinator(Construct):
             "IAM5",
             "The shard worker reads only objects of this run's rounds (the accepted updates and the global model of "
             "the round it aggregates, by version id) and uploads parts only to staged aggregates "
-            "(rounds/<round>/staging/<job id>); rounds and job ids are not known at deploy time.",
+            "(rounds/<round>/staging/<job id>) and the server optimizer state's piece files "
+            "(rounds/<round>/optimizer/<digest>); rounds, job ids and digests are not known at deploy time.",
             findings=[f"Resource::{arn_ref(bucket)}/{key}"
-                      for key in (layout.round_objects(run_id), layout.staging_objects(run_id))],
+                      for key in (layout.round_objects(run_id), layout.staging_objects(run_id),
+                                  layout.optimizer_objects(run_id))],
         )
         acknowledge(
             self.join.role,  # type: ignore[arg-type]

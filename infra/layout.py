@@ -67,10 +67,17 @@ def staging_objects(run_id: str) -> str:
     return _any_round(run_id, keys.staging_key(run_id, _ROUND, _JOB).replace(_JOB, "*"))
 
 
+def optimizer_objects(run_id: str) -> str:
+    """rounds/*/optimizer/*: the server optimizer state's index and piece files (`keys.optimizer_key`)."""
+    return _any_round(run_id, keys.optimizer_key(run_id, _ROUND, _JOB).replace(_JOB, "*"))
+
+
 def coordinator_writes(run_id: str) -> list[str]:
-    """Objects only the coordinator writes: global models, manifest, published config, checkpoints."""
+    """Objects only the coordinator writes: global models, optimizer state, manifest, published config,
+    checkpoints."""
     return [
         global_models(run_id),
+        optimizer_objects(run_id),
         keys.manifest_key(run_id),
         keys.config_key(run_id),
         f"{keys.run_prefix(run_id)}{CHECKPOINTS}",

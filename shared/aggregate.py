@@ -16,6 +16,7 @@ Inputs are taken in a fixed order (sorted by participant) so anyone recomputing 
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from typing import Protocol
 import numpy as np
 
 from shared.config import RunConfig, Strategy
-from shared.digest import PIECE_BYTES, combine, piece_hash
+from shared.digest import PIECE_BYTES, combine, digest, piece_hash
+from shared.server_opt import ServerStep, decode_piece, encode_index, encode_piece, new_state
 from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, TensorSpec, encode_header, tensor_view
 
 ROBUST_ROW_BYTES = 64 * 1024  # the least a robust strategy reads of one input at a time
@@ -36,6 +38,22 @@ class RangeSource(Protocol):
     """One input file's data section, read by byte range (offsets relative to the data section)."""
 
     def readinto(self, begin: int, buf: memoryview) -> None: ...
+
+
+class StateSource(Protocol):
+    """The server optimizer's state before the round, piece by piece (`shared.server_opt`)."""
+
+    def load(self, index: int, count: int) -> dict[str, np.ndarray]: ...
+
+
+class NoState:
+    """The state before the first round: zeros."""
+
+    def __init__(self, slots: tuple[str, ...]) -> None:
+        self.slots = slots
+
+    def load(self, index: int, count: int) -> dict[str, np.ndarray]:
+        return new_state(self.slots, count)
 
 
 class ArraySource:
@@ -114,7 +132,8 @@ class Plan:
 class PieceAggregator:
     """Computes pieces of a round's global model from ranged reads of its inputs."""
 
-    def __init__(self, config: RunConfig, plan: Plan, inputs: list[WeightedInput], base: RangeSource | None) -> None:
+    def __init__(self, config: RunConfig, plan: Plan, inputs: list[WeightedInput], base: RangeSource | None,
+                 state: StateSource | None = None) -> None:
         if not inputs:
             raise ValueError("nothing to aggregate")
         if any(i.samples <= 0 for i in inputs):
@@ -127,6 +146,11 @@ class PieceAggregator:
         self.scales = self._clip_scales() if self.strategy is Strategy.CLIPPED_FEDAVG else []
         if self.strategy is Strategy.CLIPPED_FEDAVG and base is None:
             raise ValueError("clipped FedAvg needs the round's global model")
+        self.step = ServerStep.of(config)
+        if self.step is not None and base is None:
+            raise ValueError("a server optimizer needs the round's global model")
+        self.state = state or NoState(self.step.slots if self.step else ())
+        self._opt: _PieceState | None = None  # the piece being computed's base values and optimizer state
         self._buffers: list[bytearray] = []  # one piece-sized read buffer per input of a group, reused
         # accumulators for one piece, indexed by byte offset / 2 (float32: a bf16/f16 element is 2 bytes) or / 8
         self._acc32 = np.empty(PIECE_BYTES // 2, np.float32)
@@ -144,15 +168,37 @@ class PieceAggregator:
     def piece(self, index: int) -> bytearray:
         """The bytes of piece `index` of the output file (a new buffer: it may be uploaded while the next piece
         is computed)."""
+        return self.piece_with_state(index)[0]
+
+    def piece_with_state(self, index: int) -> tuple[bytearray, bytes | None]:
+        """Piece `index` of the output file and, with a server optimizer, the state file of that piece after
+        the round's step (None without one)."""
         start, stop = self.plan.piece_span(index)
         header = self.plan.header
         out = bytearray(stop - start)
         in_header = max(0, min(stop, len(header)) - start)
         out[:in_header] = header[start : start + in_header]
         data_begin, data_end = max(start, len(header)) - len(header), stop - len(header)
+        data_end = max(data_begin, data_end)
+        if self.step is not None:
+            assert self.base is not None
+            self._opt = _PieceState(self.plan, data_begin, data_end, self.base)
+            self._opt.values = self.state.load(index, self._opt.count)
         if data_end > data_begin:
             self._data(data_begin, data_end, memoryview(out)[in_header:])
-        return out
+        if self._opt is None:
+            return out, None
+        assert self.step is not None
+        state, self._opt = encode_piece(self.step, index, self._opt.values), None
+        return out, state
+
+    def _emit(self, out: memoryview, offset: int, spec: TensorSpec, values: np.ndarray) -> None:
+        """Store the strategy's aggregate of elements at byte `offset` of the piece's data — or, with a server
+        optimizer, the next global values its step makes from them."""
+        if self._opt is not None and self.step is not None:
+            x, state = self._opt.at(offset, spec)
+            values = self.step.apply(x, values, state)
+        _store(out, offset, spec, values)
 
     def _data(self, begin: int, end: int, out: memoryview) -> None:
         if self.strategy is Strategy.FEDAVG:
@@ -204,7 +250,7 @@ class PieceAggregator:
                 np.multiply(x, weight, out=tmp)
                 np.add(acc, tmp, out=acc)
         if last:
-            _store(out, offset, flat, acc)
+            self._emit(out, offset, flat, acc)
 
     def _robust(self, begin: int, end: int, out: memoryview, out_begin: int) -> None:
         rows = []
@@ -231,7 +277,36 @@ class PieceAggregator:
                 ref = tensor_view(base, seg.begin - begin, flat).astype(np.float64)
                 scales = np.asarray(self.scales).reshape(-1, 1)
                 value = ref + ((stack - ref) * scales).mean(axis=0)
-            _store(out, seg.begin - out_begin, flat, value)
+            self._emit(out, seg.begin - out_begin, flat, value)
+
+
+class _PieceState:
+    """One piece's base values and optimizer state, addressed by byte offset in the piece's data: the state
+    holds the piece's float elements in data order (`shared.server_opt`)."""
+
+    def __init__(self, plan: Plan, begin: int, end: int, base: RangeSource) -> None:
+        self.base = bytearray(end - begin)
+        if end > begin:
+            base.readinto(begin, memoryview(self.base))
+        self.starts: list[int] = []  # float segments: byte offset in the piece, element size, state index
+        self.items: list[int] = []
+        self.firsts: list[int] = []
+        count = 0
+        for seg in plan.segments(begin, end):
+            if seg.spec.dtype in FLOAT_TAGS:
+                self.starts.append(seg.begin - begin)
+                self.items.append(DTYPES[seg.spec.dtype][1])
+                self.firsts.append(count)
+                count += seg.count
+        self.count = count
+        self.values: dict[str, np.ndarray] = {}
+
+    def at(self, offset: int, spec: TensorSpec) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The base values (float32) and state slices of `spec.numel` elements at byte `offset`."""
+        k = bisect.bisect_right(self.starts, offset) - 1
+        first = self.firsts[k] + (offset - self.starts[k]) // self.items[k]
+        x = tensor_view(self.base, offset, spec).astype(np.float32)
+        return x, {slot: v[first : first + spec.numel] for slot, v in self.values.items()}
 
 
 def _store(out: memoryview, offset: int, spec: TensorSpec, values: np.ndarray) -> None:
@@ -258,19 +333,67 @@ def round_plan(config: RunConfig, manifest: Manifest, out_round: int, inputs: It
     return Plan.of(manifest, global_metadata(config.run_id, out_round, inputs, config.strategy.value))
 
 
+@dataclass(frozen=True)
+class RoundOutput:
+    """A round's global model file and, with a server optimizer, its state: piece files and index."""
+
+    model: bytes
+    state_pieces: tuple[bytes, ...] = ()
+    state_index: bytes = b""
+
+    @property
+    def digest(self) -> str:
+        return digest(self.model)
+
+    @property
+    def state_digest(self) -> str:
+        return digest(self.state_index) if self.state_index else ""
+
+
+class MemoryState:
+    """A StateSource over a round's state piece files in memory (tests and small models)."""
+
+    def __init__(self, step: ServerStep, pieces: tuple[bytes, ...]) -> None:
+        self.step, self.pieces = step, pieces
+
+    def load(self, index: int, count: int) -> dict[str, np.ndarray]:
+        return decode_piece(self.step, index, self.pieces[index], count)
+
+
+def aggregate_round(config: RunConfig, manifest: Manifest, out_round: int, inputs: list[WeightedInput],
+                    base: RangeSource | None, state: StateSource | None = None) -> RoundOutput:
+    """The whole output of a round in memory (small models and tests)."""
+    plan = round_plan(config, manifest, out_round, inputs)
+    worker = PieceAggregator(config, plan, inputs, base, state)
+    made = [worker.piece_with_state(i) for i in range(plan.pieces)]
+    model = b"".join(data for data, _ in made)
+    if worker.step is None:
+        return RoundOutput(model)
+    pieces = tuple(st for _, st in made if st is not None)
+    index = encode_index(worker.step, out_round, digest(model), [digest(p) for p in pieces])
+    return RoundOutput(model, pieces, index)
+
+
 def aggregate_file(
     config: RunConfig, manifest: Manifest, out_round: int, inputs: list[WeightedInput], base: RangeSource | None
 ) -> bytes:
     """The whole global model of `out_round` made from `inputs`, in memory (small models and tests)."""
-    plan = round_plan(config, manifest, out_round, inputs)
-    worker = PieceAggregator(config, plan, inputs, base)
-    return b"".join(worker.piece(i) for i in range(plan.pieces))
+    return aggregate_round(config, manifest, out_round, inputs, base).model
 
 
-def aggregate_digest(
-    config: RunConfig, manifest: Manifest, out_round: int, inputs: list[WeightedInput], base: RangeSource | None
-) -> str:
-    """The digest of that global model, computed piece by piece without holding it (`fed verify`)."""
+def aggregate_digest(config: RunConfig, manifest: Manifest, out_round: int, inputs: list[WeightedInput],
+                     base: RangeSource | None, state: StateSource | None = None) -> tuple[str, str]:
+    """The digests of that global model and of the optimizer state after the round ("" without one), computed
+    piece by piece without holding either (`fed verify`)."""
     plan = round_plan(config, manifest, out_round, inputs)
-    worker = PieceAggregator(config, plan, inputs, base)
-    return combine(piece_hash(worker.piece(i)) for i in range(plan.pieces))
+    worker = PieceAggregator(config, plan, inputs, base, state)
+    hashes, states = [], []
+    for i in range(plan.pieces):
+        data, st = worker.piece_with_state(i)
+        hashes.append(piece_hash(data))
+        if st is not None:
+            states.append(digest(st))
+    model = combine(hashes)
+    if worker.step is None:
+        return model, ""
+    return model, digest(encode_index(worker.step, out_round, model, states))

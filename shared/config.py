@@ -27,6 +27,23 @@ class Strategy(StrEnum):
     CLIPPED_FEDAVG = "clipped_fedavg"
 
 
+class ServerOptimizer(StrEnum):
+    """What the coordinator does with a round's aggregate (`shared.server_opt`)."""
+
+    NONE = "none"  # the aggregate is the next global model (FedAvg and the robust strategies as such)
+    FEDAVGM = "fedavgm"  # server momentum (Hsu et al.)
+    FEDADAM = "fedadam"  # adaptive moments (Reddi et al., "Adaptive Federated Optimization")
+    FEDYOGI = "fedyogi"  # Yogi's additive second moment (same paper)
+    DILOCO = "diloco"  # outer Nesterov momentum over the pseudo-gradient (Douillard et al.)
+
+
+# The server learning rate each optimizer uses when `server_lr` is 0.
+DEFAULT_SERVER_LR = {
+    ServerOptimizer.NONE: 1.0, ServerOptimizer.FEDAVGM: 1.0, ServerOptimizer.FEDADAM: 0.1,
+    ServerOptimizer.FEDYOGI: 0.1, ServerOptimizer.DILOCO: 0.7,
+}
+
+
 class DataMode(StrEnum):
     """Where a participant's training data comes from."""
 
@@ -83,6 +100,16 @@ class RunConfig(BaseModel):
     strategy: Strategy = Strategy.FEDAVG
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
     clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")
+    server_optimizer: ServerOptimizer = Field(
+        ServerOptimizer.NONE, description="Applied to the round's pseudo-gradient (global - the strategy's "
+        "aggregate): none (the aggregate is the next global), fedavgm, fedadam, fedyogi or diloco. Its state "
+        "(momentum, moments) is kept in the bucket beside the global model, in the same pieces.")
+    server_lr: float = Field(0.0, ge=0, description="Server learning rate; 0: the optimizer's default (fedavgm "
+                             "1.0, fedadam and fedyogi 0.1, diloco 0.7).")
+    server_momentum: float = Field(0.9, ge=0, lt=1, description="fedavgm and diloco momentum; fedadam and "
+                                   "fedyogi beta1.")
+    server_beta2: float = Field(0.99, ge=0, lt=1, description="fedadam and fedyogi second-moment decay.")
+    server_tau: float = Field(1e-3, gt=0, description="fedadam and fedyogi adaptivity (added to sqrt(v)).")
     task: str = Field("participant.tasks.digits:task", description="module:object of the training task.")
     data_mode: DataMode = Field(
         DataMode.ASSIGNED, description="assigned: every host holds the same training set and trains the slices "
@@ -123,6 +150,11 @@ class RunConfig(BaseModel):
             raise ValueError(f"max_admissions_per_epoch ({self.max_admissions_per_epoch}) cannot be below "
                              f"min_clients ({self.min_clients}): the first epoch could never start")
         return self
+
+    @property
+    def server_step(self) -> float:
+        """The server learning rate in use."""
+        return self.server_lr or DEFAULT_SERVER_LR[self.server_optimizer]
 
     @property
     def epoch_rounds(self) -> int:

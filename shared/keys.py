@@ -4,11 +4,14 @@
     runs/<run>/init/<participant>              initial-model offer (safetensors), used if the run has none
     runs/<run>/heartbeat/<participant>         liveness and readiness (JSON)
     runs/<run>/rounds/<round>/global/<digest>  global model that round <round> trains from, by its SHA-256
+    runs/<run>/rounds/<round>/optimizer/<digest>  server optimizer state that produced round <round>'s global:
+                                               its index and piece files, each named by its digest
     runs/<run>/rounds/<round>/<participant>    participant's trained model for round <round>
     runs/<run>/rounds/<round>/witness/<participant>   a witness's proof for round <round> (JSON)
     runs/<run>/rounds/<round>/health/<participant>    a health report about round <round> (JSON)
     runs/<run>/checkpoints/<round>/global      the global model a checkpoint keeps (the one round <round> trains from)
     runs/<run>/checkpoints/<round>/state.json  the run's state with it (every few rounds, and at each epoch's end)
+    runs/<run>/checkpoints/<round>/optimizer/<digest>  the server optimizer state kept with it (index, pieces)
     runs/<run>/checkpoints/latest.json         which checkpoint is the latest
     runs/<run>/manifest.json                   tensor names, shapes and dtypes of the model
     runs/<run>/config.json                     the run configuration, published by the first tick
@@ -30,6 +33,7 @@ PARTICIPANT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}", re.ASCII)
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{1,38}[a-z0-9]", re.ASCII)
 RESERVED_IDS = frozenset({
     "global", "manifest", "config", "witness", "health", "state", "checkpoint", "checkpoints", "staging",
+    "optimizer",
 })
 ROUND_DIGITS = 6
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}", re.ASCII)
@@ -52,6 +56,7 @@ class ObjectKind(StrEnum):
     HEALTH = "health"
     CHECKPOINT = "checkpoint"
     STAGING = "staging"  # a global model being written in parts by the shard workers, before it has a digest
+    OPTIMIZER = "optimizer"  # a server optimizer state's index or piece file, by its digest
 
 
 def validate_participant_id(pid: str) -> str:
@@ -116,6 +121,14 @@ def staging_key(run_id: str, round_no: int, job: str) -> str:
     return f"{round_prefix(run_id, round_no)}staging/{job}"
 
 
+def optimizer_key(run_id: str, round_no: int, digest: str) -> str:
+    """Content-addressed like the global model: the index of the server optimizer state that made round
+    `round_no`'s global model, or one of its piece files (`shared.server_opt`)."""
+    if not DIGEST_PATTERN.fullmatch(digest):
+        raise KeyError_(f"optimizer state digest must be 64 hex characters, got {digest!r}")
+    return f"{round_prefix(run_id, round_no)}optimizer/{digest}"
+
+
 def update_key(run_id: str, round_no: int, pid: str) -> str:
     return f"{round_prefix(run_id, round_no)}{validate_participant_id(pid)}"
 
@@ -141,6 +154,12 @@ def checkpoint_state_key(run_id: str, round_no: int) -> str:
     return f"{checkpoint_prefix(run_id, round_no)}state.json"
 
 
+def checkpoint_optimizer_key(run_id: str, round_no: int, digest: str) -> str:
+    if not DIGEST_PATTERN.fullmatch(digest):
+        raise KeyError_(f"optimizer state digest must be 64 hex characters, got {digest!r}")
+    return f"{checkpoint_prefix(run_id, round_no)}optimizer/{digest}"
+
+
 def latest_checkpoint_key(run_id: str) -> str:
     return f"{run_prefix(run_id)}checkpoints/latest.json"
 
@@ -159,8 +178,8 @@ class ParsedKey:
     run_id: str
     participant: str | None = None
     round: int | None = None
-    digest: str | None = None  # a global model's content address; a staging object's job id
-    name: str | None = None  # a checkpoint's file: "global", "state.json" or "latest.json"
+    digest: str | None = None  # a global model's or optimizer file's content address; a staging object's job id
+    name: str | None = None  # a checkpoint's file: "global", "state.json", "latest.json" or "optimizer"
 
 
 _ROUND_RE = re.compile(rf"[0-9]{{{ROUND_DIGITS}}}", re.ASCII)
@@ -196,6 +215,8 @@ def format_key(p: ParsedKey) -> str:
             return global_key(p.run_id, r, p.digest) if p.digest is not None else f"{global_prefix(p.run_id, r)[:-1]}"
         case ObjectKind.STAGING if r is not None and p.digest is not None:
             return staging_key(p.run_id, r, p.digest)
+        case ObjectKind.OPTIMIZER if r is not None and p.digest is not None:
+            return optimizer_key(p.run_id, r, p.digest)
         case ObjectKind.UPDATE if r is not None and pid is not None:
             return update_key(p.run_id, r, pid)
         case ObjectKind.WITNESS if r is not None and pid is not None:
@@ -204,6 +225,8 @@ def format_key(p: ParsedKey) -> str:
             return health_key(p.run_id, r, pid)
         case ObjectKind.CHECKPOINT if r is None and p.name == "latest.json":
             return latest_checkpoint_key(p.run_id)
+        case ObjectKind.CHECKPOINT if r is not None and p.name == "optimizer" and p.digest is not None:
+            return checkpoint_optimizer_key(p.run_id, r, p.digest)
         case ObjectKind.CHECKPOINT if r is not None and p.name in _CHECKPOINT_FILES:
             return f"{checkpoint_prefix(p.run_id, r)}{p.name}"
     raise KeyError_(f"not a complete key: {p}")
@@ -241,6 +264,13 @@ def _parse_parts(key: str) -> ParsedKey:
         return ParsedKey(ObjectKind.CHECKPOINT, run_id, name="latest.json")
     if len(rest) == 3 and rest[0] == "checkpoints" and rest[2] in _CHECKPOINT_FILES:
         return ParsedKey(ObjectKind.CHECKPOINT, run_id, round=_round_of(key, rest[1]), name=rest[2])
+    if len(rest) == 4 and rest[0] in ("rounds", "checkpoints") and rest[2] == "optimizer":
+        if not DIGEST_PATTERN.fullmatch(rest[3]):
+            raise KeyError_(f"key {_shown(key)}: an optimizer state file's name must be its 64-hex-digit digest")
+        round_no = _round_of(key, rest[1])
+        if rest[0] == "checkpoints":
+            return ParsedKey(ObjectKind.CHECKPOINT, run_id, round=round_no, digest=rest[3], name="optimizer")
+        return ParsedKey(ObjectKind.OPTIMIZER, run_id, round=round_no, digest=rest[3])
     if len(rest) == 4 and rest[0] == "rounds" and rest[2] == "global":
         if not DIGEST_PATTERN.fullmatch(rest[3]):
             raise KeyError_(f"key {_shown(key)}: a global model's name must be its 64-hex-digit digest")

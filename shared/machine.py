@@ -337,6 +337,7 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         ended=c.now,
         aggregated=aggregated,
         global_digest="" if aggregated else s.global_digest,  # the aggregate's is filled in by resolve()
+        optimizer_digest="" if aggregated else s.optimizer_digest,
         witnesses=s.witnesses,
         proofs=proofs,
         quorum=quorum(len(s.witnesses)),
@@ -345,9 +346,9 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
     if aggregated:
         inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest, updates[p].version_id, updates[p].norm)
                        for p in counted)
-        c.effects.append(Aggregate(s.round, inputs, s.global_digest))
+        c.effects.append(Aggregate(s.round, inputs, s.global_digest, s.optimizer_digest))
     else:
-        c.effects.append(CarryGlobal(s.round, s.global_digest))
+        c.effects.append(CarryGlobal(s.round, s.global_digest, s.optimizer_digest))
     c.effects.append(RecordRound(summary))
     c.state = s.evolve(
         round=s.round + 1,
@@ -362,6 +363,7 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         health_quorum=quorum(len(s.witnesses)),
         # The aggregate's digest is known only once it is written: Decision.resolve fills it in.
         global_digest="" if aggregated else s.global_digest,
+        optimizer_digest="" if aggregated else s.optimizer_digest,
     )
 
 
@@ -508,20 +510,17 @@ def tick(snap: Snapshot, config: RunConfig, now: float) -> Decision:
     return Decision(c.state, tuple(c.effects), tuple(c.fired), c.state != snap.state)
 
 
-def resolve(decision: Decision, aggregate_digest: str) -> Decision:
-    """Fill in the digest of the aggregate an `Aggregate` effect wrote (known only after writing it)."""
+def resolve(decision: Decision, aggregate_digest: str, optimizer_digest: str = "") -> Decision:
+    """Fill in the digests of the aggregate an `Aggregate` effect wrote and of the server optimizer state it
+    made (known only after writing them)."""
     effects = tuple(
-        RecordRound(_with_digest(e.summary, aggregate_digest))
+        RecordRound(dataclasses.replace(e.summary, global_digest=aggregate_digest, optimizer_digest=optimizer_digest))
         if isinstance(e, RecordRound) and not e.summary.global_digest
         else e
         for e in decision.effects
     )
-    state = decision.state.evolve(global_digest=aggregate_digest)
+    state = decision.state.evolve(global_digest=aggregate_digest, optimizer_digest=optimizer_digest)
     return Decision(state, effects, decision.fired, decision.changed)
-
-
-def _with_digest(summary: RoundSummary, digest: str) -> RoundSummary:
-    return dataclasses.replace(summary, global_digest=digest)
 
 
 def transition_table() -> str:

@@ -271,12 +271,14 @@ class ShardTask(Message):
     upload_id: str = Field(max_length=4096)
     first: int = Field(ge=0)
     stop: int = Field(gt=0)
+    optimizer_digest: str = Field("", pattern=r"^([0-9a-f]{64})?$")  # the server optimizer state it starts from
 
 
 class PieceDone(Message):
     index: int = Field(ge=0)
     etag: str = Field(max_length=256)
     hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    state: str = Field("", pattern=r"^([0-9a-f]{64})?$")  # the digest of the piece's optimizer state file, if any
 
 
 class ShardDone(Message):

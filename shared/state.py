@@ -62,6 +62,7 @@ class RunState:
     counted: tuple[str, ...] = ()  # accepted updates frozen for aggregation when RoundTrain ends
     excluded: Mapping[str, str] = field(default_factory=dict)  # accepted but left out at the freeze, and why
     global_digest: str = ""  # digest of rounds/<round>/global; "" before the run has a model
+    optimizer_digest: str = ""  # the server optimizer state that made it (rounds/<round>/optimizer); "": zeros
     model_source: str = ""  # participant whose initial-model offer became round 0's model
     witnesses: tuple[str, ...] = ()  # elected for the current round, in position order
     epoch_started: float = 0.0
@@ -158,7 +159,8 @@ class Aggregate:
 
     round: int
     inputs: tuple[AggregateInput, ...]
-    base_digest: str = ""  # the round's own global model (clipped_fedavg measures deltas from it)
+    base_digest: str = ""  # the round's own global model (clipped_fedavg and server optimizers start from it)
+    optimizer_digest: str = ""  # the server optimizer state before the round; "": zeros (or no optimizer)
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,7 @@ class CarryGlobal:
 
     round: int
     digest: str  # of the model carried over; "" when it is the aggregate this same tick writes
+    optimizer_digest: str = ""  # of the optimizer state carried with it ("": none, or the one this tick writes)
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ class RoundSummary:
     ended: float
     aggregated: bool
     global_digest: str = ""  # filled in once the aggregate is written
+    optimizer_digest: str = ""  # the server optimizer state after the round (likewise)
     witnesses: tuple[str, ...] = ()
     proofs: int = 0  # valid witness proofs received
     quorum: int = 0

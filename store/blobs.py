@@ -11,7 +11,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from shared.digest import TreeHasher
+from shared.digest import TreeHasher, digest
 
 STREAM_CHUNK = 8 * 1024 * 1024
 COPY_CONFIG = TransferConfig(multipart_threshold=5 * 1000**3, multipart_chunksize=512 * 1024**2, max_concurrency=8)
@@ -108,6 +108,13 @@ class Bucket:
                 if older[0] == want:
                     return older[1], older[2]
         raise Tampered(f"no version of {key[:200]} matches its digest {want[:64]}")
+
+    def get_verified(self, key: str, want: str, max_bytes: int) -> bytes:
+        """The bytes of the version of `key` whose digest is `want` (a small object, read whole)."""
+        blob = self.get(key, max_bytes)
+        if digest(blob.data) == want:
+            return blob.data
+        return self.get(key, max_bytes, self.verified_version(key, want)[0]).data
 
     def digest_of(self, key: str, version_id: str = "") -> tuple[str, str, int]:
         """(content digest, version id, size) of an object version, hashed as it streams."""

@@ -148,10 +148,10 @@ def install_crash_hooks(rng: random.Random, report: Callable[[str, dict[str, Any
         threading.Event().wait(60)  # the test kills this process long before
         raise SimulatedCrash("not killed while blocked")
 
-    def write_aggregate(deps: Any, effect: Any) -> str:
+    def write_aggregate(deps: Any, effect: Any) -> tuple[str, str]:
         if getattr(local, "kill", False) and kill_point == "before_write":
             block(effect.round, kill_point)
-        return str(original_write(deps, effect))
+        return original_write(deps, effect)  # type: ignore[no-any-return]
 
     def carry_out_before_commit(deps: Any, decision: Any) -> Any:
         rounds = [e.round for e in decision.effects if isinstance(e, Aggregate)]

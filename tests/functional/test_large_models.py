@@ -8,6 +8,7 @@ is the same bytes, and `fed verify` recomputes it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import ml_dtypes
@@ -18,7 +19,7 @@ from coordinator.aggregation import write_aggregate
 from coordinator.tick import run_tick
 from coordinator.verify import verify_run
 from shared import keys, wire
-from shared.config import Strategy
+from shared.config import ServerOptimizer, Strategy
 from shared.digest import PIECE_BYTES
 from shared.state import Aggregate, AggregateInput
 from tests.functional.conftest import Harness
@@ -78,8 +79,10 @@ def test_a_64_mb_model_aggregates_in_three_shards_to_the_independent_mean(big: H
     assert [(c.round, c.ok) for c in checks] == [(0, True)], checks
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
-def test_one_shard_and_three_give_byte_identical_globals(big: Harness, strategy: Strategy) -> None:
+@pytest.mark.parametrize("strategy, optimizer", [(s, ServerOptimizer.NONE) for s in Strategy]
+                         + [(Strategy.FEDAVG, ServerOptimizer.FEDADAM), (Strategy.MEDIAN, ServerOptimizer.DILOCO)])
+def test_one_shard_and_three_give_byte_identical_globals(big: Harness, strategy: Strategy,
+                                                         optimizer: ServerOptimizer) -> None:
     run_one_round(big, np.dtype(np.float32))
     deps = big.deps
     records = {u.pid: u for u in deps.store.all_updates() if u.round == 0}
@@ -88,11 +91,17 @@ def test_one_shard_and_three_give_byte_identical_globals(big: Harness, strategy:
                                                records[p].norm) for p in PIDS), base)
     digests = {}
     for shard_bytes in (PIECE_BYTES * 100, PIECE_BYTES * 3, PIECE_BYTES):
-        config = deps.config.model_copy(update={"strategy": strategy, "shard_bytes": shard_bytes})
+        config = deps.config.model_copy(update={"strategy": strategy, "shard_bytes": shard_bytes,
+                                                "server_optimizer": optimizer})
         digests[shard_bytes // PIECE_BYTES] = write_aggregate(dataclasses.replace(deps, config=config), effect)
-    assert len(set(digests.values())) == 1, digests
-    stored = big.s3.get_object(Bucket=big.res.bucket, Key=keys.global_key(big.config.run_id, 1, digests[1]))
-    assert wire.digest(stored["Body"].read()) == digests[1]
+    assert len(set(digests.values())) == 1, digests  # the global model and the optimizer state
+    model, state = digests[1]
+    stored = big.s3.get_object(Bucket=big.res.bucket, Key=keys.global_key(big.config.run_id, 1, model))
+    assert wire.digest(stored["Body"].read()) == model
+    assert bool(state) == (optimizer is not ServerOptimizer.NONE)
+    if state:  # the index names the state, and lists one state file per piece of the global model
+        index = big.s3.get_object(Bucket=big.res.bucket, Key=keys.optimizer_key(big.config.run_id, 1, state))
+        assert len(json.loads(index["Body"].read())["pieces"]) == -(-int(stored["ContentLength"]) // PIECE_BYTES)
 
 
 def test_a_round_another_invocation_is_aggregating_is_left_to_it(big: Harness) -> None:

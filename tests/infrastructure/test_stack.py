@@ -207,6 +207,7 @@ def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> N
             "s3:ListBucket": {bucket},
             "s3:PutObject": {
                 f"{run}rounds/*/global/*",
+                f"{run}rounds/*/optimizer/*",
                 f"{run}manifest.json",
                 f"{run}config.json",
                 f"{run}checkpoints/*",
@@ -457,14 +458,15 @@ def test_the_shard_worker_reads_round_objects_writes_only_staged_parts_and_never
     statements = role_statements(synth, role_id)
     allowed = grants(statements)
     # Then it may read the run's round objects (updates and globals, by version), list under the rounds, upload
-    # parts of staged aggregates, write its logs: nothing else (no table, no queue, no other object)
+    # parts of staged aggregates and the pieces of the optimizer state, write its logs: nothing else (no table,
+    # no queue, no other object)
     assert allowed == {
         "logs:CreateLogStream": {f"<{log_group}.Arn>"},
         "logs:PutLogEvents": {f"<{log_group}.Arn>"},
         "s3:GetObject": {f"{run}rounds/*"},
         "s3:GetObjectVersion": {f"{run}rounds/*"},
         "s3:ListBucket": {bucket},
-        "s3:PutObject": {f"{run}rounds/*/staging/*"},
+        "s3:PutObject": {f"{run}rounds/*/staging/*", f"{run}rounds/*/optimizer/*"},
     }
     assert not [a for a in allowed if a.startswith("dynamodb:")]
     (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket"]
@@ -472,11 +474,13 @@ def test_the_shard_worker_reads_round_objects_writes_only_staged_parts_and_never
 
 
 def layout_keys(run: str, round_no: int, pid: str, digest: str) -> list[str]:
-    """Every kind of object of the layout but the staged aggregate, for a participant, a round and a digest."""
-    staged = keys.staging_key(run, round_no, digest)
+    """Every kind of object of the layout but what a shard worker writes (the staged aggregate, the optimizer
+    state's pieces), for a participant, a round and a digest."""
+    written = {keys.staging_key(run, round_no, digest), keys.optimizer_key(run, round_no, digest)}
     return [keys.join_key(run, pid), keys.init_key(run, pid), keys.heartbeat_key(run, pid),
             keys.update_key(run, round_no, pid), keys.witness_key(run, round_no, pid),
-            keys.health_key(run, round_no, pid), *(k for k in coordinator_keys(run, round_no, digest) if k != staged)]
+            keys.health_key(run, round_no, pid),
+            *(k for k in coordinator_keys(run, round_no, digest) if k not in written)]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -489,8 +493,9 @@ def test_the_shard_worker_may_write_staged_aggregates_and_nothing_else_of_the_la
     assume(pid.lower() not in RESERVED_IDS)
     allowed = grants(role_statements(synth, function_role(synth, "shard")))
     bucket, run = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>", synth.config.run_id
-    # Then the shard worker may upload parts of the round's staged aggregate
+    # Then the shard worker may upload parts of the round's staged aggregate and its optimizer state's pieces
     assert iam_allows(allowed["s3:PutObject"], bucket, keys.staging_key(run, round_no, digest), pid)
+    assert iam_allows(allowed["s3:PutObject"], bucket, keys.optimizer_key(run, round_no, digest), pid)
     # And no other object: no update, report, join request, heartbeat, global model, manifest or checkpoint
     for key in layout_keys(run, round_no, pid, digest):
         assert not iam_allows(allowed["s3:PutObject"], bucket, key, pid), key
@@ -631,6 +636,7 @@ def test_participant_write_patterns_admit_exactly_its_own_keys_of_the_layout(syn
 def coordinator_keys(run: str, round_no: int, digest: str) -> list[str]:
     """Every object only the coordinator writes, and reads back (the staged aggregate too: its job id is a digest)."""
     return [keys.global_key(run, round_no, digest), keys.staging_key(run, round_no, digest), keys.manifest_key(run),
+            keys.optimizer_key(run, round_no, digest), keys.checkpoint_optimizer_key(run, round_no, digest),
             keys.config_key(run), keys.checkpoint_global_key(run, round_no), keys.checkpoint_state_key(run, round_no),
             keys.latest_checkpoint_key(run)]  # fmt: skip
 
@@ -667,7 +673,7 @@ def test_no_participant_tag_the_trust_policy_admits_may_write_a_staged_aggregate
     # reserved name), so no session the role can be assumed with carries it
     assert not keys.PARTICIPANT_ID_PATTERN.fullmatch(job)
     assert any(fnmatch.fnmatchcase(job, pattern) for pattern in FORBIDDEN_IN_ID)
-    assert "staging" in RESERVED_IDS
+    assert "staging" in RESERVED_IDS and "optimizer" in RESERVED_IDS
 
 
 def test_with_witnessing_participants_may_read_the_rounds_updates(tmp_path: Path) -> None:

@@ -1,0 +1,159 @@
+"""`make bench-learning`: what the server optimizers and data modes do to learning, each row a real run.
+
+Every federated row is `fed demo` (the local stack and participant processes) with its own configuration;
+the centralized row trains the same model with the same optimizer for the same total epochs on the whole
+training set, in this process. Prints one table (final and best test accuracy or held-out loss, rounds to
+0.95, bytes up and down per round, wall seconds) and writes each run's report JSON and PNG curves under
+--out. Not a test: nothing here asserts; the targets are printed beside the figures.
+
+    .venv/bin/python benchmarks/learning.py [--rounds 15] [--participants 8] [--only digits|lm] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rich.console import Console  # noqa: E402
+
+from fed.demo import DemoOptions, demo_config, run_demo  # noqa: E402
+from shared.config import DataMode, ServerOptimizer  # noqa: E402
+
+DIGITS_OPTIMIZERS = [(ServerOptimizer.NONE, "FedAvg"), (ServerOptimizer.FEDAVGM, "FedAvgM"),
+                     (ServerOptimizer.FEDADAM, "FedAdam")]
+SPLITS = ["iid", "dirichlet:0.5"]
+
+
+@dataclass
+class Row:
+    task: str
+    setting: str
+    optimizer: str
+    final: float
+    best: float
+    to_target: str  # rounds until 0.95 accuracy (digits); "-" for the LM
+    up_bytes: int  # uploaded per round, all participants
+    down_bytes: int  # downloaded per participant per round (the full global)
+    wall: float
+    metric: str = "accuracy"
+
+
+def rounds_to(accuracies: list[float], target: float = 0.95) -> str:
+    return next((str(i + 1) for i, a in enumerate(accuracies) if a >= target), f">{len(accuracies)}")
+
+
+def federated(task: str, setting: str, optimizer: ServerOptimizer, label: str, args: argparse.Namespace,
+              out: Path, **overrides: Any) -> Row:
+    name = f"{task}-{setting.replace(':', '')}-{optimizer.value}"
+    participants = args.participants if task == "digits" else args.lm_participants
+    rounds = args.rounds if task == "digits" else args.lm_rounds
+    local: dict[str, Any] = {"data_mode": DataMode.LOCAL, "dataset_size": 0} if setting != "assigned" else {}
+    config = demo_config(participants, rounds, run_id=f"learn-{name}"[:40].rstrip("-"), task=task,
+                         witness_nodes=0, server_optimizer=optimizer, **local, **overrides)
+    opts = DemoOptions(participants=participants, config=config, report=out / f"{name}.json",
+                       plot=out / f"{name}.png", split=None if setting == "assigned" else setting, timeout=3600)
+    started = time.monotonic()
+    report = run_demo(opts, Console(file=io.StringIO()))
+    wall = time.monotonic() - started
+    size = _global_size(task)
+    rows = [r for r in report["rounds"] if r["aggregated"]]
+    if task == "lm":
+        losses = [r["test_loss"] for r in rows]
+        return Row(task, setting, label, report["final_test_loss"], min(losses), "-", size * participants, size,
+                   wall, metric="held-out loss")
+    accuracies = [r["accuracy"] for r in rows]
+    return Row(task, setting, label, report["final_accuracy"], max(accuracies), rounds_to(accuracies),
+               size * participants, size, wall)
+
+
+def _global_size(task: str) -> int:
+    """Bytes of the task's model file (what each participant uploads and downloads per round)."""
+    from participant.task import load_task
+    from participant.tensors import model_bytes
+
+    return len(model_bytes(load_task(demo_config(1, task=task).task).build_model(0)))
+
+
+def centralized(args: argparse.Namespace) -> Row:
+    """The same MLP and SGD settings as the federated digits rows, 2 epochs per 'round', on all the data."""
+    import torch
+
+    from participant.tasks.digits import task
+
+    torch.set_num_threads(1)
+    config = demo_config(args.participants, args.rounds, task="digits")
+    model = task.build_model(0)
+    started = time.monotonic()
+    accuracies = []
+    for r in range(args.rounds):
+        task.train(model, range(task.train_size), config, torch.device("cpu"), seed=r)
+        accuracies.append(task.evaluate(model, torch.device("cpu"))["test_accuracy"])
+    return Row("digits", "centralized", f"SGD, {config.local_epochs} epochs/round", accuracies[-1], max(accuracies),
+               rounds_to(accuracies), 0, 0, time.monotonic() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--participants", type=int, default=8)
+    parser.add_argument("--lm-rounds", type=int, default=4)
+    parser.add_argument("--lm-participants", type=int, default=4)
+    parser.add_argument("--lm-steps", type=int, default=0, help="H inner steps a round (0: one pass, the demo's)")
+    parser.add_argument("--only", choices=["digits", "lm"])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+
+    def done(row: Row) -> None:
+        rows.append(row)
+        print(f"  {row.task} {row.setting} {row.optimizer}: final {row.final:.4f} best {row.best:.4f} "
+              f"({row.wall:.0f} s)", flush=True)
+
+    if args.only in (None, "digits"):
+        done(centralized(args))
+        for split in SPLITS:
+            for optimizer, label in DIGITS_OPTIMIZERS:
+                done(federated("digits", split, optimizer, label, args, args.out))
+    if args.only in (None, "lm"):
+        # DiLoCo's setting: H inner AdamW steps a round, outer Nesterov momentum; FedAvg takes the same steps
+        for optimizer, label in [(ServerOptimizer.NONE, "FedAvg"), (ServerOptimizer.DILOCO, "DiLoCo")]:
+            done(federated("lm", "assigned", optimizer, label, args, args.out, local_steps=args.lm_steps))
+    print_table(rows, args)
+    (args.out / "table.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
+
+
+def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    print(f"\nlearning: digits {args.participants} participants x {args.rounds} rounds (local data mode), "
+          f"LM {args.lm_participants} participants x {args.lm_rounds} rounds; this machine, one run each")
+    print("| task | data | optimizer | final | best | rounds to 0.95 | up B/round | down B/participant/round | s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.task} | {r.setting} | {r.optimizer} | {r.final:.4f} | {r.best:.4f} | {r.to_target} | "
+              f"{r.up_bytes:,} | {r.down_bytes:,} | {r.wall:.0f} |")
+    base = next((r for r in rows if r.setting == "centralized"), None)
+    if base is not None:
+        for split in SPLITS:
+            best = max((r for r in rows if r.setting == split), key=lambda r: r.final, default=None)
+            if best is not None:
+                target = 1.0 if split == "iid" else 3.0
+                gap = (base.final - best.final) * 100
+                print(f"{split}: best server optimizer {best.optimizer} {best.final:.4f}, {gap:+.2f} points below "
+                      f"centralized {base.final:.4f} (target: within {target:.0f})")
+    lm = {r.optimizer: r for r in rows if r.task == "lm"}
+    if len(lm) == 2:
+        print(f"LM at equal rounds and bytes: FedAvg held-out loss {lm['FedAvg'].final:.4f}, DiLoCo "
+              f"{lm['DiLoCo'].final:.4f} (target: DiLoCo lower)")
+
+
+if __name__ == "__main__":
+    main()

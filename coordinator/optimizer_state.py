@@ -1,0 +1,68 @@
+"""The server optimizer's state in the bucket (`shared.server_opt`): read back piece by piece, authenticated by
+the digests its index lists; carried, checkpointed and restored with the global model it goes with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from coordinator.deps import Deps
+from coordinator.models import CorruptInput
+from shared import keys
+from shared.digest import PIECE_BYTES
+from shared.server_opt import MAX_INDEX_BYTES, ServerStep, StateError, decode_index, decode_piece, index_pieces
+from store.blobs import NotFound, Tampered
+
+MAX_PIECE_BYTES = 4 * PIECE_BYTES + 64 * 1024  # two float32 slots over a piece of 2-byte elements, and a header
+
+
+def read_state_file(deps: Deps, key: str, want: str, limit: int) -> bytes:
+    try:
+        return deps.bucket.get_verified(key, want, limit)
+    except (NotFound, Tampered, ValueError) as exc:
+        raise CorruptInput(f"the optimizer state file {key[-80:]} cannot be read back: {exc}",
+                           missing=isinstance(exc, NotFound)) from None
+
+
+class StoredState:
+    """The state a round starts from (a `shared.aggregate.StateSource`), named by its index's digest."""
+
+    def __init__(self, deps: Deps, step: ServerStep, round_no: int, digest: str, pieces: int) -> None:
+        self.deps, self.step, self.round = deps, step, round_no
+        index = read_state_file(deps, keys.optimizer_key(deps.config.run_id, round_no, digest), digest,
+                                MAX_INDEX_BYTES)
+        try:
+            self.pieces = decode_index(step, index, pieces)
+        except StateError as exc:
+            raise CorruptInput(f"the optimizer state of round {round_no}: {exc}") from None
+
+    def load(self, index: int, count: int) -> dict[str, np.ndarray]:
+        want = self.pieces[index]
+        key = keys.optimizer_key(self.deps.config.run_id, self.round, want)
+        try:
+            return decode_piece(self.step, index, read_state_file(self.deps, key, want, MAX_PIECE_BYTES), count)
+        except (StateError, keys.KeyError_) as exc:
+            raise CorruptInput(f"the optimizer state of round {self.round}: {exc}") from None
+
+
+def state_files(deps: Deps, round_no: int, digest: str) -> list[str]:
+    """The digests of a stored state's index and every piece file it lists (index first)."""
+    index = read_state_file(deps, keys.optimizer_key(deps.config.run_id, round_no, digest), digest, MAX_INDEX_BYTES)
+    try:
+        return [digest, *index_pieces(index)]
+    except StateError as exc:
+        raise CorruptInput(f"the optimizer state of round {round_no}: {exc}") from None
+
+
+def copy_state(deps: Deps, round_no: int, digest: str, dest_key: Callable[[str], str]) -> None:
+    """Copy a state's index and pieces (their authenticated versions) to `dest_key(file digest)`."""
+    run_id = deps.config.run_id
+    for file_digest in state_files(deps, round_no, digest):
+        key = keys.optimizer_key(run_id, round_no, file_digest)
+        try:
+            version, _ = deps.bucket.verified_version(key, file_digest)
+        except (NotFound, Tampered) as exc:
+            raise CorruptInput(f"the optimizer state file {key[-80:]} cannot be read back: {exc}",
+                               missing=isinstance(exc, NotFound)) from None
+        deps.bucket.copy(key, dest_key(file_digest), version_id=version)

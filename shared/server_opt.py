@@ -1,0 +1,152 @@
+"""Server optimizers over a round's pseudo-gradient, and the layout of their state: pure numpy, no I/O.
+
+A round's pseudo-gradient is `g = x - a`: the global model the round trained from minus the strategy's
+aggregate of its updates (what FedAvg would make the next global). The server optimizer turns it into the
+next global model with its own state (Reddi et al., "Adaptive Federated Optimization"; Douillard et al.,
+DiLoCo), element by element, in float32:
+
+    fedavgm   m = beta m + g                                      x' = x - lr m
+    diloco    m = mu m + g                                        x' = x - lr (g + mu m)   (Nesterov)
+    fedadam   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2     x' = x - lr m / (sqrt(v) + tau)
+    fedyogi   m as fedadam;           v = v - (1 - b2) g^2 sign(v - g^2)   x' as fedadam
+
+State starts at zero. It is the size of the model's float tensors (float32 whatever the model's dtype) and
+is kept in the same pieces as the global model: piece i of the global model has one state file, a canonical
+safetensors file holding one flat float32 tensor per slot (`m`, `v`) over the float elements of that piece's
+data range, in data order. The state as a whole is named by its *index*: canonical JSON listing every piece
+file's digest (and the global model it goes with); the index's digest is the state's digest, recorded in the
+run state and each round's summary, so the state is authenticated exactly like the global model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shared.config import RunConfig, ServerOptimizer
+from shared.keys import DIGEST_PATTERN
+from shared.wire import WireError, decode, encode
+
+SLOTS: dict[ServerOptimizer, tuple[str, ...]] = {
+    ServerOptimizer.NONE: (),
+    ServerOptimizer.FEDAVGM: ("m",),
+    ServerOptimizer.DILOCO: ("m",),
+    ServerOptimizer.FEDADAM: ("m", "v"),
+    ServerOptimizer.FEDYOGI: ("m", "v"),
+}
+INDEX_SCHEMA = 1
+MAX_INDEX_BYTES = 4 * 1024 * 1024  # ~60,000 pieces: a 480 GB model
+
+
+class StateError(ValueError):
+    """An optimizer state file or index that does not fit the run."""
+
+
+@dataclass(frozen=True)
+class ServerStep:
+    """One optimizer's rule with the run's hyperparameters."""
+
+    kind: ServerOptimizer
+    lr: float
+    momentum: float
+    beta2: float
+    tau: float
+
+    @classmethod
+    def of(cls, config: RunConfig) -> ServerStep | None:
+        """The run's server optimizer; None when the aggregate is the next global as it is."""
+        if config.server_optimizer is ServerOptimizer.NONE:
+            return None
+        return cls(config.server_optimizer, config.server_step, config.server_momentum, config.server_beta2,
+                   config.server_tau)
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return SLOTS[self.kind]
+
+    def apply(self, x: np.ndarray, aggregate: np.ndarray, state: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The next global values for elements `x` (float32), updating `state`'s slices in place."""
+        f32 = np.float32
+        g = np.subtract(x, aggregate, dtype=f32)
+        m = state["m"]
+        if self.kind is ServerOptimizer.FEDAVGM:
+            m *= f32(self.momentum)
+            m += g
+            return np.asarray(x - f32(self.lr) * m, np.float32)
+        if self.kind is ServerOptimizer.DILOCO:
+            m *= f32(self.momentum)
+            m += g
+            return np.asarray(x - f32(self.lr) * (g + f32(self.momentum) * m), np.float32)
+        v = state["v"]
+        m *= f32(self.momentum)
+        m += f32(1 - self.momentum) * g
+        g2 = g * g
+        if self.kind is ServerOptimizer.FEDADAM:
+            v *= f32(self.beta2)
+            v += f32(1 - self.beta2) * g2
+        else:  # FedYogi
+            v -= f32(1 - self.beta2) * g2 * np.sign(v - g2)
+        return np.asarray(x - f32(self.lr) * m / (np.sqrt(v) + f32(self.tau)), np.float32)
+
+
+def new_state(slots: Sequence[str], count: int) -> dict[str, np.ndarray]:
+    """The state of `count` elements before the first round: zeros."""
+    return {slot: np.zeros(count, np.float32) for slot in slots}
+
+
+def encode_piece(step: ServerStep, index: int, state: Mapping[str, np.ndarray]) -> bytes:
+    return encode(dict(state), {"fed.kind": "optimizer-state", "fed.optimizer": step.kind.value,
+                                "fed.piece": str(index)})
+
+
+def decode_piece(step: ServerStep, index: int, data: bytes, count: int) -> dict[str, np.ndarray]:
+    """A state piece file's slots (writable copies), checked against what piece `index` must hold."""
+    try:
+        arrays, header = decode(data)
+    except WireError as exc:
+        raise StateError(f"optimizer state piece {index}: {exc}") from None
+    meta = header.metadata
+    if meta.get("fed.optimizer") != step.kind.value or meta.get("fed.piece") != str(index):
+        raise StateError(f"optimizer state piece {index} is of {meta.get('fed.optimizer')!r} piece "
+                         f"{meta.get('fed.piece')!r}, not of {step.kind.value!r} piece {index}")
+    if set(arrays) != set(step.slots) or any(a.dtype != np.float32 or a.shape != (count,) for a in arrays.values()):
+        raise StateError(f"optimizer state piece {index} does not hold {step.slots} of {count} float32 elements")
+    return {slot: arrays[slot].copy() for slot in step.slots}
+
+
+def encode_index(step: ServerStep, round_no: int, global_digest: str, pieces: Sequence[str]) -> bytes:
+    """The state's index (canonical JSON): its digest is the state's digest."""
+    body = {"schema": INDEX_SCHEMA, "kind": "optimizer-state", "optimizer": step.kind.value, "round": round_no,
+            "global": global_digest, "pieces": list(pieces)}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_index(step: ServerStep, data: bytes, pieces: int) -> list[str]:
+    """The piece digests an index lists, checked against the run's optimizer and the model's piece count."""
+    body, listed = _index(data)
+    if body.get("optimizer") != step.kind.value:
+        raise StateError(f"optimizer state is of {str(body.get('optimizer'))[:40]!r}, the run uses "
+                         f"{step.kind.value!r}")
+    if len(listed) != pieces:
+        raise StateError(f"optimizer state index lists {len(listed)} pieces, the model has {pieces}")
+    return listed
+
+
+def index_pieces(data: bytes) -> list[str]:
+    """The piece digests an index lists, checked for shape only (copying a state needs no more)."""
+    return _index(data)[1]
+
+
+def _index(data: bytes) -> tuple[dict[str, Any], list[str]]:
+    try:
+        body = json.loads(data)
+        listed = body["pieces"]
+    except (ValueError, KeyError, TypeError):
+        raise StateError("optimizer state index is not the JSON the coordinator writes") from None
+    if not isinstance(listed, list) or not all(isinstance(d, str) and DIGEST_PATTERN.fullmatch(d) for d in listed):
+        raise StateError("optimizer state index lists something other than piece digests")
+    return body, listed
