@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from coordinator.aggregation import AggregationBusy, write_aggregate
+from coordinator.catchup import catch_up
 from coordinator.deps import Deps
 from coordinator.models import CorruptInput, copy_global, read_header
 from coordinator.optimizer_state import copy_state
@@ -52,8 +53,12 @@ class TickResult:
 
 def run_tick(deps: Deps, now: float | None = None) -> TickResult:
     now = time.time() if now is None else now
+    caught_up = 0
     for attempt in range(1, MAX_ATTEMPTS + 1):
         snap = deps.store.load_snapshot()
+        if found := catch_up(deps, snap, now):  # news the event queue had not delivered yet: decide on it
+            caught_up += found
+            snap = deps.store.load_snapshot()
         decision = tick(snap, deps.config, now)
         first = snap.state.version == 0  # the run's first commit publishes its configuration
         if first and deps.bucket.head(keys.latest_checkpoint_key(deps.config.run_id)) is not None:
@@ -82,6 +87,8 @@ def run_tick(deps: Deps, now: float | None = None) -> TickResult:
         except Conflict:
             continue
         notes = tuple(e.message for e in decision.effects if isinstance(e, Note))
+        if caught_up:
+            notes = (f"ingested {caught_up} upload(s) the event queue had not delivered yet", *notes)
         state = decision.state.evolve(version=version)
         return TickResult(True, state, attempt, decision.fired, notes, summaries, aggregation_seconds)
     raise TickContention(f"lost {MAX_ATTEMPTS} races in a row")

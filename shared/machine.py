@@ -483,15 +483,41 @@ def _apply_health_reports(c: Ctx) -> None:
             c.drop(pid, f"health check: round {s.health_round} attested by {score} of {needed}")
 
 
+def _silent(snap: Snapshot, config: RunConfig, now: float) -> list[str]:
+    """The active members not heard from within the liveness timeout."""
+    if snap.state.phase not in LIVE_PHASES:
+        return []
+    return [pid for pid in snap.state.active()
+            if (view := snap.participants.get(pid)) is None or not view.alive(now, config.liveness_timeout)]
+
+
 def _drop_silent(c: Ctx) -> None:
-    if c.state.phase not in LIVE_PHASES:
-        return
     timeout = c.config.liveness_timeout
-    for pid in c.state.active():
+    for pid in _silent(c.snap, c.config, c.now):
         view = c.snap.participants.get(pid)
-        if view is None or not view.alive(c.now, timeout):
-            silent = c.now - view.last_seen if view else float("inf")
-            c.drop(pid, f"silent for {silent:.0f}s (liveness timeout {timeout:.0f}s)")
+        silent = c.now - view.last_seen if view else float("inf")
+        c.drop(pid, f"silent for {silent:.0f}s (liveness timeout {timeout:.0f}s)")
+
+
+@dataclass(frozen=True)
+class Overdue:
+    """What a tick at some time would decide from the absence of news: members it would drop as silent, and
+    selected members whose update the round would close without (its deadline passed). Before deciding that,
+    the service looks in the bucket for news the event queue has not delivered yet (`coordinator.catchup`)."""
+
+    silent: tuple[str, ...] = ()
+    missing_updates: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.silent or self.missing_updates)
+
+
+def overdue(snap: Snapshot, config: RunConfig, now: float) -> Overdue:
+    s = snap.state
+    missing: tuple[str, ...] = ()
+    if s.phase is Phase.TRAIN and now >= s.deadline:
+        missing = tuple(pid for pid in s.selected if pid not in snap.updates)
+    return Overdue(tuple(_silent(snap, config, now)), missing)
 
 
 def tick(snap: Snapshot, config: RunConfig, now: float) -> Decision:
