@@ -277,7 +277,7 @@ def alone(kind: str, out: Path) -> None:
                              norm=u.norm) for u in sorted(records, key=lambda u: u.pid)]
         from coordinator.aggregation import weighted_inputs
 
-        plan = round_plan(deps.config, base.manifest, last + 1, weighted_inputs(deps, last, inputs))
+        plan = round_plan(deps.config, base.manifest, last + 1, weighted_inputs(deps, last, base, inputs))
         staging = keys.staging_key(deps.config.run_id, last + 1, job_id(plan, base_digest))
         upload_id = deps.bucket.start_multipart(staging)
         shard = plan.shards(deps.config.shard_bytes)[0]

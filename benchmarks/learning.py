@@ -26,11 +26,13 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 
 from fed.demo import DemoOptions, demo_config, run_demo  # noqa: E402
+from shared.compress import Encoding, encode_delta  # noqa: E402
 from shared.config import DataMode, ServerOptimizer  # noqa: E402
 
 DIGITS_OPTIMIZERS = [(ServerOptimizer.NONE, "FedAvg"), (ServerOptimizer.FEDAVGM, "FedAvgM"),
                      (ServerOptimizer.FEDADAM, "FedAdam")]
 SPLITS = ["iid", "dirichlet:0.5"]
+COMPRESSED = ["bf16", "int8"]  # update encodings compared with plain weights (FedAvg)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Row:
     down_bytes: int  # downloaded per participant per round (the full global)
     wall: float
     metric: str = "accuracy"
+    encoding: str = "weights"
 
 
 def rounds_to(accuracies: list[float], target: float = 0.95) -> str:
@@ -57,6 +60,9 @@ def federated(task: str, setting: str, optimizer: ServerOptimizer, label: str, a
     participants = args.participants if task == "digits" else args.lm_participants
     rounds = args.rounds if task == "digits" else args.lm_rounds
     local: dict[str, Any] = {"data_mode": DataMode.LOCAL, "dataset_size": 0} if setting != "assigned" else {}
+    encoding = str(overrides.get("update_encoding", "weights"))
+    if encoding != "weights":
+        name += f"-{encoding}"
     config = demo_config(participants, rounds, run_id=f"learn-{name}"[:40].rstrip("-"), task=task,
                          witness_nodes=0, server_optimizer=optimizer, **local, **overrides)
     opts = DemoOptions(participants=participants, config=config, report=out / f"{name}.json",
@@ -64,23 +70,28 @@ def federated(task: str, setting: str, optimizer: ServerOptimizer, label: str, a
     started = time.monotonic()
     report = run_demo(opts, Console(file=io.StringIO()))
     wall = time.monotonic() - started
-    size = _global_size(task)
+    size, up = _sizes(task, config.encoding)
     rows = [r for r in report["rounds"] if r["aggregated"]]
     if task == "lm":
         losses = [r["test_loss"] for r in rows]
-        return Row(task, setting, label, report["final_test_loss"], min(losses), "-", size * participants, size,
-                   wall, metric="held-out loss")
+        return Row(task, setting, label, report["final_test_loss"], min(losses), "-", up * participants, size,
+                   wall, metric="held-out loss", encoding=encoding)
     accuracies = [r["accuracy"] for r in rows]
     return Row(task, setting, label, report["final_accuracy"], max(accuracies), rounds_to(accuracies),
-               size * participants, size, wall)
+               up * participants, size, wall, encoding=encoding)
 
 
-def _global_size(task: str) -> int:
-    """Bytes of the task's model file (what each participant uploads and downloads per round)."""
+def _sizes(task: str, encoding: Encoding) -> tuple[int, int]:
+    """Bytes of the task's model file (what each participant downloads per round) and of one update in
+    `encoding` (what each uploads: the same file's tensors encoded, metadata aside)."""
+    from participant.compressed import native
     from participant.task import load_task
-    from participant.tensors import model_bytes
+    from shared import wire
 
-    return len(model_bytes(load_task(demo_config(1, task=task).task).build_model(0)))
+    model = load_task(demo_config(1, task=task).task).build_model(0)
+    arrays = {n: native(t) for n, t in model.state_dict().items()}
+    encoded, _ = encode_delta({n: a.copy() for n, a in arrays.items()}, arrays, encoding)
+    return len(wire.encode(arrays)), len(wire.encode(encoded, encoding.metadata()))
 
 
 def centralized(args: argparse.Namespace) -> Row:
@@ -124,10 +135,15 @@ def main() -> None:
         for split in SPLITS:
             for optimizer, label in DIGITS_OPTIMIZERS:
                 done(federated("digits", split, optimizer, label, args, args.out))
+        for encoding in COMPRESSED:
+            done(federated("digits", "iid", ServerOptimizer.NONE, "FedAvg", args, args.out, update_encoding=encoding))
     if args.only in (None, "lm"):
         # DiLoCo's setting: H inner AdamW steps a round, outer Nesterov momentum; FedAvg takes the same steps
         for optimizer, label in [(ServerOptimizer.NONE, "FedAvg"), (ServerOptimizer.DILOCO, "DiLoCo")]:
             done(federated("lm", "assigned", optimizer, label, args, args.out, local_steps=args.lm_steps))
+        for encoding in COMPRESSED:
+            done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, local_steps=args.lm_steps,
+                           update_encoding=encoding))
     print_table(rows, args)
     (args.out / "table.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
 
@@ -135,11 +151,22 @@ def main() -> None:
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"\nlearning: digits {args.participants} participants x {args.rounds} rounds (local data mode), "
           f"LM {args.lm_participants} participants x {args.lm_rounds} rounds; this machine, one run each")
-    print("| task | data | optimizer | final | best | rounds to 0.95 | up B/round | down B/participant/round | s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| task | data | optimizer | updates | final | best | rounds to 0.95 | up B/round | down B/participant/round "
+          "| s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.task} | {r.setting} | {r.optimizer} | {r.final:.4f} | {r.best:.4f} | {r.to_target} | "
-              f"{r.up_bytes:,} | {r.down_bytes:,} | {r.wall:.0f} |")
+        print(f"| {r.task} | {r.setting} | {r.optimizer} | {r.encoding} | {r.final:.4f} | {r.best:.4f} | "
+              f"{r.to_target} | {r.up_bytes:,} | {r.down_bytes:,} | {r.wall:.0f} |")
+    for task, unit in (("digits", "accuracy"), ("lm", "held-out loss")):
+        plain = next((r for r in rows if r.task == task and r.optimizer == "FedAvg" and r.encoding == "weights"
+                      and r.setting in ("iid", "assigned")), None)
+        for r in rows:
+            if plain is not None and r.task == task and r.encoding != "weights":
+                change = (f"{(r.final - plain.final) * 100:+.2f} points" if task == "digits"
+                          else f"{(r.final / plain.final - 1) * 100:+.2f} %")
+                print(f"{task} {r.encoding} updates: {plain.up_bytes / r.up_bytes:.2f}x fewer bytes up than weights, "
+                      f"final {unit} {change} (target for int8: >= 3.5x, within "
+                      f"{'0.5 point' if task == 'digits' else '2 %'})")
     base = next((r for r in rows if r.setting == "centralized"), None)
     if base is not None:
         for split in SPLITS:

@@ -22,7 +22,8 @@ from coordinator.deps import Deps, ShardRunner
 from coordinator.models import CorruptInput, GlobalModel, ObjectRange, read_global, read_header
 from coordinator.optimizer_state import StoredState
 from shared import keys
-from shared.aggregate import PieceAggregator, Plan, StateSource, WeightedInput, round_plan
+from shared.aggregate import PieceAggregator, Plan, RangeSource, StateSource, WeightedInput, round_plan
+from shared.compress import CachedRange, DecodedSource
 from shared.config import Strategy
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
 from shared.messages import PieceDone, ShardDone, ShardInput, ShardTask
@@ -44,17 +45,24 @@ class AggregationBusy(RuntimeError):
     """Another invocation is aggregating this round (it commits; this one does nothing)."""
 
 
-def weighted_inputs(deps: Deps, round_no: int, inputs: Sequence[AggregateInput | ShardInput]) -> list[WeightedInput]:
-    """The counted updates of a round as range sources over the exact object versions ingest accepted (hashed
-    then: an S3 object version never changes, so they are not hashed again)."""
-    run_id = deps.config.run_id
-    return [
-        WeightedInput(i.participant, i.samples, i.digest,
-                      ObjectRange(deps.bucket, keys.update_key(run_id, round_no, i.participant), i.version_id,
-                                  owner=i.participant),
-                      i.norm)
-        for i in inputs
-    ]
+def weighted_inputs(
+    deps: Deps, round_no: int, base: GlobalModel, inputs: Sequence[AggregateInput | ShardInput]
+) -> list[WeightedInput]:
+    """The counted updates of round `round_no` (which trained from `base`) as range sources over the exact object
+    versions ingest accepted (hashed then: an S3 object version never changes, so they are not hashed again);
+    compressed ones (`update_encoding`) decoded against `base` as they are read, which is read once per range for
+    all of them."""
+    run_id, encoding = deps.config.run_id, deps.config.encoding
+    shared_base = CachedRange(base.source(deps)) if encoding.is_delta else None
+
+    def source(i: AggregateInput | ShardInput) -> RangeSource:
+        stored = ObjectRange(deps.bucket, keys.update_key(run_id, round_no, i.participant), i.version_id,
+                             owner=i.participant)
+        if shared_base is None:
+            return stored
+        return DecodedSource(base.manifest, encoding, shared_base, stored)
+
+    return [WeightedInput(i.participant, i.samples, i.digest, source(i), i.norm) for i in inputs]
 
 
 def job_id(plan: Plan, base_digest: str, optimizer_digest: str = "") -> str:
@@ -80,7 +88,7 @@ def write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:
 
 def _write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:
     base = read_global(deps, effect.round, effect.base_digest)
-    inputs = weighted_inputs(deps, effect.round, effect.inputs)
+    inputs = weighted_inputs(deps, effect.round, base, effect.inputs)
     plan = round_plan(deps.config, base.manifest, effect.round + 1, inputs)
     if plan.pieces == 1:
         state = state_source(deps, effect.round, effect.optimizer_digest, plan)
@@ -155,7 +163,7 @@ def run_shard(deps: Deps, task: ShardTask) -> ShardDone:
     key = keys.global_key(deps.config.run_id, task.round, task.base_digest)
     header = read_header(deps.bucket, key, task.base_version, task.base_size)
     base = GlobalModel(key, Manifest.of(header), task.base_version, header.data_offset, task.base_size)
-    inputs = weighted_inputs(deps, task.round, task.inputs)
+    inputs = weighted_inputs(deps, task.round, base, task.inputs)
     plan = round_plan(deps.config, base.manifest, task.round + 1, inputs)
     job = job_id(plan, task.base_digest, task.optimizer_digest)
     if keys.staging_key(deps.config.run_id, task.round + 1, job) != task.staging:

@@ -1,12 +1,18 @@
 """One uploaded model file read once, as it streams: its digest, its header, and the data-section checks
-(`shared.scan`) against the round's global model. Memory: a few blocks, whatever the file's size."""
+(`shared.scan`) against the round's global model. Memory: a few blocks, whatever the file's size.
+
+A compressed update (`shared.compress`, the run's `update_encoding`) is checked twice: as it streams, as the
+encoded file it is (its manifest, its encoding, finite scales and bf16 values); then read again by range and
+decoded against the global model, as aggregation will read it, for the finiteness of the weights it stands
+for and their distance from the global."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from coordinator.deps import Deps
-from coordinator.models import GlobalModel
+from coordinator.models import GlobalModel, ObjectRange
+from shared.compress import CachedRange, CompressError, DecodedSource, Encoding, encoded_manifest
 from shared.digest import PIECE_BYTES, TreeHasher
 from shared.scan import DataScan
 from shared.wire import Header, Manifest, WireError, header_length, parse_header_prefix
@@ -32,7 +38,8 @@ def stream_model(deps: Deps, key: str, version_id: str, size: int, model: Global
     hasher, pending = TreeHasher(), bytearray()
     scan: DataScan | None = None
     position = 0  # data-section offset of pending[0]
-    reference = bytearray(BLOCK) if model is not None else None
+    encoding = deps.config.encoding if model is not None else Encoding()
+    reference = bytearray(BLOCK) if model is not None and not encoding.is_delta else None
     for chunk in chunks:
         hasher.update(chunk)
         if not check or out.problem:
@@ -46,7 +53,7 @@ def stream_model(deps: Deps, key: str, version_id: str, size: int, model: Global
                 if len(pending) < need:
                     continue
                 out.header = parse_header_prefix(bytes(pending[:need]), size)
-                scan = _scan_for(out.header, model)
+                scan = _scan_for(out.header, model, encoding)
                 del pending[:need]
             except WireError as exc:
                 out.problem = str(exc)
@@ -67,21 +74,49 @@ def stream_model(deps: Deps, key: str, version_id: str, size: int, model: Global
             assert scan is not None
             _feed(deps, scan, model, position, memoryview(pending), reference)
             out.problem = scan.problem
+            if model is not None and encoding.is_delta and not out.problem:
+                scan = _scan_decoded(deps, ObjectRange(deps.bucket, key, version_id, out.header.data_offset), model,
+                                     encoding)
+                out.problem = scan.problem
             out.distance = scan.distance if model is not None else -1.0
     return out
 
 
-def _scan_for(header: Header, model: GlobalModel | None) -> DataScan:
+def _scan_for(header: Header, model: GlobalModel | None, encoding: Encoding) -> DataScan:
     if model is not None:
-        if reason := model.manifest.mismatch(header):
-            raise WireError(reason)
-        return DataScan(model.manifest)
+        try:
+            sent = Encoding.of_metadata(header.metadata)
+        except CompressError as exc:
+            raise WireError(str(exc)) from None
+        if sent != encoding:
+            raise WireError(f"update encoded as {sent}; this run's updates are {encoding} (update_encoding)")
+        expected = encoded_manifest(model.manifest, encoding)
+        if reason := expected.mismatch(header):
+            raise WireError(reason + (f" (an update encoded as {encoding})" if encoding.is_delta else ""))
+        return DataScan(expected)
     manifest = Manifest.of(header)
     if not header.tensors:
         raise WireError("the file holds no tensors")
     if reason := manifest.mismatch(header):  # laid out canonically, as every later file must be
         raise WireError(reason)
     return DataScan(manifest)
+
+
+def _scan_decoded(deps: Deps, encoded: ObjectRange, model: GlobalModel, encoding: Encoding) -> DataScan:
+    """The weights an encoded update stands for, block by block: finite, and their distance from the global."""
+    base = CachedRange(model.source(deps))  # (read once a block: by the decoding and as the reference)
+    source = DecodedSource(model.manifest, encoding, base, encoded)
+    scan = DataScan(model.manifest)
+    block, reference = bytearray(BLOCK), bytearray(BLOCK)
+    total = model.manifest.nbytes
+    for begin in range(0, total, BLOCK):
+        n = min(BLOCK, total - begin)
+        source.readinto(begin, memoryview(block)[:n])
+        base.readinto(begin, memoryview(reference)[:n])
+        scan.feed(begin, memoryview(block)[:n], memoryview(reference)[:n])
+        if scan.problem:
+            break
+    return scan
 
 
 def _feed(deps: Deps, scan: DataScan, model: GlobalModel | None, begin: int, block: memoryview,

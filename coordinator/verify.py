@@ -94,7 +94,7 @@ def _recompute(deps: Deps, effect: Aggregate) -> tuple[str, str]:
     """The digests of the global model and optimizer state `effect` makes, computed piece by piece (memory:
     about two pieces)."""
     base = read_global(deps, effect.round, effect.base_digest)
-    inputs = weighted_inputs(deps, effect.round, effect.inputs)
+    inputs = weighted_inputs(deps, effect.round, base, effect.inputs)
     plan = round_plan(deps.config, base.manifest, effect.round + 1, inputs)
     state = state_source(deps, effect.round, effect.optimizer_digest, plan)
     return aggregate_digest(deps.config, base.manifest, effect.round + 1, inputs, base_source(deps, base), state)

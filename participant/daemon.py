@@ -231,7 +231,7 @@ class Daemon(Participant):
         return self.training.train(self._work(), action, self.held_model)
 
     def _check_updates(self, action: CheckUpdates, state: RunState) -> None:
-        self.witnessing.check_updates(action, state, self.held_model)
+        self.witnessing.check_updates(action, state, self.held_model, self._work().config.encoding)
 
     def _send_proof(self, action: SendProof, state: RunState) -> None:
         self.witnessing.send_proof(self._work(), action, state, self.held, self.held_model, self.joined_at)

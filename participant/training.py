@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from participant.compressed import Residual, write_update
 from participant.decide import Fetch, Train
 from participant.journal import JournalKeeper
 from participant.protocol import ParticipantError, closed_while_training
@@ -177,6 +178,7 @@ class Training:
         self.cache_dir, self.run_id, self.pid = cache_dir, run_id, pid
         # model files we write, until they are uploaded (beside the cache: the state directory)
         self.outbox = outbox if outbox is not None else cache_dir.parent / "outbox"
+        self.residual = Residual(cache_dir.parent)  # error feedback of compressed updates
         # files a process killed mid-write or mid-download left behind
         leftovers = [*self.outbox.glob("*"), *cache_dir.glob(f"*{UNVERIFIED_SUFFIX}"), *cache_dir.glob(".*.part")]
         for left in leftovers:
@@ -270,10 +272,16 @@ class Training:
         if previous and previous.get("round") == a.round:
             log.info("round %d: retraining (interrupted by a restart)", a.round)
         path, metrics = self._fit(work, a, held_model, indices)
+        sent = False
         try:
-            return self._send(work, a, path, len(indices), metrics)
+            sent = self._send(work, a, path, len(indices), metrics)
+            return sent
         finally:
             path.unlink(missing_ok=True)
+            if sent:
+                self.residual.commit()
+            else:
+                self.residual.discard()
 
     def _send(self, work: Workload, a: Train, path: Path, samples: int, metrics: dict[str, float]) -> bool:
         size = path.stat().st_size
@@ -333,7 +341,12 @@ class Training:
         )
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
         meta = UpdateMeta(self.run_id, a.round, self.pid, len(indices), metrics)
-        path = save_model(model, self.outbox / f"update-{a.round:06d}{MODEL_SUFFIX}", meta.to_metadata())
+        path = self.outbox / f"update-{a.round:06d}{MODEL_SUFFIX}"
+        if config.encoding.is_delta:  # the delta from the global model, compressed (`shared.compress`)
+            write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(),
+                         self.residual if config.error_feedback else None)
+        else:
+            save_model(model, path, meta.to_metadata())
         log.info("round %d: trained in %.2fs: loss %.4f, test accuracy %.4f (global model %.4f)", a.round, seconds,
                  metrics.get("loss", math.nan), metrics.get("test_accuracy", math.nan),
                  metrics.get("global_test_accuracy", math.nan))

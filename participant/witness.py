@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared.compress import Encoding
 from shared.wire import Header, WireError, parse_header
 
 if TYPE_CHECKING:
@@ -130,16 +131,18 @@ class RoundWitness:
         """Where a participant's update is downloaded to (and kept, once verified)."""
         return self.workdir / f"{pid}.safetensors"
 
-    def verify(self, rec: PeerUpdate, path: Path | None, got: str, reference: ModelSource) -> Check:
+    def verify(self, rec: PeerUpdate, path: Path | None, got: str, reference: ModelSource,
+               encoding: Encoding = Encoding()) -> Check:
         """Check a downloaded file (None: not in the bucket) whose content digest is `got` against the record and
-        the global model; a file that fails is deleted."""
+        the global model (a compressed update is decoded in place first); a file that fails is deleted."""
         problem = ""
         if path is None:
             problem = "the recorded version is not in the bucket"
         elif got != rec.digest:
             problem = f"digest {got[:12]} is not the recorded {rec.digest[:12]}"
         else:
-            problem = structure_problem(path, reference) or non_finite(path)
+            problem = _decoded(path, reference, encoding)
+            problem = problem or structure_problem(path, reference) or non_finite(path)
         if problem and path is not None:
             path.unlink(missing_ok=True)
         check = Check(rec.pid, rec.digest, rec.samples, problem, None if problem else path)
@@ -200,6 +203,19 @@ class RoundWitness:
     def discard(self) -> None:
         """Remove the verified files kept on disk (after the proof was sent)."""
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _decoded(path: Path, reference: ModelSource, encoding: Encoding) -> str:
+    """Decode a compressed update in place (`participant.compressed`); why it cannot be, or ""."""
+    if not encoding.is_delta:
+        return ""
+    from participant.compressed import decode_update_file
+
+    try:
+        decode_update_file(path, reference, encoding)
+    except ValueError as exc:  # WireError, CompressError
+        return f"not a valid {encoding} update: {exc}"
+    return ""
 
 
 def header_of(source: ModelSource) -> Header:

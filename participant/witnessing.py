@@ -21,6 +21,7 @@ from participant.remote import Remote, Stopped
 from participant.training import Doing, Training, Workload
 from participant.witness import PeerUpdate, RoundWitness
 from shared import keys
+from shared.compress import Encoding
 from shared.messages import HealthReport
 from shared.state import LIVE_PHASES, MemberStatus, Phase, RunState
 from shared.witness import Proof
@@ -78,8 +79,10 @@ class Witnessing:
                     break
         return len(w.missing(state.selected)), len(w.unchecked(state.selected))
 
-    def check_updates(self, action: CheckUpdates, state: RunState, held_model: ModelSource) -> None:
-        """Download each recorded update not yet verified, by its recorded version, to disk, and verify it."""
+    def check_updates(self, action: CheckUpdates, state: RunState, held_model: ModelSource,
+                      encoding: Encoding = Encoding()) -> None:
+        """Download each recorded update not yet verified, by its recorded version, to disk, and verify it (a
+        compressed one decoded against the global model first: witnesses evaluate weights)."""
         assert self.witness is not None and self.witness.round == action.round
         w = self.witness
         for rec in w.unchecked(state.selected):
@@ -96,7 +99,7 @@ class Witnessing:
                     got = self.remote.download_file(key, w.update_path(rec.pid), progress, version_id=rec.version_id)
             except NotFound:
                 path = None
-            check = w.verify(rec, path, got, held_model)
+            check = w.verify(rec, path, got, held_model, encoding)
             w.verify_seconds += time.perf_counter() - started
             if check.problem:
                 log.warning("round %d: witness: the update of %s cannot be attested: %s", action.round, rec.pid,

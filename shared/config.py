@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shared.compress import Encoding
 from shared.keys import RUN_ID_PATTERN
 
 
@@ -49,6 +50,14 @@ class DataMode(StrEnum):
 
     ASSIGNED = "assigned"  # one shared training set; each round the coordinator assigns index slices of it
     LOCAL = "local"  # each participant's own (private) data; it registers its sample count when it joins
+
+
+class UpdateEncoding(StrEnum):
+    """What a participant uploads (`shared.compress`)."""
+
+    WEIGHTS = "weights"
+    BF16 = "bf16"
+    INT8 = "int8"
 
 
 class RunConfig(BaseModel):
@@ -122,6 +131,15 @@ class RunConfig(BaseModel):
         "through its data in fresh seeded orders as often as needed; 0: local_epochs passes instead.")
     batch_size: int = Field(32, ge=1)
     learning_rate: float = Field(0.05, gt=0)
+    update_encoding: UpdateEncoding = Field(
+        UpdateEncoding.WEIGHTS, description="What participants upload: weights (the trained weights, in the "
+        "model's dtypes), bf16 (the delta from the round's global model as bfloat16: half of float32's bytes) or "
+        "int8 (the delta quantized per block of quant_block elements, one float32 scale each: about a quarter). "
+        "The coordinator decodes as it reads; the global model stays in the model's dtypes.")
+    quant_block: int = Field(256, ge=1, le=1 << 20, description="Elements per int8 quantization block (one "
+                             "float32 scale each).")
+    error_feedback: bool = Field(True, description="Participants keep what quantization lost and add it to their "
+                                 "next round's delta (bf16, int8), so no part of an update is lost for good.")
     max_update_bytes: int = Field(
         16 * 1024**3, gt=0, description="Largest update object accepted (ingest streams it: memory does not grow "
         "with it; see docs/deploy.md for the functions' memory).")
@@ -155,6 +173,10 @@ class RunConfig(BaseModel):
     def server_step(self) -> float:
         """The server learning rate in use."""
         return self.server_lr or DEFAULT_SERVER_LR[self.server_optimizer]
+
+    @property
+    def encoding(self) -> Encoding:
+        return Encoding(self.update_encoding.value, self.quant_block)
 
     @property
     def epoch_rounds(self) -> int:
