@@ -129,10 +129,19 @@ def quantize(delta: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
 def dequantize(codes: np.ndarray, scales: np.ndarray, block: int, first: int = 0) -> np.ndarray:
     """float32 values of flat `codes` holding elements [first, first + len) of a tensor, whose blocks from
     `first // block` on have `scales`."""
-    index = (np.arange(first, first + codes.size) // block) - first // block
+    out = codes.astype(np.float32)
+    n = out.size
+    head = min(n, -first % block)  # elements before the first block boundary: the end of a block cut by `first`
     with np.errstate(over="ignore"):  # (an overflow is caught as a non-finite value at ingest)
-        values: np.ndarray = codes.astype(np.float32) * scales[index]
-    return values
+        if head:
+            out[:head] *= scales[0]
+        full = (n - head) // block
+        if full:
+            at = 1 if head else 0
+            out[head : head + full * block].reshape(full, block)[:] *= scales[at : at + full, None]
+        if head + full * block < n:
+            out[head + full * block :] *= scales[(1 if head else 0) + full]
+    return out
 
 
 def encode_delta(trained: dict[str, np.ndarray], base: dict[str, np.ndarray], encoding: Encoding,
@@ -186,6 +195,15 @@ def _add(base: np.ndarray, delta: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is caught as a non-finite value at ingest)
         total: np.ndarray = (base.astype(wide) + delta).astype(base.dtype)
     return total
+
+
+def _add_in_place(view: np.ndarray, delta: np.ndarray) -> None:
+    """view += delta, computed in float32 (float64 for a float64 view), stored in the view's dtype."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if view.dtype in (np.float32, np.float64):
+            view += delta
+        else:
+            view[:] = (view.astype(np.float32) + delta).astype(view.dtype)
 
 
 # --- decoding by byte range (the coordinator) ---------------------------------------------------------
@@ -281,9 +299,7 @@ def _decode_into(part: _Part, out: bytearray, lo: int, fetched: _Fetched, encodi
         codes = np.frombuffer(fetched.get(part.spans[0]), np.int8)
         scales = np.frombuffer(fetched.get(part.spans[1]), "<f4")
         delta = dequantize(codes, scales, encoding.block, part.first)
-    base = tensor_view(out, begin, flat)
-    value = _add(base, delta)
-    out[begin : begin + flat.nbytes] = value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
+    _add_in_place(tensor_view(out, begin, flat), delta)
 
 
 class _Fetched:
