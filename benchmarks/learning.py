@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -63,7 +64,8 @@ def federated(task: str, setting: str, optimizer: ServerOptimizer, label: str, a
     encoding = str(overrides.get("update_encoding", "weights"))
     if encoding != "weights":
         name += f"-{encoding}"
-    config = demo_config(participants, rounds, run_id=f"learn-{name}"[:40].rstrip("-"), task=task,
+    run_id = re.sub(r"[^a-z0-9-]+", "-", f"learn-{name}")[:40].strip("-")
+    config = demo_config(participants, rounds, run_id=run_id, task=task,
                          witness_nodes=0, server_optimizer=optimizer, **local, **overrides)
     opts = DemoOptions(participants=participants, config=config, report=out / f"{name}.json",
                        plot=out / f"{name}.png", split=None if setting == "assigned" else setting, timeout=3600)
