@@ -178,7 +178,7 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
                 gap = (base.final - best.final) * 100
                 print(f"{split}: best server optimizer {best.optimizer} {best.final:.4f}, {gap:+.2f} points below "
                       f"centralized {base.final:.4f} (target: within {target:.0f})")
-    lm = {r.optimizer: r for r in rows if r.task == "lm"}
+    lm = {r.optimizer: r for r in rows if r.task == "lm" and r.encoding == "weights"}
     if len(lm) == 2:
         print(f"LM at equal rounds and bytes: FedAvg held-out loss {lm['FedAvg'].final:.4f}, DiLoCo "
               f"{lm['DiLoCo'].final:.4f} (target: DiLoCo lower)")
