@@ -132,6 +132,12 @@ def demo(
         "IID or with a Dirichlet(ALPHA) label skew (0.1: a few digits each; 100: close to IID), and each trains "
         "only on its own part. Default: every round assigns each participant a slice of the shared set.",
     ),
+    updates: str | None = typer.Option(
+        None, "--updates", metavar="weights|bf16|int8",
+        help="What participants upload (update_encoding): their trained weights (the default), or the delta from "
+        "the round's global as bfloat16 (half the bytes) or int8 per block of 256 with a scale each (about a "
+        "quarter), the quantization error carried into their next round.",
+    ),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Give up (exit 1) if the run has not finished."),
     tick_interval: float = typer.Option(1.0, "--tick-interval", min=0.05, help="Seconds between scheduled ticks."),
     workdir: Path | None = typer.Option(
@@ -153,7 +159,7 @@ def demo(
         raise typer.Exit(2)
     options = DemoOptions(participants=participants, rounds=rounds, report=report, plot=plot, config=_load(config),
                           kill_one=kill_one, timeout=timeout, tick_interval=tick_interval, workdir=workdir, task=task,
-                          split=split)
+                          split=split, updates=updates)
     try:
         run_demo(options, console)
     except DemoFailed as exc:

@@ -33,7 +33,7 @@ from local.stack import LocalStack, client_environment
 from participant.splits import parse_split
 from participant.tasks import digits_meta, lm_meta
 from shared import keys
-from shared.config import DataMode, RunConfig
+from shared.config import DataMode, RunConfig, UpdateEncoding
 from shared.state import Phase, RoundSummary
 from shared.wire import digest
 from store.blobs import Bucket, s3_client
@@ -313,6 +313,7 @@ class DemoOptions:
     keep: bool = False
     task: str | None = None  # a DEMO_TASKS name; None: digits, or the --config file's task
     split: str | None = None  # local data mode: iid or dirichlet:ALPHA, part i to participant i; None: assigned
+    updates: str | None = None  # update_encoding (weights, bf16, int8); None: the config's (weights by default)
 
 
 @dataclass
@@ -371,18 +372,21 @@ def resolve_config(opts: DemoOptions) -> RunConfig:
             parse_split(opts.split, 0, opts.participants)
         except ValueError as exc:
             raise DemoFailed(f"--split: {exc}") from None
+    if opts.updates is not None and opts.updates not in [e.value for e in UpdateEncoding]:
+        raise DemoFailed(f"--updates {opts.updates}: give one of {', '.join(e.value for e in UpdateEncoding)}")
+    encoding: dict[str, Any] = {"update_encoding": opts.updates} if opts.updates else {}
     if opts.config is None:
         local: dict[str, Any] = {"data_mode": DataMode.LOCAL, "dataset_size": 0} if opts.split else {}
-        return demo_config(opts.participants, opts.rounds, opts.kill_one, task=opts.task or DEFAULT_TASK, **local)
+        return demo_config(opts.participants, opts.rounds, opts.kill_one, task=opts.task or DEFAULT_TASK, **local,
+                           **encoding)
     if opts.split and opts.config.data_mode is not DataMode.LOCAL:
         raise DemoFailed("--split gives each participant its own data, but the --config file's data_mode is "
                          f"{opts.config.data_mode}: set data_mode = \"local\" there")
     if opts.task is not None and demo_task(opts.task).spec.partition(":")[0] != opts.config.task.partition(":")[0]:
         raise DemoFailed(f"--task {opts.task} and the --config file's task ({opts.config.task}) disagree: "
                          "leave --task out to run the config's task")
-    if opts.rounds is not None and opts.rounds != opts.config.total_rounds:
-        return RunConfig(**{**opts.config.model_dump(), "total_rounds": opts.rounds})
-    return opts.config
+    changes = encoding | ({"total_rounds": opts.rounds} if opts.rounds is not None else {})
+    return RunConfig(**{**opts.config.model_dump(), **changes}) if changes else opts.config
 
 
 def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any]:

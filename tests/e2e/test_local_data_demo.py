@@ -13,6 +13,7 @@ from fed.cli import app
 from participant.splits import partition
 from participant.tasks import digits_meta
 from participant.tasks.digits import task as digits
+from shared import wire
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -39,3 +40,29 @@ def test_fed_demo_split_dirichlet_trains_each_participant_on_its_own_part(tmp_pa
         sent = [int(n) for n in re.findall(r"update uploaded \(\d+ bytes, (\d+) samples", log)]
         assert sent == [len(parts[i])] * 3, (i, sent)
     assert body["final_accuracy"] > 0.5
+
+
+def test_fed_demo_updates_int8_sends_a_quarter_of_the_bytes_and_learns(tmp_path: Path) -> None:
+    # Given `fed demo --updates int8` with three participants and three rounds
+    report, work = tmp_path / "report.json", tmp_path / "work"
+    args = ["demo", "--updates", "int8", "--participants", "3", "--rounds", "3", "--report", str(report),
+            "--workdir", str(work), "--timeout", "240"]
+    # When it runs
+    result = CliRunner().invoke(app, args)
+    # Then every round aggregates every update (witnesses decode and attest them) and the model learns
+    assert result.exit_code == 0, result.output
+    body = json.loads(report.read_text())
+    assert body["config"]["update_encoding"] == "int8"
+    assert [(r["aggregated"], r["accepted"], r["refused"]) for r in body["rounds"]] == [(True, 3, 0)] * 3
+    assert body["final_accuracy"] > 0.8
+    # And each update on the wire was about a quarter of the model's bytes
+    model = len(wire.encode({n: t.numpy() for n, t in digits.build_model(0).state_dict().items()}))
+    for i in range(3):
+        log = (work / "logs" / f"p{i + 1}.log").read_text()
+        sent = [int(n) for n in re.findall(r"update uploaded \((\d+) bytes", log)]
+        assert len(sent) == 3 and all(n < 0.3 * model for n in sent), (sent, model)
+
+
+def test_fed_demo_refuses_an_unknown_update_encoding() -> None:
+    result = CliRunner().invoke(app, ["demo", "--updates", "int4"])
+    assert result.exit_code != 0 and "--updates int4: give one of weights, bf16, int8" in result.output
