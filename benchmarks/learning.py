@@ -61,6 +61,8 @@ def federated(task: str, setting: str, optimizer: ServerOptimizer, label: str, a
     participants = args.participants if task == "digits" else args.lm_participants
     rounds = args.rounds if task == "digits" else args.lm_rounds
     local: dict[str, Any] = {"data_mode": DataMode.LOCAL, "dataset_size": 0} if setting != "assigned" else {}
+    if task == "digits":  # the centralized row's SGD settings too
+        local |= {"local_epochs": args.local_epochs, "batch_size": args.batch_size}
     encoding = str(overrides.get("update_encoding", "weights"))
     if encoding != "weights":
         name += f"-{encoding}"
@@ -103,7 +105,8 @@ def centralized(args: argparse.Namespace) -> Row:
     from participant.tasks.digits import task
 
     torch.set_num_threads(1)
-    config = demo_config(args.participants, args.rounds, task="digits")
+    config = demo_config(args.participants, args.rounds, task="digits", local_epochs=args.local_epochs,
+                         batch_size=args.batch_size)
     model = task.build_model(0)
     started = time.monotonic()
     accuracies = []
@@ -118,6 +121,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--participants", type=int, default=8)
+    parser.add_argument("--local-epochs", type=int, default=5, help="digits: local epochs a round (and the "
+                        "centralized row's epochs per round)")
+    parser.add_argument("--batch-size", type=int, default=16, help="digits: SGD batch size (every row)")
     parser.add_argument("--lm-rounds", type=int, default=4)
     parser.add_argument("--lm-participants", type=int, default=4)
     parser.add_argument("--lm-steps", type=int, default=0, help="H inner steps a round (0: one pass, the demo's)")
@@ -151,7 +157,8 @@ def main() -> None:
 
 
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
-    print(f"\nlearning: digits {args.participants} participants x {args.rounds} rounds (local data mode), "
+    print(f"\nlearning: digits {args.participants} participants x {args.rounds} rounds (local data mode, "
+          f"{args.local_epochs} local epochs of batch {args.batch_size}), "
           f"LM {args.lm_participants} participants x {args.lm_rounds} rounds; this machine, one run each")
     print("| task | data | optimizer | updates | final | best | rounds to 0.95 | up B/round | down B/participant/round "
           "| s |")
