@@ -27,8 +27,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-from benchmarks.aggregation import FileRange, model_shapes, peak_rss  # noqa: E402
+from aggregation import FileRange, model_shapes, peak_rss  # noqa: E402  (benchmarks/aggregation.py)
+
 from shared import wire  # noqa: E402
 from shared.aggregate import PieceAggregator, WeightedInput, round_plan  # noqa: E402
 from shared.compress import CachedRange, DecodedSource, Encoding, encode_delta  # noqa: E402
