@@ -42,9 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from shared import wire  # noqa: E402
-from shared.aggregate import PieceAggregator, Plan, WeightedInput, round_plan  # noqa: E402
+from shared.aggregate import PieceAggregator, WeightedInput, round_plan  # noqa: E402
 from shared.config import RunConfig  # noqa: E402
 from shared.digest import combine, piece_hash  # noqa: E402
+from shared.plan import Plan  # noqa: E402
 
 GB = 1e9
 METHODS = ("project K=1", "project K=1, 1 core", "project K=2, 1 core each", "Flower", "numpy from files",

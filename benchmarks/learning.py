@@ -45,10 +45,11 @@ class Row:
     best: float
     to_target: str  # rounds until 0.95 accuracy (digits); "-" for the LM
     up_bytes: int  # uploaded per round, all participants
-    down_bytes: int  # downloaded per participant per round (the full global)
+    down_bytes: int  # downloaded per participant per round (holding the previous global): the global or its delta
     wall: float
     metric: str = "accuracy"
     encoding: str = "weights"
+    downloads: str = "full"
 
 
 def rounds_to(accuracies: list[float], target: float = 0.95) -> str:
@@ -64,8 +65,11 @@ def federated(task: str, setting: str, optimizer: ServerOptimizer, label: str, a
     if task == "digits":  # the centralized row's SGD settings too
         local |= {"local_epochs": args.local_epochs, "batch_size": args.batch_size}
     encoding = str(overrides.get("update_encoding", "weights"))
+    downloads = str(overrides.get("download_encoding", "full"))
     if encoding != "weights":
         name += f"-{encoding}"
+    if downloads != "full":
+        name += f"-down-{downloads}"
     run_id = re.sub(r"[^a-z0-9-]+", "-", f"learn-{name}")[:40].strip("-")
     config = demo_config(participants, rounds, run_id=run_id, task=task,
                          witness_nodes=0, server_optimizer=optimizer, **local, **overrides)
@@ -74,15 +78,16 @@ def federated(task: str, setting: str, optimizer: ServerOptimizer, label: str, a
     started = time.monotonic()
     report = run_demo(opts, Console(file=io.StringIO()))
     wall = time.monotonic() - started
-    size, up = _sizes(task, config.encoding)
+    _, up = _sizes(task, config.encoding)
     rows = [r for r in report["rounds"] if r["aggregated"]]
+    down = round(sum(r["download_bytes"] for r in rows) / max(1, len(rows)))  # measured in the bucket, each round
     if task == "lm":
         losses = [r["test_loss"] for r in rows]
-        return Row(task, setting, label, report["final_test_loss"], min(losses), "-", up * participants, size,
-                   wall, metric="held-out loss", encoding=encoding)
+        return Row(task, setting, label, report["final_test_loss"], min(losses), "-", up * participants, down,
+                   wall, metric="held-out loss", encoding=encoding, downloads=downloads)
     accuracies = [r["accuracy"] for r in rows]
     return Row(task, setting, label, report["final_accuracy"], max(accuracies), rounds_to(accuracies),
-               up * participants, size, wall, encoding=encoding)
+               up * participants, down, wall, encoding=encoding, downloads=downloads)
 
 
 def _sizes(task: str, encoding: Encoding) -> tuple[int, int]:
@@ -145,6 +150,8 @@ def main() -> None:
                 done(federated("digits", split, optimizer, label, args, args.out))
         for encoding in COMPRESSED:
             done(federated("digits", "iid", ServerOptimizer.NONE, "FedAvg", args, args.out, update_encoding=encoding))
+        done(federated("digits", "iid", ServerOptimizer.NONE, "FedAvg", args, args.out, update_encoding="int8",
+                       download_encoding="int8"))
     if args.only in (None, "lm"):
         # DiLoCo's setting: H inner AdamW steps a round, outer Nesterov momentum; FedAvg takes the same steps
         for optimizer, label in [(ServerOptimizer.NONE, "FedAvg"), (ServerOptimizer.DILOCO, "DiLoCo")]:
@@ -152,6 +159,8 @@ def main() -> None:
         for encoding in COMPRESSED:
             done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, local_steps=args.lm_steps,
                            update_encoding=encoding))
+        done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, local_steps=args.lm_steps,
+                       update_encoding="int8", download_encoding="int8"))
     print_table(rows, args)
     (args.out / "table.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
 
@@ -160,17 +169,20 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"\nlearning: digits {args.participants} participants x {args.rounds} rounds (local data mode, "
           f"{args.local_epochs} local epochs of batch {args.batch_size}), "
           f"LM {args.lm_participants} participants x {args.lm_rounds} rounds; this machine, one run each")
-    print("| task | data | optimizer | updates | final | best | rounds to 0.95 | up B/round | down B/participant/round "
-          "| s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| task | data | optimizer | updates | downloads | final | best | rounds to 0.95 | up B/round "
+          "| down B/participant/round | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.task} | {r.setting} | {r.optimizer} | {r.encoding} | {r.final:.4f} | {r.best:.4f} | "
-              f"{r.to_target} | {r.up_bytes:,} | {r.down_bytes:,} | {r.wall:.0f} |")
+        print(f"| {r.task} | {r.setting} | {r.optimizer} | {r.encoding} | {r.downloads} | {r.final:.4f} | "
+              f"{r.best:.4f} | {r.to_target} | {r.up_bytes:,} | {r.down_bytes:,} | {r.wall:.0f} |")
     for task, unit in (("digits", "accuracy"), ("lm", "held-out loss")):
         plain = next((r for r in rows if r.task == task and r.optimizer == "FedAvg" and r.encoding == "weights"
                       and r.setting in ("iid", "assigned")), None)
         for r in rows:
-            if plain is not None and r.task == task and r.encoding != "weights":
+            if plain is not None and r.task == task and r.downloads != "full":
+                print(f"{task} {r.downloads} downloads: {plain.down_bytes / r.down_bytes:.2f}x fewer bytes down per "
+                      f"participant than the full global ({r.down_bytes:,} vs {plain.down_bytes:,})")
+            if plain is not None and r.task == task and r.encoding != "weights" and r.downloads == "full":
                 change = (f"{(r.final - plain.final) * 100:+.2f} points" if task == "digits"
                           else f"{(r.final / plain.final - 1) * 100:+.2f} %")
                 print(f"{task} {r.encoding} updates: {plain.up_bytes / r.up_bytes:.2f}x fewer bytes up than weights, "

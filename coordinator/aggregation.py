@@ -19,14 +19,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from coordinator.deps import Deps, ShardRunner
-from coordinator.models import CorruptInput, GlobalModel, ObjectRange, read_global, read_header
+from coordinator.models import CorruptInput, GlobalModel, HeldRange, ObjectRange, read_global, read_header
 from coordinator.optimizer_state import StoredState
 from shared import keys
-from shared.aggregate import PieceAggregator, Plan, RangeSource, StateSource, WeightedInput, round_plan
+from shared.aggregate import PieceAggregator, PieceOutput, RangeSource, StateSource, WeightedInput, round_plan
 from shared.compress import CachedRange, DecodedSource
 from shared.config import Strategy
+from shared.delta import index_of
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
 from shared.messages import PieceDone, ShardDone, ShardInput, ShardTask
+from shared.plan import Plan
 from shared.server_opt import ServerStep, encode_index
 from shared.state import Aggregate, AggregateInput
 from shared.wire import Manifest
@@ -34,11 +36,13 @@ from shared.wire import Manifest
 log = logging.getLogger("fed-coordinator")
 
 SHARD_ATTEMPTS = 3
-# A multi-piece aggregation holds a lease on its round: every tick in the meantime (a heartbeat's, the
-# schedule's) would otherwise start the same aggregation again. It expires after a conservative estimate of the
-# work, so an invocation that dies holding it delays the round by at most that long.
+# An aggregation that takes more than a moment holds a lease on its round: every tick in the meantime (a
+# heartbeat's, the schedule's) would otherwise start the same aggregation again, reading every update again. It
+# expires after a conservative estimate of the work, so an invocation that dies holding it delays the round by at
+# most that long. Only a small model with a few updates goes without (two writes would cost more than doing it twice).
 LEASE_SLACK_SECONDS = 30.0
 LEASE_BYTES_PER_SECOND = 100e6  # update bytes aggregated per second, well below what the shard workers reach
+UNLEASED_INPUTS = 8  # a small model's aggregation of at most this many updates takes no lease
 
 
 class AggregationBusy(RuntimeError):
@@ -57,7 +61,7 @@ def weighted_inputs(
 
     def source(i: AggregateInput | ShardInput) -> RangeSource:
         stored = ObjectRange(deps.bucket, keys.update_key(run_id, round_no, i.participant), i.version_id,
-                             owner=i.participant)
+                             i.data_offset, owner=i.participant)
         if shared_base is None:
             return stored
         return DecodedSource(base.manifest, encoding, shared_base, stored)
@@ -74,7 +78,7 @@ def write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:
     step leaves (its piece files, then its index); their digests ("" for no state)."""
     head = deps.bucket.head(keys.global_key(deps.config.run_id, effect.round, effect.base_digest))
     size = int(head["ContentLength"]) if head else 0
-    if size <= PIECE_BYTES:  # a small model: computed in a moment, a second tick doing it too costs nothing
+    if size <= PIECE_BYTES and len(effect.inputs) <= UNLEASED_INPUTS:  # a moment's work: a second tick costs little
         return _write_aggregate(deps, effect)
     lease, holder = f"aggregate#{effect.round}", uuid.uuid4().hex
     work = size * (len(effect.inputs) + 1) / LEASE_BYTES_PER_SECOND
@@ -93,12 +97,22 @@ def _write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:
     if plan.pieces == 1:
         state = state_source(deps, effect.round, effect.optimizer_digest, plan)
         worker = PieceAggregator(deps.config, plan, inputs, base_source(deps, base), state)
-        data, piece_state = worker.piece_with_state(0)
-        written = digest(data)
-        deps.bucket.put(keys.global_key(deps.config.run_id, effect.round + 1, written), data)
-        pieces = [] if piece_state is None else [_put_state_piece(deps, effect.round + 1, piece_state)]
-        return written, _put_state_index(deps, effect.round + 1, written, pieces)
+        made = worker.piece_output(0)
+        written = digest(made.data)
+        deps.bucket.put(keys.global_key(deps.config.run_id, effect.round + 1, written), made.data)
+        done = _side_files(deps, effect.round + 1, 0, "", piece_hash(made.data), made)
+        return _finish(deps, effect, plan, written, [done])
     return _write_in_shards(deps, effect, plan, base)
+
+
+def _finish(deps: Deps, effect: Aggregate, plan: Plan, written: str, pieces: list[PieceDone]) -> tuple[str, str]:
+    """Once the global model of `effect.round + 1` is in: its download delta's index and its optimizer state's
+    index (each written after every piece it lists). Returns the global's and the state's digests."""
+    if deps.config.download.is_delta:
+        index = index_of(effect.round + 1, written, effect.base_digest, deps.config.download, plan.size,
+                         [bytes.fromhex(p.hash) for p in pieces], [p.delta for p in pieces])
+        deps.bucket.put(keys.delta_key(deps.config.run_id, effect.round + 1, written), index.encode())
+    return written, _put_state_index(deps, effect.round + 1, written, [p.state for p in pieces if p.state])
 
 
 def state_source(deps: Deps, round_no: int, optimizer_digest: str, plan: Plan) -> StateSource | None:
@@ -109,9 +123,22 @@ def state_source(deps: Deps, round_no: int, optimizer_digest: str, plan: Plan) -
     return StoredState(deps, step, round_no, optimizer_digest, plan.pieces)
 
 
-def _put_state_piece(deps: Deps, round_no: int, data: bytes) -> str:
+def _side_files(deps: Deps, round_no: int, index: int, etag: str, sha: bytes, made: PieceOutput) -> PieceDone:
+    """Store a computed piece's optimizer state and download delta files (if any): what the tick's indexes list."""
+    return PieceDone(index=index, etag=etag, hash=sha.hex(), state=_put_state_piece(deps, round_no, made.state),
+                     delta=_put_by_digest(deps, keys.delta_key, round_no, made.delta))
+
+
+def _put_state_piece(deps: Deps, round_no: int, data: bytes | None) -> str:
+    return _put_by_digest(deps, keys.optimizer_key, round_no, data)
+
+
+def _put_by_digest(deps: Deps, key: Callable[[str, int, str], str], round_no: int, data: bytes | None) -> str:
+    """Store a content-addressed file at `key(run, round, its digest)`; its digest ("" and nothing stored: none)."""
+    if data is None:
+        return ""
     written = digest(data)
-    deps.bucket.put(keys.optimizer_key(deps.config.run_id, round_no, written), data)
+    deps.bucket.put(key(deps.config.run_id, round_no, written), data)
     return written
 
 
@@ -130,7 +157,8 @@ def _write_in_shards(deps: Deps, effect: Aggregate, plan: Plan, base: GlobalMode
     tasks = [
         ShardTask(round=effect.round, base_digest=effect.base_digest, base_version=base.version_id,
                   base_size=base.size, inputs=[ShardInput(participant=i.participant, samples=i.samples,
-                                                          digest=i.digest, version_id=i.version_id, norm=i.norm)
+                                                          digest=i.digest, version_id=i.version_id, norm=i.norm,
+                                                          data_offset=i.data_offset)
                                                for i in effect.inputs],
                   staging=staging, upload_id=upload_id, first=shard.start, stop=shard.stop,
                   optimizer_digest=effect.optimizer_digest)
@@ -148,12 +176,14 @@ def _write_in_shards(deps: Deps, effect: Aggregate, plan: Plan, base: GlobalMode
         raise
     written = combine(bytes.fromhex(p.hash) for p in pieces)
     deps.bucket.copy(staging, keys.global_key(run_id, effect.round + 1, written), version_id=version)
-    return written, _put_state_index(deps, effect.round + 1, written, [p.state for p in pieces if p.state])
+    return _finish(deps, effect, plan, written, pieces)
 
 
-def base_source(deps: Deps, base: GlobalModel) -> ObjectRange | None:
-    """The round's global model, read by range: what clipping and a server optimizer start from."""
-    needed = deps.config.strategy is Strategy.CLIPPED_FEDAVG or ServerStep.of(deps.config) is not None
+def base_source(deps: Deps, base: GlobalModel) -> ObjectRange | HeldRange | None:
+    """The round's global model, read by range: what clipping, a server optimizer and a download delta start
+    from."""
+    config = deps.config
+    needed = config.strategy is Strategy.CLIPPED_FEDAVG or ServerStep.of(config) is not None or config.download.is_delta
     return base.source(deps) if needed else None
 
 
@@ -171,20 +201,19 @@ def run_shard(deps: Deps, task: ShardTask) -> ShardDone:
     state = state_source(deps, task.round, task.optimizer_digest, plan)
     worker = PieceAggregator(deps.config, plan, inputs, base_source(deps, base), state)
 
-    def upload(index: int, data: bytearray, piece_state: bytes | None) -> PieceDone:
-        sha = piece_hash(data)
-        etag = deps.bucket.put_part(task.staging, task.upload_id, index + 1, data, sha)
-        written = "" if piece_state is None else _put_state_piece(deps, task.round + 1, piece_state)
-        return PieceDone(index=index, etag=etag, hash=sha.hex(), state=written)
+    def upload(index: int, made: PieceOutput) -> PieceDone:
+        sha = piece_hash(made.data)
+        etag = deps.bucket.put_part(task.staging, task.upload_id, index + 1, made.data, sha)
+        return _side_files(deps, task.round + 1, index, etag, sha, made)
 
     pieces: list[PieceDone] = []
     with ThreadPoolExecutor(max_workers=1) as uploader:  # piece i is hashed and uploaded while i + 1 is computed
         pending: Future[PieceDone] | None = None  # (at most one: memory stays at two pieces)
         for index in range(task.first, min(task.stop, plan.pieces)):
-            data, piece_state = worker.piece_with_state(index)
+            made = worker.piece_output(index)
             if pending is not None:
                 pieces.append(pending.result())
-            pending = uploader.submit(upload, index, data, piece_state)
+            pending = uploader.submit(upload, index, made)
         if pending is not None:
             pieces.append(pending.result())
     return ShardDone(pieces=pieces)
@@ -201,11 +230,13 @@ def threads_runner(deps: Deps, workers: int | None = None) -> ShardRunner:
     return run
 
 
-def shard_outcome(deps: Deps, task: ShardTask) -> dict[str, object]:
+def shard_outcome(deps: Deps, task: ShardTask, retry: bool = False) -> dict[str, object]:
     """A shard worker's reply, as JSON: its `ShardDone`, or which input could not be read (the tick leaves that
-    update out: an exception would not carry the participant across a process or a Lambda invocation)."""
+    update out: an exception would not carry the participant across a process or a Lambda invocation). With
+    `retry`, the shard is tried up to SHARD_ATTEMPTS times first."""
     try:
-        return {"done": run_shard(deps, task).model_dump(mode="json")}
+        done = retried(lambda: run_shard(deps, task), task) if retry else run_shard(deps, task)
+        return {"done": done.model_dump(mode="json")}
     except CorruptInput as exc:
         return {"corrupt": {"message": str(exc)[:1000], "participant": exc.participant, "missing": exc.missing}}
 

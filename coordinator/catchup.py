@@ -6,8 +6,9 @@ ingest runs behind the uploads whenever the event queue has a backlog: a burst o
 local dispatcher's few workers, throttled Lambda concurrency, an S3 event delivered late. A member that
 heartbeats on time, or uploaded its update before the deadline, must not lose its place to the queue.
 
-So the tick first asks the bucket: for each member it would drop as silent, its heartbeat object; for each
-selected member whose update it would close the round without, its update object. Whatever is there and
+So the tick first asks the bucket: for each member it would drop as silent, its heartbeat object (and its
+update object if it is selected: an update upload stands in for heartbeats); for each selected member whose update
+it would close the round without, its update object. Whatever is there and
 newer than what was recorded is ingested now, by the same code as its event (every check applies; ingest is
 idempotent, so the event arriving later changes nothing). One HEAD per such member, only on the ticks that
 would otherwise decide from silence: nothing in the usual case.
@@ -34,7 +35,9 @@ def catch_up(deps: Deps, snap: Snapshot, now: float) -> int:
         return 0
     run_id = deps.config.run_id
     looks = [(keys.heartbeat_key(run_id, pid), _last_seen(snap, pid)) for pid in due.silent]
-    looks += [(keys.update_key(run_id, snap.state.round, pid), 0.0) for pid in due.missing_updates]
+    # (a member uploading its update sends no heartbeat for a while: that upload is its sign of life)
+    updates = set(due.missing_updates) | {p for p in due.silent if p in snap.state.selected and p not in snap.updates}
+    looks += [(keys.update_key(run_id, snap.state.round, pid), 0.0) for pid in sorted(updates)]
     with ThreadPoolExecutor(min(WORKERS, len(looks))) as pool:
         return sum(pool.map(lambda look: _ingest_if_newer(deps, *look), looks))
 

@@ -8,7 +8,10 @@ from functools import cache
 
 from shared.config import RunConfig
 from shared.messages import ShardDone, ShardTask
+from shared.naming import tick_rule_name
 from store.blobs import Bucket, s3_client
+from store.push import StateTopic
+from store.schedule import Schedule
 from store.table import StateStore
 
 
@@ -29,12 +32,18 @@ class Deps:
     store: StateStore
     bucket: Bucket
     shard_runner: ShardRunner | None = None  # None: threads of the calling process
+    schedule: Schedule | None = None  # the tick schedule, switched to what each committed state needs; None: none
+    topic: StateTopic | None = None  # announces commits that change phase, round, epoch or model; None: nothing
 
 
 @cache
-def build_deps(run_id: str, bucket: str, table: str, config_json: str, endpoint: str | None, region: str) -> Deps:
+def build_deps(run_id: str, bucket: str, table: str, config_json: str, endpoint: str | None, region: str,
+               state_topic: str = "") -> Deps:
     """One `Deps` per distinct set of names (cached: a Lambda's warm invocations share its clients)."""
     config = RunConfig.model_validate_json(config_json)
     if config.run_id != run_id:
         raise SettingsError(f"the configuration is for run {config.run_id!r}, but the run id is {run_id!r}")
-    return Deps(config, StateStore(table, run_id, endpoint, region), Bucket(bucket, s3_client(endpoint, region)))
+    blobs = Bucket(bucket, s3_client(endpoint, region))
+    return Deps(config, StateStore(table, run_id, blobs, endpoint, region), blobs,
+                schedule=Schedule.connect(tick_rule_name(run_id), endpoint, region),
+                topic=StateTopic.connect(state_topic, endpoint, region))

@@ -20,12 +20,12 @@ from shared.config import DataMode
 from shared.keys import KeyError_, ObjectKind
 from shared.limits import MAX_REASON_CHARS, bounded
 from shared.messages import MAX_CONTROL_BYTES, HealthReport, Heartbeat, JoinRequest, parse_message
-from shared.signing import verify, verify_digest
+from shared.signing import SignatureError, verify, verify_digest
 from shared.state import MemberStatus, Phase, RunState
 from shared.wire import UpdateMeta, WireError
-from shared.witness import MAX_PROOF_BYTES, Proof, ProofError
+from shared.witness import MAX_PROOF_BYTES, MAX_PROOF_RECORD_BYTES, Proof, ProofError, overclaim
 from store.blobs import Blob, NotFound
-from store.table import UpdateRecord
+from store.table import ParticipantRecord, UpdateRecord
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,8 @@ class Outcome:
     participant: str = ""
     recorded: bool = True  # False: this object had been handled before (a duplicate event)
     refusal: bool = False  # refused before reaching any record the coordinator reads: no need to tick
-    # False: recorded, but nothing a tick decides on now (a heartbeat from a participant that is no active member
-    # of the epoch in progress: its liveness matters only when an epoch starts, which the schedule or a member's
-    # next message ticks). Spares the run a tick (a read of every participant) per heartbeat of an outsider.
+    # False: recorded, but nothing a tick decides on now: a heartbeat outside admission and warmup, an update that
+    # is not the round's last. A tick reads every participant record, so this spares the run one per upload.
     ticks: bool = True
 
     def __post_init__(self) -> None:  # a reason may quote the refused object: bounded wherever it goes
@@ -96,9 +95,9 @@ def _read(deps: Deps, obj: ObjectCreated, limit: int) -> Blob:
     return deps.bucket.get(obj.key, max_bytes=limit, version_id=obj.version_id)
 
 
-def _signed(deps: Deps, obj: ObjectCreated, pid: str, limit: int) -> bytes:
+def _signed(deps: Deps, obj: ObjectCreated, pid: str, limit: int, record: ParticipantRecord | None = None) -> bytes:
     """The object's bytes, once its size and its signature by `pid`'s registered key are checked."""
-    record = deps.store.participant(pid)
+    record = record or deps.store.participant(pid)
     if record is None:
         raise ValueError("from a participant that never joined")
     blob = _read(deps, obj, limit)
@@ -175,7 +174,8 @@ def _replayed(what: str, sent_at: float) -> str:
 
 def _heartbeat(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     try:
-        beat = parse_message(Heartbeat, _signed(deps, obj, pid, MAX_CONTROL_BYTES))
+        record = deps.store.participant(pid)
+        beat = parse_message(Heartbeat, _signed(deps, obj, pid, MAX_CONTROL_BYTES, record))
     except (ValueError, NotFound) as exc:
         return _refuse(deps, obj, "heartbeat", f"heartbeat refused: {exc}", pid)
     if beat.participant != pid:
@@ -183,21 +183,40 @@ def _heartbeat(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     if reason := staleness(beat.sent_at, obj.time, deps.config.max_clock_skew):
         return _refuse(deps, obj, "heartbeat", f"heartbeat refused: {reason}", pid)
     taken = deps.store.accept_message(pid, beat.sent_at, obj.time, beat.ready_epoch,
-                                      bounded_info(beat.info) if beat.info else None)
+                                      bounded_info(beat.info) if beat.info else None, **_progress(beat, record))
     if taken == "unknown":
         return _refuse(deps, obj, "heartbeat", "heartbeat from a participant that never joined", pid)
     if taken == "stale":
         return _refuse(deps, obj, "heartbeat", _replayed("heartbeat", beat.sent_at), pid)
     recorded = taken == "accepted"
     return Outcome("heartbeat", obj.key, True, participant=pid, recorded=recorded,
-                   ticks=recorded and _heartbeat_matters_now(deps.store.read_state(), pid))
+                   ticks=recorded and _heartbeat_matters_now(deps, beat, pid))
 
 
-def _heartbeat_matters_now(state: RunState, pid: str) -> bool:
-    """A heartbeat can change a tick's decision only from an active member of the epoch in progress (liveness,
-    readiness), or while the run waits for members (the heartbeat may complete an epoch's admission)."""
+def _progress(beat: Heartbeat, record: ParticipantRecord | None) -> dict[str, Any]:
+    """What a heartbeat says about training: its progress (and whether it moved since the one recorded: a stuck
+    participant's does not), and its measured rate."""
+    out: dict[str, Any] = {"rate": beat.samples_per_second}
+    if beat.progress is not None:
+        p = beat.progress
+        before = record.progress if record is not None else (-1, 0, 0)
+        out["progress"] = {"round": p.round, "done": p.done, "total": p.total}
+        out["progress_moved"] = (p.round, p.done) != before[:2]
+    return out
+
+
+def _heartbeat_matters_now(deps: Deps, beat: Heartbeat, pid: str) -> bool:
+    """A heartbeat can make a tick decide something only while the run waits for members, once enough have
+    registered (it may complete an epoch's admission), or from an active member reporting ready during warmup (it
+    may end it). Elsewhere it only keeps a member from being dropped as silent or stuck: the absence of heartbeats
+    is what a tick acts on, and scheduled ticks look for that. (A tick reads every participant: ticking on each of
+    a thousand joiners' heartbeats was quadratic.)"""
+    state = deps.store.read_state()
+    if state.phase is Phase.WAITING:
+        return deps.store.participant_count() >= deps.config.min_clients
     member = state.members.get(pid)
-    return state.phase is Phase.WAITING or (member is not None and member.status is MemberStatus.ACTIVE)
+    return (state.phase is Phase.WARMUP and member is not None and member.status is MemberStatus.ACTIVE
+            and (beat.ready_epoch or 0) >= state.epoch)
 
 
 def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
@@ -217,36 +236,80 @@ def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
 def _signed_model(deps: Deps, obj: ObjectCreated, pid: str, model: GlobalModel | None, check: bool) -> Streamed:
     """Stream a model file once: its size limit, then its digest, its signature by `pid`'s registered key and
     (if `check`) its validity. Raises ValueError (SignatureError among them) for an unusable upload."""
-    record = deps.store.participant(pid)
+    record = _registered(deps, pid)
     if record is None:
         raise ValueError("from a participant that never joined")
     if obj.size > deps.config.max_update_bytes:
         raise ValueError(f"over the size limit: {obj.size} bytes > {deps.config.max_update_bytes}")
     scanned = stream_model(deps, obj.key, obj.version_id, obj.size, model, check)
-    verify_digest(record.public_key, obj.key, scanned.digest, scanned.metadata)
+    try:
+        verify_digest(record.public_key, obj.key, scanned.digest, scanned.metadata)
+    except SignatureError:
+        fresh = _registered(deps, pid, again=True)  # the key we held may be of a record since replaced
+        if fresh is None:
+            raise ValueError("from a participant that never joined") from None
+        if fresh.public_key == record.public_key:
+            raise
+        verify_digest(fresh.public_key, obj.key, scanned.digest, scanned.metadata)
     return scanned
 
 
+# A participant's record as read for what stays fixed while the record exists (its public key: a join with another
+# key is refused; its registered sample count), per warm function: one read per participant, not one per update.
+# A record replaced since (a run restored from its checkpoint re-registers everyone) is read again when a
+# signature does not verify with the key held.
+_REGISTERED: dict[tuple[str, str], ParticipantRecord] = {}
+MAX_REGISTERED = 20_000
+
+
+def forget_registered() -> None:
+    """Drop every record held (a cold start: tests that start a new moto world)."""
+    _REGISTERED.clear()
+
+
+def _registered(deps: Deps, pid: str, again: bool = False) -> ParticipantRecord | None:
+    key = (deps.store.pk, pid)
+    if not again and (held := _REGISTERED.get(key)) is not None:
+        return held
+    record = deps.store.participant(pid)
+    if record is None:
+        _REGISTERED.pop(key, None)
+        return None
+    if len(_REGISTERED) >= MAX_REGISTERED:
+        _REGISTERED.clear()
+    _REGISTERED[key] = record
+    return record
+
+
 def _update(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
-    existing = deps.store.update_record(round_no, pid)
-    if existing is not None:
-        if existing.etag == obj.etag and existing.version_id == obj.version_id:  # the same event again
-            return Outcome("update", obj.key, existing.accepted, existing.reason, pid, recorded=False)
-        return _refuse(deps, obj, "update", f"duplicate: an update for round {round_no} was already received", pid)
+    # Four requests in the usual case: the state item, the object (streamed once), the record, the round's count.
+    # Duplicates are found by the record's conditional write; the participant's key is cached (`_participant`);
+    # its liveness is read from the record itself (`shared.state.heard_through_updates`).
     state = deps.store.read_state()
     if reason := slot_problem(state, round_no, pid, obj.time):
-        return _refuse(deps, obj, "update", reason, pid)
+        return _already_recorded(deps, obj, pid, round_no) or _refuse(deps, obj, "update", reason, pid)
     selected = pid in state.selected
     try:  # an unsigned, mis-signed or oversized object never takes the participant's slot
         model = _global_model(deps, state) if selected else None  # its header is the manifest (not manifest.json)
         scanned = _signed_model(deps, obj, pid, model, check=selected)
     except (ValueError, NotFound) as exc:
         return _refuse(deps, obj, "update", f"update refused: {exc}", pid)
-    deps.store.touch(pid, obj.time)  # a signed upload shows the participant is alive
     record = _validate_update(deps, obj, scanned, pid, round_no, state)
-    if not deps.store.record_update(record):  # a racing delivery of the same object got there first
-        return Outcome("update", obj.key, record.accepted, record.reason, pid, recorded=False)
-    return Outcome("update", obj.key, record.accepted, record.reason, pid)
+    if not deps.store.record_update(record):  # this object's event again, or another object for the same slot
+        return _already_recorded(deps, obj, pid, round_no) or _refuse(
+            deps, obj, "update", f"duplicate: an update for round {round_no} was already received", pid)
+    # A tick reads every participant and update record: worth it only when this record can close the round (the
+    # last of the selection's). A count lost to a crash here delays the close to the next scheduled tick.
+    last = deps.store.count_update(round_no) >= len(state.selected)
+    return Outcome("update", obj.key, record.accepted, record.reason, pid, ticks=last)
+
+
+def _already_recorded(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome | None:
+    """The outcome recorded for this very object (its event delivered again: nothing to do), or None."""
+    existing = deps.store.update_record(round_no, pid)
+    if existing is None or (existing.etag, existing.version_id) != (obj.etag, obj.version_id):
+        return None
+    return Outcome("update", obj.key, existing.accepted, existing.reason, pid, recorded=False)
 
 
 def _proof(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
@@ -269,7 +332,14 @@ def _proof(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
         return _refuse(deps, obj, "witness", "witness proof names another run, round or witness than its key", pid)
     if proof.position != position:
         return _refuse(deps, obj, "witness", f"spoofed position: {proof.position}, {pid} is witness {position}", pid)
-    if not deps.store.record_proof(round_no, pid, proof.to_json(), obj.etag, obj.time):
+    recorded = sum(1 for u in deps.store.updates(round_no).values() if u.accepted)
+    if reason := overclaim(proof, recorded):
+        return _refuse(deps, obj, "witness", f"witness proof refused: {reason}", pid)
+    body = proof.to_json()
+    if len(body.encode()) > MAX_PROOF_RECORD_BYTES:  # its numbers and keys written out longer than they came in
+        return _refuse(deps, obj, "witness", f"witness proof refused: {len(body.encode())} bytes as recorded, over "
+                       f"the record limit of {MAX_PROOF_RECORD_BYTES}", pid)
+    if not deps.store.record_proof(round_no, pid, body, obj.etag, obj.time):
         return Outcome("witness", obj.key, True, participant=pid, recorded=False)
     return Outcome("witness", obj.key, True, participant=pid)
 
@@ -304,7 +374,7 @@ def _validate_update(
     except (WireError, ValueError) as exc:
         return _replace(base, reason=str(exc))
     return _replace(base, accepted=True, samples=meta.samples, digest=scanned.digest, metrics=dict(meta.metrics),
-                    norm=scanned.distance)
+                    norm=scanned.distance, data_offset=scanned.header.data_offset)
 
 
 
@@ -312,7 +382,7 @@ def _registered_samples(deps: Deps, pid: str) -> int:
     """Local data mode: the sample count `pid` registered when it joined (0 otherwise, or if unknown)."""
     if deps.config.data_mode is not DataMode.LOCAL:
         return 0
-    record = deps.store.participant(pid)
+    record = _registered(deps, pid)
     return record.samples if record is not None else 0
 
 

@@ -56,21 +56,55 @@ class GlobalModel:
     data_offset: int
     size: int
 
-    def source(self, deps: Deps) -> ObjectRange:
-        return ObjectRange(deps.bucket, self.key, self.version_id, self.data_offset)
+    @property
+    def held(self) -> bool:
+        """Its data section is in this function's memory (`source`)."""
+        return (self.key, self.version_id) in _HELD
+
+    def source(self, deps: Deps) -> ObjectRange | HeldRange:
+        """Its data section by ranges: from the bucket, or for a small model from memory (one GET per warm function
+        instead of one per update that ingest measures against it)."""
+        if self.size > SMALL_MODEL_BYTES:
+            return ObjectRange(deps.bucket, self.key, self.version_id, self.data_offset)
+        held = _HELD.get((self.key, self.version_id))
+        if held is None:
+            data = deps.bucket.get(self.key, max_bytes=SMALL_MODEL_BYTES, version_id=self.version_id).data
+            if len(_HELD) >= 4:
+                _HELD.clear()
+            held = _HELD[(self.key, self.version_id)] = HeldRange(data[self.data_offset:])
+        return held
+
+
+SMALL_MODEL_BYTES = 1 << 20  # a global model this small is held in memory by a warm function once read
+_HELD: dict[tuple[str, str], HeldRange] = {}  # (key, version) -> its data section (a few at most)
+
+
+class HeldRange:
+    """A small model's data section, held in memory, read by ranges as `ObjectRange` reads the bucket."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def readinto(self, begin: int, buf: memoryview) -> None:
+        end = begin + len(buf)
+        if end > len(self.data):
+            raise CorruptInput(f"a read of bytes {begin}-{end} past the end of a {len(self.data)}-byte data section")
+        buf[:] = self.data[begin:end]
 
 
 _VERIFIED: dict[tuple[str, str], GlobalModel] = {}  # (bucket, key) -> the version authenticated (a few at most)
 
 
-def read_global(deps: Deps, round_no: int, want: str) -> GlobalModel:
+def read_global(deps: Deps, round_no: int, want: str, in_bucket: bool = False) -> GlobalModel:
     """The global model that round `round_no` trains from, authenticated by the digest the state records
     (never `manifest.json` or whatever else was written at the key since: those are not trusted). Hashing it
     streams the whole model, so a warm function remembers the version it authenticated (a version never changes;
-    one that is gone — a restored run wrote the model again — is authenticated afresh)."""
+    one that is gone — a restored run wrote the model again — is authenticated afresh). A small model whose data
+    this function holds needs nothing more from the bucket, so whether its version is still there is not asked
+    (one HEAD less per update ingested) unless `in_bucket` (the caller uses the version itself: a copy)."""
     key = keys.global_key(deps.config.run_id, round_no, want)
     known = _VERIFIED.get((deps.bucket.name, key))
-    if known is not None and deps.bucket.has_version(key, known.version_id):
+    if known is not None and ((known.held and not in_bucket) or deps.bucket.has_version(key, known.version_id)):
         return known
     model = _authenticate(deps, round_no, want, key)
     if len(_VERIFIED) >= 4:
@@ -100,5 +134,5 @@ def read_header(bucket: Bucket, key: str, version_id: str, size: int) -> Header:
 
 def copy_global(deps: Deps, round_no: int, want: str, dest: str) -> None:
     """Copy the authenticated version of a committed global model (not whatever was written over it)."""
-    version = read_global(deps, round_no, want).version_id
+    version = read_global(deps, round_no, want, in_bucket=True).version_id
     deps.bucket.copy(keys.global_key(deps.config.run_id, round_no, want), dest, version_id=version)

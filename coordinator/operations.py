@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from coordinator.deps import Deps
-from coordinator.tick import TickResult, run_tick
+from coordinator.tick import TickResult, pace_schedule, run_tick
 from shared import keys
 from shared.server_opt import MAX_INDEX_BYTES, StateError, index_pieces
 from shared.state import Phase, RunState
@@ -37,7 +37,8 @@ def set_paused(deps: Deps, paused: bool) -> TickResult:
         if state.pause_requested == paused:
             break
         try:
-            deps.store.commit(state.evolve(pause_requested=paused), state.version)
+            version = deps.store.commit(state.evolve(pause_requested=paused), state.version)
+            pace_schedule(deps, state, state.evolve(pause_requested=paused, version=version))  # a resume needs ticks
             break
         except Conflict:
             continue
@@ -91,6 +92,7 @@ def restore(deps: Deps, force: bool = False) -> Restored:
         phase_started=time.time(),
     )
     deps.store.commit(state, current.version)
+    pace_schedule(deps, None, state)  # waiting for members again: ticks needed
     return Restored(saved.epoch, saved.round, saved.aggregated, body["global_digest"])
 
 

@@ -52,13 +52,16 @@ class TickResult:
 
 
 def run_tick(deps: Deps, now: float | None = None) -> TickResult:
-    now = time.time() if now is None else now
+    """One tick, retried on a lost race; `now` fixes the clock (tests), otherwise each attempt reads it anew."""
+    at = now
     caught_up = 0
     for attempt in range(1, MAX_ATTEMPTS + 1):
+        now = time.time() if at is None else at
         snap = deps.store.load_snapshot()
         if found := catch_up(deps, snap, now):  # news the event queue had not delivered yet: decide on it
             caught_up += found
             snap = deps.store.load_snapshot()
+            now = time.time() if at is None else at
         decision = tick(snap, deps.config, now)
         first = snap.state.version == 0  # the run's first commit publishes its configuration
         if first and deps.bucket.head(keys.latest_checkpoint_key(deps.config.run_id)) is not None:
@@ -90,8 +93,27 @@ def run_tick(deps: Deps, now: float | None = None) -> TickResult:
         if caught_up:
             notes = (f"ingested {caught_up} upload(s) the event queue had not delivered yet", *notes)
         state = decision.state.evolve(version=version)
+        pace_schedule(deps, snap.state, state)
+        announce(deps, snap.state, state)
         return TickResult(True, state, attempt, decision.fired, notes, summaries, aggregation_seconds)
     raise TickContention(f"lost {MAX_ATTEMPTS} races in a row")
+
+
+def pace_schedule(deps: Deps, before: RunState | None, after: RunState) -> None:
+    """The tick schedule on while the run needs ticks, off while it is idle (finished, or paused): an idle run is
+    billed for nothing but storage. Switched by the commit that changes it (`before` None: set it anyway)."""
+    if deps.schedule is not None and (before is None or before.needs_ticks != after.needs_ticks):
+        deps.schedule.set_enabled(after.needs_ticks)
+
+
+def announce(deps: Deps, before: RunState, after: RunState) -> None:
+    """Publish a committed state whose phase, round, epoch or model changed: what a waiting participant acts on
+    (the rest, the per-member roster above all, it reads when it needs it). One message a few times a round."""
+    if deps.topic is None:
+        return
+    if (before.phase, before.round, before.epoch, before.global_digest) != (
+            after.phase, after.round, after.epoch, after.global_digest):
+        deps.topic.publish(deps.config.run_id, after.version, deps.store.item_body(after))
 
 
 def _exclude(deps: Deps, state: RunState, exc: CorruptInput) -> None:

@@ -1,5 +1,5 @@
-"""`fed`: run the coordinator on this machine (`local`, `demo`), look at any run (`status`, `verify`) and
-operate it (`run pause|resume|restore`)."""
+"""`fed`: run the coordinator on this machine (`local`, `demo`), look at any run (`status`, `dashboard`, `verify`)
+and operate it (`run pause|resume|restore`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ app = typer.Typer(
     help=(
         "A serverless, event-driven federated-training coordinator on S3 + DynamoDB.\n\n"
         "`fed local` and `fed demo` run the whole system on this machine, with moto's server standing in for "
-        "AWS; `fed status` shows a run, local or deployed; `fed verify` recomputes its global models from the "
+        "AWS; `fed status` shows a run, local or deployed, and `fed dashboard` serves a live page of it; `fed verify` "
+        "recomputes its global models from the "
         "bucket; `fed run pause|resume|restore` operate it."
     ),
     no_args_is_help=True,
@@ -100,14 +101,15 @@ def demo(
     task: str | None = typer.Option(
         None, "--task", "-t",
         help="The built-in task to train, with settings that finish in minutes on a 2-core CPU: `digits` (the "
-        "default; an MLP on scikit-learn's 8x8 digits, 20 rounds, each round's test accuracy) or `lm` (a "
+        "default; an MLP on scikit-learn's 8x8 digits, 20 rounds, each round's test accuracy), `lm` (a "
         "~1M-parameter byte-level transformer on Python's help text, 4 rounds, each round's held-out loss and "
-        "perplexity). With --config, the file's task runs (a participant.tasks.lm task is reported by its "
+        "perplexity) or `flower` (the Flower anchor's digits work: participant i trains its own shard i, 15 rounds; "
+        "`make bench-rounds`). With --config, the file's task runs (a participant.tasks.lm task is reported by its "
         "held-out loss).",
     ),
     rounds: int | None = typer.Option(
         None, "--rounds", "-r", min=1,
-        help="Rounds to aggregate. Default: 20 (digits), 4 (lm), or the --config file's total_rounds.",
+        help="Rounds to aggregate. Default: 20 (digits), 4 (lm), 15 (flower), or the --config file's total_rounds.",
     ),
     report: Path | None = typer.Option(
         None, "--report", help="Write the report JSON here: config, per-round rows, final accuracy (lm: also the "
@@ -138,6 +140,18 @@ def demo(
         "the round's global as bfloat16 (half the bytes) or int8 per block of 256 with a scale each (about a "
         "quarter), the quantization error carried into their next round.",
     ),
+    downloads: str | None = typer.Option(
+        None, "--downloads", metavar="full|bf16|int8",
+        help="What participants download each round (download_encoding): the global model (the default), or the "
+        "round's change from the previous global as bfloat16 or int8 (about a quarter of the bytes), which each "
+        "participant applies to the model it holds; the global is then defined as previous + decoded change.",
+    ),
+    mixed_speeds: bool = typer.Option(
+        False, "--mixed-speeds",
+        help="A fleet of mixed speeds: the last participant trains at a quarter of this host's speed (`fed-participant "
+        "start --throttle 0.25`). The report shows each participant's share and training seconds per round: equal "
+        "in the first round, sized by the measured throughput after it.",
+    ),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Give up (exit 1) if the run has not finished."),
     tick_interval: float = typer.Option(1.0, "--tick-interval", min=0.05, help="Seconds between scheduled ticks."),
     workdir: Path | None = typer.Option(
@@ -159,7 +173,7 @@ def demo(
         raise typer.Exit(2)
     options = DemoOptions(participants=participants, rounds=rounds, report=report, plot=plot, config=_load(config),
                           kill_one=kill_one, timeout=timeout, tick_interval=tick_interval, workdir=workdir, task=task,
-                          split=split, updates=updates)
+                          split=split, updates=updates, downloads=downloads, mixed_speeds=mixed_speeds)
     try:
         run_demo(options, console)
     except DemoFailed as exc:
@@ -184,9 +198,12 @@ def status(
         "refresh with --watch).",
     ),
 ) -> None:
-    """Show a run: phase, epoch, round and the phase's deadline; each participant's state (pending, active,
-    dropped and why), whether it is selected this round and has uploaded or been refused, and when it was last
-    seen; refused uploads with their reasons; and the last rounds' loss and accuracy.
+    """Show a run: phase, epoch, round and the phase's deadline; one row per participant: its state (pending,
+    active, dropped and why), its condition (ok, slow, stuck, silent, dropped), whether it is selected this round
+    and has uploaded or been refused, its training progress, its measured samples per second and its share of the
+    round (throughput sizing), when it was last seen, its host and device, what it says it is doing, and its drops
+    and refusals with their reasons; refused uploads; the last rounds' loss and accuracy; and the run's ETA from
+    the measured throughput. `--json` has every field.
 
     With witnessing on: the current round's witnesses and which proofs are in, the last witnessed round's health
     scores (how many witnesses attested each participant) against its quorum, and who was dropped, when and why."""
@@ -232,6 +249,35 @@ def status(
         if conn.endpoint:
             err.print(f"is `fed local` still running on {conn.endpoint}?")
         raise typer.Exit(1) from None
+
+
+@app.command()
+def dashboard(
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+    port: int = typer.Option(8765, "--port", min=0, max=65535, help="Port on 127.0.0.1 (0: any free port)."),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between the page's refreshes."),
+) -> None:
+    """Serve a live page of the run on 127.0.0.1: the fleet (one row per participant: state, condition, progress,
+    samples/s, share, last seen, host and device, activity, drops and refusals), the run's phase and ETA, and the
+    loss, accuracy and seconds curves, refreshing by itself. Local (`--connection`) or deployed (`--stack`).
+    Ctrl-C stops it."""
+    from fed.dashboard import Dashboard, status_source
+
+    conn = _connect(connection_file, stack, region)
+    try:
+        board = Dashboard(status_source(conn), port=port, interval=interval, title=f"fed: run {conn.run_id}")
+    except OSError as exc:
+        err.print(f"[red]cannot serve on 127.0.0.1:{port}:[/] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"fed dashboard for run {conn.run_id}: {board.url}  (Ctrl-C to stop)")
+    try:
+        board.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        board.server.server_close()
 
 
 def _connect(connection_file: Path | None, stack: str | None, region: str | None, run: str | None = None

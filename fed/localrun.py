@@ -60,7 +60,7 @@ class RoundFollower:
 
 
 def store_for(connection: Connection) -> StateStore:
-    return StateStore(connection.table, connection.run_id, connection.endpoint, connection.region)
+    return StateStore.of(connection)
 
 
 def describe_round(s: RoundSummary) -> str:

@@ -14,8 +14,11 @@ from coordinator.deps import Deps
 from coordinator.verify import RoundCheck
 from shared import keys
 from shared.config import RunConfig
+from shared.naming import tick_rule_name
 from store.blobs import Bucket, NotFound, s3_client
 from store.connection import Connection
+from store.push import StateTopic
+from store.schedule import Schedule
 from store.table import StateStore
 
 
@@ -36,7 +39,9 @@ def deps_for(conn: Connection) -> Deps:
     config = RunConfig.model_validate_json(blob.data)
     if config.run_id != conn.run_id:
         raise OperateError(f"the bucket's config is for run {config.run_id!r}, the connection for {conn.run_id!r}")
-    return Deps(config, StateStore(conn.table, conn.run_id, conn.endpoint, conn.region), bucket)
+    return Deps(config, StateStore(conn.table, conn.run_id, bucket, conn.endpoint, conn.region), bucket,
+                schedule=Schedule.connect(tick_rule_name(conn.run_id), conn.endpoint, conn.region),
+                topic=StateTopic.connect(conn.state_topic, conn.endpoint, conn.region))
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,20 @@ from rich.table import Table
 from rich.text import Text
 
 from fed.plot import points_from_summaries, write_png
-from shared import keys
-from shared.config import RunConfig
+from shared import keys, sizing
+from shared.config import RunConfig, WorkSizing
 from shared.limits import bounded
-from shared.state import MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
+from shared.machine import stuck
+from shared.state import (
+    MemberStatus,
+    ParticipantView,
+    Phase,
+    RoundSummary,
+    RunState,
+    Snapshot,
+    UpdateView,
+    heard_through_updates,
+)
 from shared.witness import Proof, quorum
 from store.blobs import Bucket, NotFound, s3_client
 from store.connection import Connection
@@ -42,6 +52,20 @@ class ParticipantLine:
     silent: bool  # no sign of life for more than half the liveness timeout
     witness: str = ""  # this round: "" | "witness" | "proof in" | "proof in (incomplete)"
     health: int | None = None  # witnesses that attested it in the last witnessed round (None: not scored)
+    strikes: int = 0  # witnessed rounds in a row it went unattested (a health report drops it at `strikes_needed`)
+    # the fleet view (issue: which host computes, which is stuck, which is slow)
+    condition: str = ""  # ok | slow (missed the last deadline, smaller share) | stuck | silent | dropped | -
+    activity: str = ""  # what its last heartbeat said it was doing
+    progress: float | None = None  # % of its share of the round it trains (or trained last) done
+    progress_round: int | None = None
+    samples_per_second: float | None = None  # the coordinator's smoothed estimate
+    reported_rate: float | None = None  # what its last heartbeat said (its last round)
+    share: float | None = None  # its fraction of this round's work (throughput sizing)
+    predicted_seconds: float | None = None  # its predicted time for this round's share
+    host: str = ""
+    device: str = ""  # cpu, cuda:0, ... and the GPU's name when it has one
+    drops: list[str] = field(default_factory=list)  # every drop of it, "round N: reason"
+    refusals: list[str] = field(default_factory=list)  # its refused uploads, "round N: reason" (the last few)
 
 
 @dataclass(frozen=True)
@@ -76,6 +100,13 @@ class DropLine:
 
 
 @dataclass(frozen=True)
+class SuspectLine:
+    round: int  # the round whose proofs contradicted its
+    pid: str  # the witness
+    reason: str
+
+
+@dataclass(frozen=True)
 class WitnessInfo:
     """The current round's witnesses and their proofs, and the last witnessed round's health scores."""
 
@@ -85,6 +116,8 @@ class WitnessInfo:
     health_round: int  # -1: no witnessed round yet
     health: dict[str, int]
     health_quorum: int
+    strikes: dict[str, int] = field(default_factory=dict)  # active members unattested in witnessed rounds in a row
+    strikes_needed: int = 1  # how many such rounds make a health report drop a member
 
 
 @dataclass(frozen=True)
@@ -100,11 +133,14 @@ class Status:
     refusals: list[RefusalLine]
     rounds: list[RoundLine]
     round_seconds: float | None  # mean of the recent aggregated rounds
-    eta_seconds: float | None
+    eta_seconds: float | None  # remaining rounds x the predicted round time (measured throughput), else the mean
     endpoint: str | None = None
     notes: list[str] = field(default_factory=list)
     witnessing: WitnessInfo | None = None  # None: the run has no witnesses
     drops: list[DropLine] = field(default_factory=list)  # who was dropped and why, most recent last
+    predicted_round_seconds: float | None = None  # from the throughput estimates and the round's plan
+    work_sizing: str = ""
+    suspects: list[SuspectLine] = field(default_factory=list)  # witnesses the others contradicted, most recent last
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,9 +157,15 @@ def describe(
     now: float,
     endpoint: str | None = None,
     proofs: Mapping[str, Proof] | None = None,
+    info: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Status:
-    """Everything `fed status` shows, from the run's records and the time now. Pure."""
+    """Everything `fed status` shows, from the run's records and the time now. Pure. `info`: what each participant
+    said about itself (host, device, activity), displayed and never trusted."""
     timeout = config.liveness_timeout if config else None
+    info = info or {}
+    predicted = _predicted(state, config)
+    all_refusals = sorted([*refused_updates, *refusals], key=lambda r: r.at)
+    snap = Snapshot(state, participants, updates)
     proofs = {w: p for w, p in (proofs or {}).items() if p.round == state.round}
     scored = state.health_round >= 0 and bool(state.health)
     lines = []
@@ -154,8 +196,32 @@ def describe(
             proof = proofs.get(pid)
             witness = "witness" if proof is None else "proof in" if proof.complete else "proof in (incomplete)"
         health = state.health.get(pid) if scored else None
-        lines.append(ParticipantLine(pid, st, reason, selected, round_status, round_detail, ago, silent, witness,
-                                     health))
+        about = info.get(pid, {})
+        condition = _condition(snap, config, st, silent, pid, now)
+        if condition == "stuck" and round_status == "training":
+            round_status = "stuck"
+        pct = None
+        if view is not None and view.progress_round >= 0 and view.progress_total > 0:
+            pct = round(100.0 * view.progress_done / view.progress_total, 1)
+        speed = state.speeds.get(pid)
+        device = str(about.get("device", ""))
+        if about.get("gpu"):
+            device += f" ({about['gpu']})"
+        lines.append(ParticipantLine(
+            pid, st, reason, selected, round_status, round_detail, ago, silent, witness, health,
+            strikes=state.strikes.get(pid, 0) if st == "active" else 0,
+            condition=condition, activity=str(about.get("activity", "")), progress=pct,
+            progress_round=view.progress_round if view is not None and view.progress_round >= 0 else None,
+            samples_per_second=round(speed.rate, 3) if speed is not None else None,
+            reported_rate=round(view.rate, 3) if view is not None and view.rate > 0 else None,
+            share=round(sizing.fraction(state.plan, pid), 4) if sizing.share_of(state.plan, pid) else None,
+            predicted_seconds=round(predicted[pid], 2) if pid in predicted else None,
+            host=str(about.get("host", "")), device=device,
+            drops=[f"round {r.round}: {r.dropped[pid]}" for r in sorted(rounds, key=lambda r: r.round)
+                   if pid in r.dropped],
+            refusals=[f"{'-' if x.round is None else f'round {x.round}'}: {bounded(x.reason, 200)}"
+                      for x in all_refusals if x.pid == pid][-5:],
+        ))
 
     recent = sorted(rounds, key=lambda r: r.round)[-RECENT_ROUNDS:]
     round_lines = [
@@ -165,6 +231,8 @@ def describe(
     ]
     drops = [DropLine(r.round, pid, why) for r in sorted(rounds, key=lambda r: r.round) for pid, why in
              sorted(r.dropped.items())]
+    suspects = [SuspectLine(r.round, pid, why) for r in sorted(rounds, key=lambda r: r.round)
+                for pid, why in sorted(r.suspects.items())]
     recorded = {(d.pid, d.reason) for d in drops}
     drops += [DropLine(None, pid, m.reason) for pid, m in sorted(state.members.items())
               if m.status is MemberStatus.DROPPED and (pid, m.reason) not in recorded]
@@ -177,13 +245,16 @@ def describe(
             health_round=state.health_round if scored else -1,
             health=dict(sorted(state.health.items())) if scored else {},
             health_quorum=state.health_quorum,
+            strikes={p: n for p, n in sorted(state.strikes.items()) if n > 0 and p in state.active()},
+            strikes_needed=state.strikes_needed,
         )
     done = [r.seconds for r in recent if r.aggregated]
     round_seconds = sum(done) / len(done) if done else None
     total = config.total_rounds if config else None
     eta = None
-    if round_seconds is not None and total is not None and state.phase is not Phase.FINISHED:
-        eta = max(0, total - state.aggregated) * round_seconds
+    per_round = _round_prediction(state, config, predicted) or round_seconds
+    if per_round is not None and total is not None and state.phase is not Phase.FINISHED:
+        eta = max(0, total - state.aggregated) * per_round
     deadline_in = state.deadline - now if state.deadline and state.phase is not Phase.FINISHED else None
     notes = []
     if state.version == 0:
@@ -200,7 +271,7 @@ def describe(
         total_rounds=total,
         deadline_in=deadline_in,
         participants=lines,
-        refusals=sorted([*refused_updates, *refusals], key=lambda r: r.at),
+        refusals=all_refusals,
         rounds=round_lines,
         round_seconds=round_seconds,
         eta_seconds=eta,
@@ -208,18 +279,63 @@ def describe(
         notes=notes,
         witnessing=witnessing,
         drops=drops,
+        predicted_round_seconds=_round_prediction(state, config, predicted),
+        work_sizing=config.work_sizing.value if config is not None else "",
+        suspects=suspects,
     )
+
+
+def _predicted(state: RunState, config: RunConfig | None) -> dict[str, float]:
+    """Each planned participant's predicted seconds for this round's share (shared.sizing)."""
+    if config is None or not state.plan:
+        return {}
+    return sizing.predicted_seconds(state.plan, state.speeds, config.batch_size, state.round_units,
+                                    config.max_speed_ratio)
+
+
+def _round_prediction(state: RunState, config: RunConfig | None, predicted: Mapping[str, float]) -> float | None:
+    """A round's predicted time: the latest predicted finish of the round in progress; between rounds, of a plan
+    of the active members as the next round would size it."""
+    if config is None:
+        return None
+    if not predicted and state.speeds:
+        plan = sizing.make_plan(state.active(), state.speeds, steps=config.local_steps,
+                                sized=config.work_sizing is WorkSizing.THROUGHPUT, max_ratio=config.max_speed_ratio)
+        predicted = sizing.predicted_seconds(plan, state.speeds, config.batch_size, state.round_units,
+                                             config.max_speed_ratio)
+    return round(max(predicted.values()), 2) if predicted else None
+
+
+def _condition(snap: Snapshot, config: RunConfig | None, st: str, silent: bool, pid: str, now: float) -> str:
+    """ok, slow (it missed the last deadline while progressing: a smaller share), stuck (heartbeats, but its training
+    has not moved for stuck_timeout), silent (no sign of life for half the liveness timeout), dropped; "-" when not
+    a member."""
+    if st == "dropped":
+        return "dropped"
+    if st != "active":
+        return "-"
+    state = snap.state
+    if config is not None and pid in state.selected and pid not in snap.updates and \
+            stuck(snap, config, state, pid, now) is not None:
+        return "stuck"
+    if silent:
+        return "silent"
+    if pid in state.late:
+        return "slow"
+    return "ok"
 
 
 def collect(connection: Connection, now: float | None = None) -> Status:
     """Read the run's records and describe them."""
-    store = StateStore(connection.table, connection.run_id, connection.endpoint, connection.region)
     bucket = Bucket(connection.bucket, s3_client(connection.endpoint, connection.region))
+    store = StateStore.of(connection, bucket)
     config = read_config(bucket, connection.run_id)
     state = store.read_state()
-    participants = store.participants()
+    records = store.participant_records()
     rounds = store.rounds()
     updates = store.updates(state.round)
+    # (heard from by their updates too, as a tick sees them: a member uploading every round need not heartbeat)
+    participants = heard_through_updates({pid: r.view() for pid, r in records.items()}, updates, state.members)
     refused_updates = [
         RefusalLine(int(u.round), u.pid, u.key, u.reason, float(u.received_at))
         for u in store.all_updates()
@@ -228,12 +344,13 @@ def collect(connection: Connection, now: float | None = None) -> Status:
     refusals = [RefusalLine(None, r.pid, r.key, r.reason, float(r.at)) for r in store.refusals()]
     proofs = store.proofs(state.round) if state.witnesses else {}
     return describe(state, participants, updates, refused_updates, refusals, rounds, config,
-                    time.time() if now is None else now, connection.endpoint, proofs)
+                    time.time() if now is None else now, connection.endpoint, proofs,
+                    {pid: r.info for pid, r in records.items()})
 
 
 def write_plot(connection: Connection, path: Path) -> Path:
     """Every finished round's loss, accuracy and seconds as a PNG (raises fed.plot.PlotUnavailable)."""
-    store = StateStore(connection.table, connection.run_id, connection.endpoint, connection.region)
+    store = StateStore.of(connection)
     return write_png(points_from_summaries(store.rounds()), path, f"run {connection.run_id}")
 
 
@@ -274,7 +391,8 @@ def shown(text: str, limit: int = MAX_SHOWN_REASON, style: str = "") -> Text:
     return Text(clean, style=style)
 
 
-ROUND_STYLE = {"uploaded": "green", "refused": "red", "training": "cyan"}
+ROUND_STYLE = {"uploaded": "green", "refused": "red", "training": "cyan", "stuck": "red"}
+CONDITION_STYLE = {"ok": "green", "slow": "yellow", "stuck": "red", "silent": "red", "dropped": "red"}
 
 
 def render(status: Status) -> RenderableType:
@@ -286,8 +404,11 @@ def render(status: Status) -> RenderableType:
     total = f"/{status.total_rounds}" if status.total_rounds is not None else ""
     head.append(f"   aggregated {status.aggregated}{total}")
     head.append(f"   deadline in {_seconds(status.deadline_in)}" if status.deadline_in is not None else "")
-    if status.round_seconds is not None:
-        head.append(f"\n{status.round_seconds:.1f}s per round   ETA {_seconds(status.eta_seconds)}")
+    if status.round_seconds is not None or status.predicted_round_seconds is not None:
+        measured = f"{status.round_seconds:.1f}s per round" if status.round_seconds is not None else ""
+        predicted = (f"   predicted {status.predicted_round_seconds:.1f}s (measured throughput)"
+                     if status.predicted_round_seconds is not None else "")
+        head.append(f"\n{measured}{predicted}   ETA {_seconds(status.eta_seconds)}".replace("\n   ", "\n"))
     for note in status.notes:
         head.append(f"\n{note}", style="yellow")
     w = status.witnessing
@@ -301,26 +422,45 @@ def render(status: Status) -> RenderableType:
             head.append(f"\nround {w.health_round} health (witnesses attesting; quorum {w.health_quorum}): {scores}")
             if low:
                 head.append(f"\nbelow the quorum: {', '.join(low)}", style="red")
+        if w.strikes:
+            named = ", ".join(f"{p} {n} of {w.strikes_needed}" for p, n in w.strikes.items())
+            head.append(f"\nunattested witnessed rounds in a row (a health report drops at {w.strikes_needed}): "
+                        f"{named}", style="yellow")
 
     people = Table(title="participants", title_justify="left", expand=False)
-    columns = ["participant", "state", "selected", "this round", "last seen", "detail"]
+    columns = ["participant", "state", "condition", "selected", "this round", "progress", "samples/s", "share",
+               "last seen", "host / device", "activity / detail"]
     if w is not None:
-        columns[4:4] = ["witness", "health"]
+        columns[8:8] = ["witness", "health"]
     for col in columns:
         people.add_column(col)
     for p in status.participants:
         seen = "never" if p.last_seen_ago is None else f"{_seconds(p.last_seen_ago)} ago"
+        progress = "-" if p.progress is None else f"{p.progress:.0f}% (r{p.progress_round})"
+        rate = p.samples_per_second if p.samples_per_second is not None else p.reported_rate
+        detail = p.reason or p.round_detail or p.activity
+        if p.drops and p.state != "dropped":
+            detail = f"{detail}; dropped before ({len(p.drops)}x)" if detail else f"dropped before ({len(p.drops)}x)"
         cells: list[RenderableType] = [
             p.pid,
             Text(p.state, style=STATE_STYLE.get(p.state, "")),
+            Text(p.condition, style=CONDITION_STYLE.get(p.condition, "")),
             "yes" if p.selected else "",
             Text(p.round_status, style=ROUND_STYLE.get(p.round_status, "")),
+            progress,
+            "-" if rate is None else f"{rate:,.1f}",
+            "-" if p.share is None else f"{100 * p.share:.0f}%" + (
+                f" (~{_seconds(p.predicted_seconds)})" if p.predicted_seconds is not None else ""),
             Text(seen, style="red" if p.silent else ""),
-            shown(p.reason or p.round_detail),
+            shown(" ".join(x for x in (p.host, p.device) if x) or "-", MAX_SHOWN_ID),
+            shown(detail, 80),
         ]
         if w is not None:
             unhealthy = p.health is not None and p.health < w.health_quorum
-            cells[4:4] = [p.witness, Text("-" if p.health is None else str(p.health), style="red" if unhealthy else "")]
+            score = "-" if p.health is None else str(p.health)
+            if p.strikes:
+                score += f" (strike {p.strikes}/{w.strikes_needed})"
+            cells[8:8] = [p.witness, Text(score, style="red" if unhealthy else "")]
         people.add_row(*cells)
 
     if not status.participants:
@@ -333,6 +473,13 @@ def render(status: Status) -> RenderableType:
         for d in status.drops[-RECENT_ROUNDS:]:
             dropped.add_row("now" if d.round is None else str(d.round), d.pid, shown(d.reason, style="red"))
         parts.append(dropped)
+    if status.suspects:
+        suspected = Table(title="suspect witnesses", title_justify="left")
+        for col in ("round", "witness", "why"):
+            suspected.add_column(col)
+        for sus in status.suspects[-RECENT_ROUNDS:]:
+            suspected.add_row(str(sus.round), shown(sus.pid, MAX_SHOWN_ID), shown(sus.reason, style="yellow"))
+        parts.append(suspected)
     if status.refusals:
         refused = Table(title="refused uploads", title_justify="left")
         for col in ("round", "participant", "key", "reason"):

@@ -1,5 +1,12 @@
-"""Lambda: one aggregation shard (pieces [first, stop) of a round's global model), invoked by the tick that
-aggregates the round (`functions.shard_runners`)."""
+"""Lambda: aggregation shards (pieces [first, stop) of a round's global model each), from the shard queue the
+aggregating tick fills (`functions.shard_runners.queue_runner`).
+
+Each message is one shard task. The shard is tried up to SHARD_ATTEMPTS times here (its work is idempotent); its
+outcome — the pieces written, an input that cannot be read, or the failure — is left in the bucket for the tick
+waiting on it (`keys.shard_result_key`). An invocation that dies (out of memory, timeout) leaves its message to
+be delivered again, and after the queue's maximum receives to the dead-letter queue (alarmed); the waiting tick
+then gives up and a later tick aggregates the round afresh.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +15,33 @@ from typing import Any
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from coordinator.aggregation import shard_outcome
+from coordinator.deps import Deps
 from functions.observability import logger, traced
 from functions.settings import deps_from_env
+from functions.shard_runners import write_outcome
 from shared.messages import ShardTask, parse_message
 
 
 @logger.inject_lambda_context
 @traced
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, object]:
-    task = ShardTask.model_validate(event)
+    deps = deps_from_env()
+    records = event.get("Records", [])
+    for record in records:
+        run_queued(deps, parse_message(ShardTask, record["body"]))
+    return {"shards": len(records)}
+
+
+def run_queued(deps: Deps, task: ShardTask) -> None:
+    """One queued shard, its outcome (or, once retried, its failure) written for the waiting tick."""
     logger.info("shard", round=task.round, first=task.first, stop=task.stop)
-    return shard_outcome(deps_from_env(), task)
+    try:
+        outcome = shard_outcome(deps, task, retry=True)
+    except Exception as exc:  # the tick fails now, and is retried as a tick, rather than wait for its deadline
+        logger.exception("shard failed", round=task.round, first=task.first)
+        write_outcome(deps.bucket, deps.config.run_id, task, None, failed=f"{type(exc).__name__}: {exc}")
+        return
+    write_outcome(deps.bucket, deps.config.run_id, task, outcome)
 
 
 def run_task_json(task_json: str) -> dict[str, object]:

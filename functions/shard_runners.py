@@ -1,5 +1,6 @@
-"""How a tick hands out its aggregation shards (`FED_SHARD_RUNNER`): synchronous invocations of the shard-worker
-function on AWS, a pool of worker processes locally. Each shard is retried on failure (its work is idempotent)."""
+"""How a tick hands out its aggregation shards (`FED_SHARD_RUNNER`): on AWS, messages on the shard queue that feeds
+the shard-worker function, whose outcomes the tick waits for in the bucket; locally, a pool of worker processes.
+Each shard is retried on failure (its work is idempotent)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,21 @@ import json
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from functools import cache
+from typing import Any
 
 import boto3
-from botocore.config import Config
 
 from coordinator.aggregation import from_outcome, retried
 from coordinator.deps import ShardRunner
+from shared import keys
 from shared.messages import ShardDone, ShardTask
+from shared.naming import ENV_BUCKET, ENV_ENDPOINT, ENV_RUN_ID, ENV_SHARD_WAIT
+from store.blobs import Bucket, NotFound, s3_client
 
 # Kept warm between aggregations (like warm functions), by size and by the environment the workers inherited
 # at their start (a pool started for one local stack must not serve another's endpoint).
@@ -64,30 +69,85 @@ def processes_runner(workers: int) -> ShardRunner:
     return run
 
 
-def lambda_runner(function_name: str) -> ShardRunner:
-    """Shards as synchronous invocations of the shard-worker function, all at once (each retried on failure)."""
-    client = boto3.client("lambda", config=Config(read_timeout=900, retries={"max_attempts": 0}))
+MAX_MESSAGE_BYTES = 256 * 1024  # SQS's limit on a message body
+MAX_OUTCOME_BYTES = 4 * 1024 * 1024  # a shard's outcome: its pieces' part ETags and hashes
+POLL_FIRST, POLL_MAX = 0.05, 1.0  # seconds between looks for the shard outcomes: doubling from the first to the most
 
-    def invoke(task: ShardTask) -> ShardDone:
-        resp = client.invoke(FunctionName=function_name, Payload=task.model_dump_json().encode())
-        body = json.loads(resp["Payload"].read() or b"{}")
-        if resp.get("FunctionError"):
-            raise RuntimeError(f"shard worker failed: {str(body)[:500]}")
-        return from_outcome(body)
+
+class ShardWaitTimeout(RuntimeError):
+    """A shard's outcome did not arrive in time (its message is being retried, or went to the dead letters)."""
+
+
+def queue_runner(queue_url: str, bucket: Bucket, run_id: str, wait_seconds: float) -> ShardRunner:
+    """Shards as messages on the shard queue (one each, all at once); the shard worker writes each outcome to
+    `keys.shard_result_key`, and this waits until every one for this upload is in (or `wait_seconds` pass)."""
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    client = boto3.client("sqs", endpoint_url=os.environ.get(ENV_ENDPOINT) or None, region_name=region)
 
     def run(tasks: Sequence[ShardTask]) -> list[ShardDone]:
-        with ThreadPoolExecutor(max_workers=len(tasks)) as waiters:
-            return list(waiters.map(lambda t: retried(lambda: invoke(t), t), tasks))
+        pending = {}
+        for task in tasks:
+            body = task.model_dump_json()
+            if len(body.encode()) > MAX_MESSAGE_BYTES:
+                raise ValueError(f"a shard task of {len(task.inputs)} inputs is {len(body.encode())} bytes, over the "
+                                 f"shard queue's {MAX_MESSAGE_BYTES}-byte message limit")
+            client.send_message(QueueUrl=queue_url, MessageBody=body)
+            pending[task.first] = task
+        done: dict[int, ShardDone] = {}
+        deadline, pause = time.monotonic() + wait_seconds, POLL_FIRST
+        while pending:
+            for first, task in list(pending.items()):
+                outcome = _outcome(bucket, result_key(run_id, task), task.upload_id)
+                if outcome is not None:
+                    done[first] = from_outcome(outcome)
+                    del pending[first]
+            if pending and time.monotonic() > deadline:
+                raise ShardWaitTimeout(f"shards starting at pieces {sorted(pending)[:10]} did not report within "
+                                       f"{wait_seconds:.0f}s (see the shard worker's logs and the dead-letter queue)")
+            if pending:
+                time.sleep(pause)  # waiting for other invocations' work, not for a race: backing off
+                pause = min(POLL_MAX, pause * 2)
+        return [done[t.first] for t in tasks]
 
     return run
 
 
+def result_key(run_id: str, task: ShardTask) -> str:
+    parsed = keys.parse_key(task.staging)
+    assert parsed.round is not None and parsed.digest is not None
+    return keys.shard_result_key(run_id, parsed.round, parsed.digest, task.first)
+
+
+def _outcome(bucket: Bucket, key: str, upload_id: str) -> dict[str, Any] | None:
+    """The outcome stored for this upload's shard, or None while there is none (or only an older upload's)."""
+    try:
+        body = json.loads(bucket.get(key, MAX_OUTCOME_BYTES).data)
+    except NotFound:
+        return None
+    if body.get("upload_id") != upload_id:
+        return None
+    if "failed" in body:
+        raise RuntimeError(f"shard worker failed: {str(body['failed'])[:500]}")
+    return dict(body["outcome"])
+
+
+def write_outcome(bucket: Bucket, run_id: str, task: ShardTask, outcome: dict[str, Any] | None,
+                  failed: str = "") -> None:
+    """What the queue-fed shard worker leaves for the waiting tick."""
+    body = {"upload_id": task.upload_id} | ({"failed": failed[:2000]} if failed else {"outcome": outcome})
+    bucket.put(result_key(run_id, task), json.dumps(body).encode())
+
+
+
 @cache
 def runner_for(spec: str) -> ShardRunner | None:
-    """The runner `FED_SHARD_RUNNER` names: "lambda:<function>", "processes:<n>", or "" (None: the tick's threads)."""
+    """The runner `FED_SHARD_RUNNER` names: "queue:<url>" (with FED_BUCKET, FED_RUN_ID and FED_SHARD_WAIT),
+    "processes:<n>", or "" (None: the tick's threads)."""
     kind, _, arg = spec.partition(":")
-    if kind == "lambda" and arg:
-        return lambda_runner(arg)
+    if kind == "queue" and arg:
+        bucket = Bucket(os.environ[ENV_BUCKET], s3_client(os.environ.get(ENV_ENDPOINT) or None,
+                                                          os.environ.get("AWS_REGION") or "us-east-1"))
+        return queue_runner(arg, bucket, os.environ[ENV_RUN_ID], float(os.environ.get(ENV_SHARD_WAIT) or 900))
     if kind == "processes":
         return processes_runner(int(arg or os.cpu_count() or 1))
     return None

@@ -4,19 +4,23 @@
     EventBridge "Object Created" under runs/<run>/join/  -->  join queue  -->  join (register; no tick)
                                                    (event source mapping, maximum concurrency join_concurrency)
     EventBridge schedule, every TICK_SCHEDULE_MINUTES  -->  tick (deadlines, liveness)
-    a tick (of tick or ingest) that aggregates a round  ==>  shard, K at once (synchronous, RequestResponse)
+    a commit (of tick or ingest) changing phase, round, epoch or model  -->  the run-state topic
+    a tick (of tick or ingest) that aggregates a round  -->  shard queue  -->  shard, K at once
+                            (event source mapping, maximum concurrency shard_concurrency; the tick waits for
+                            the K outcomes the workers leave in the bucket, rounds/<r>/staging/<job>/<first>)
 
 Ingest and tick are asynchronous invocations: Lambda retries a failed one, then sends it to the dead-letter
 queue; an event EventBridge itself cannot deliver goes to the same queue. Join requests wait in their own
 queue, so that a burst of them never takes the concurrency heartbeats and updates need; a join request that
-keeps failing moves from that queue to the dead-letter queue too. The shard worker is invoked synchronously:
-a failure returns to the tick that invoked it, which retries the shard and, if it keeps failing, fails itself
-(and is retried, dead-lettered and alarmed as a tick): it has no dead-letter queue of its own.
+keeps failing moves from that queue to the dead-letter queue too. Shard tasks wait in the shard queue: a worker
+retries a failing shard itself and reports the failure to the waiting tick, which fails (and is retried,
+dead-lettered and alarmed as a tick); a worker that dies (out of memory, timeout) leaves its message to be
+delivered again, and after shard_max_receives to the dead-letter queue.
 """
 
 from __future__ import annotations
 
-from aws_cdk import Duration
+from aws_cdk import Duration, Stack
 from aws_cdk import aws_dynamodb as dynamodb
 from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
@@ -24,6 +28,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_lambda_event_sources as event_sources
 from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sqs as sqs
 from constructs import Construct
 
@@ -39,6 +44,8 @@ from shared.naming import (
     ENV_CONFIG,
     ENV_RUN_ID,
     ENV_SHARD_RUNNER,
+    ENV_SHARD_WAIT,
+    ENV_STATE_TOPIC,
     ENV_TABLE,
     METRICS_NAMESPACE,
     TICK_SCHEDULE_MINUTES,
@@ -46,6 +53,7 @@ from shared.naming import (
     join_request_pattern,
     join_rule_name,
     object_created_pattern,
+    tick_rule_name,
 )
 
 # DynamoDB actions the coordinator uses. A TransactWriteItems call has no IAM action of its own: IAM
@@ -60,17 +68,22 @@ STATE_ACTIONS = (
 
 
 def coordinator_statements(
-    bucket: s3.IBucket, table: dynamodb.ITable, run_id: str, shard_worker: lambda_.IFunction | None = None
+    bucket: s3.IBucket, table: dynamodb.ITable, run_id: str, shard_queue: sqs.IQueue | None = None,
+    state_topic: sns.ITopic | None = None,
 ) -> list[iam.PolicyStatement]:
     """What one tick needs; ingest needs the same, since it ticks after recording (and the tick that closes a
     round on its last update aggregates it)."""
     prefix = run_prefix(run_id)
-    invoke = (
-        # The tick hands an aggregation's shards to the shard-worker function (FED_SHARD_RUNNER): that function,
-        # unqualified ($LATEST), and nothing else.
-        [iam.PolicyStatement(sid="InvokeShardWorkers", actions=["lambda:InvokeFunction"],
-                             resources=[shard_worker.function_arn])]
-        if shard_worker is not None else []
+    send = (
+        # The tick hands an aggregation's shards to the shard queue (FED_SHARD_RUNNER): that queue and nothing else.
+        [iam.PolicyStatement(sid="SendShardTasks", actions=["sqs:SendMessage"], resources=[shard_queue.queue_arn])]
+        if shard_queue is not None else []
+    )  # fmt: skip
+    publish = (
+        # A commit changing phase, round, epoch or model publishes the state to the topic (FED_STATE_TOPIC_ARN), and
+        # only there. Its key is the AWS-managed SNS key, which admits the account's principals through SNS: no KMS.
+        [iam.PolicyStatement(sid="PublishStateChanges", actions=["sns:Publish"], resources=[state_topic.topic_arn])]
+        if state_topic is not None else []
     )  # fmt: skip
     return [
         iam.PolicyStatement(
@@ -101,7 +114,15 @@ def coordinator_statements(
             actions=["s3:PutObject", "s3:AbortMultipartUpload"],
             resources=[bucket.arn_for_objects(layout.staging_objects(run_id))],
         ),
-        *invoke,
+        *send,
+        *publish,
+        iam.PolicyStatement(
+            sid="PaceTickSchedule",
+            # Off while the run is idle (nothing billed), on when it needs ticks: this run's schedule only.
+            actions=["events:EnableRule", "events:DisableRule"],
+            resources=[Stack.of(bucket).format_arn(service="events", resource="rule",
+                                                    resource_name=tick_rule_name(run_id))],
+        ),
         iam.PolicyStatement(sid="RunState", actions=list(STATE_ACTIONS), resources=[table.table_arn]),
     ]
 
@@ -129,10 +150,12 @@ def shard_statements(bucket: s3.IBucket, run_id: str) -> list[iam.PolicyStatemen
         iam.PolicyStatement(
             sid="UploadStagedParts",
             # UploadPart is authorized as s3:PutObject; creating, completing and aborting the upload is the tick's.
-            # The server optimizer's state is written piece by piece by the worker computing the piece.
+            # The server optimizer's state and the download delta are written piece by piece by the worker
+            # computing the piece.
             actions=["s3:PutObject"],
             resources=[bucket.arn_for_objects(layout.staging_objects(run_id)),
-                       bucket.arn_for_objects(layout.optimizer_objects(run_id))],
+                       bucket.arn_for_objects(layout.optimizer_objects(run_id)),
+                       bucket.arn_for_objects(layout.delta_objects(run_id))],
         ),
     ]
 
@@ -164,7 +187,8 @@ def join_statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: str) -> 
 
 
 class Coordinator(Construct):
-    """The functions, the S3-event rule, the tick schedule and the dead-letter queue."""
+    """The functions, the S3-event rule, the tick schedule and the dead-letter queue; the two functions that commit
+    the run state (tick, and ingest, which ticks) publish its changes to `state_topic`."""
 
     def __init__(
         self,
@@ -176,6 +200,7 @@ class Coordinator(Construct):
         bucket: s3.Bucket,
         table: dynamodb.Table,
         code: lambda_.Code,
+        state_topic: sns.ITopic,
     ) -> None:
         super().__init__(scope, id)
         run_id = config.run_id
@@ -207,19 +232,42 @@ class Coordinator(Construct):
                 log_removal=removal_policy(settings),
             )
 
-        # The shard worker: invoked synchronously by whichever tick aggregates (its failures return to that tick),
-        # so no dead-letter queue. It reads the table's name from the environment like the others, never the table.
-        self.shard = build("shard", f"Run {run_id}: one aggregation shard, invoked synchronously by a tick",
+        # The shard worker, fed by the shard queue that whichever tick aggregates fills. It reads the table's name
+        # from the environment like the others, never the table.
+        self.shard = build("shard", f"Run {run_id}: aggregation shards, from the shard queue a tick fills",
                            settings.shard, shard_statements(bucket, run_id), asynchronous=False)
-        statements = coordinator_statements(bucket, table, run_id, shard_worker=self.shard)
-        shards = {ENV_SHARD_RUNNER: f"lambda:{self.shard.function_name}"}
+        self.shard_queue = sqs.Queue(
+            self,
+            "ShardQueue",
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+            enforce_ssl=True,
+            # A message is invisible while its shard runs: at least the worker's timeout (Lambda checks it).
+            visibility_timeout=Duration.seconds(settings.shard.timeout_seconds + 30),
+            retention_period=Duration.hours(2),  # a task older than its tick's wait has no one waiting for it
+            dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=settings.shard_max_receives,
+                                                  queue=self.dead_letters),
+        )
+        self.shard.add_event_source(
+            event_sources.SqsEventSource(self.shard_queue, batch_size=1, max_concurrency=settings.shard_concurrency)
+        )
+        statements = coordinator_statements(bucket, table, run_id, shard_queue=self.shard_queue,
+                                            state_topic=state_topic)
+
+        def shards(fn: FunctionSettings) -> dict[str, str]:
+            # The waiting tick gives up a little before its own timeout (the shards' retries run inside that time).
+            # It commits the state too, and publishes the commits that change phase, round, epoch or model.
+            return {ENV_SHARD_RUNNER: f"queue:{self.shard_queue.queue_url}",
+                    ENV_SHARD_WAIT: str(max(30, fn.timeout_seconds - 30)),
+                    ENV_STATE_TOPIC: state_topic.topic_arn}
+
         self.tick = build("tick", f"Run {run_id}: scheduled tick (deadlines, liveness)", settings.tick, statements,
-                          extra=shards)
+                          extra=shards(settings.tick))
         self.ingest = build("ingest", f"Run {run_id}: validate and record an upload, then tick", settings.ingest,
-                            statements, extra=shards)
+                            statements, extra=shards(settings.ingest))
         self.join = build("join", f"Run {run_id}: register joiners, from the join queue (no tick)", settings.join,
                           join_statements(bucket, table, run_id), asynchronous=False)
         self.functions = (self.tick, self.ingest, self.join, self.shard)
+        self.committers = (self.tick, self.ingest)  # the functions that commit the run state (and publish it)
 
         pattern = object_created_pattern(bucket.bucket_name, run_id)
         self.object_created = events.Rule(
@@ -265,7 +313,9 @@ class Coordinator(Construct):
         self.schedule = events.Rule(
             self,
             "TickSchedule",
-            description="The safety-net tick: deadlines and liveness advance even when nobody uploads.",
+            rule_name=tick_rule_name(run_id),
+            description="The safety-net tick: deadlines and liveness advance even when nobody uploads. The run "
+            "switches it off while idle (finished, or paused) and on again when woken (resume, restore).",
             schedule=events.Schedule.rate(Duration.minutes(TICK_SCHEDULE_MINUTES)),
             targets=[self._target(self.tick)],
         )
@@ -285,8 +335,9 @@ class Coordinator(Construct):
                 "IAM5",
                 "Object ARNs end in a wildcard only below this run's prefix: the function reads any object "
                 "of its run (uploads, join requests, heartbeats, models) and writes only global models of "
-                "any round, the server optimizer state's files (rounds/<round>/optimizer/<digest>), checkpoints "
-                "(besides manifest and config) and the staged aggregate of any round "
+                "any round, the server optimizer state's files (rounds/<round>/optimizer/<digest>), the download "
+                "deltas' files (rounds/<round>/delta/<digest>), the run state's rosters (roster/<digest>), "
+                "checkpoints (besides manifest and config) and the staged aggregate of any round "
                 "(rounds/<round>/staging/<job id>), whose keys are not known at deploy time.",
                 findings=[f"Resource::{arn_ref(bucket)}/{key}" for key in wildcards],
             )
@@ -295,11 +346,12 @@ class Coordinator(Construct):
             "IAM5",
             "The shard worker reads only objects of this run's rounds (the accepted updates and the global model of "
             "the round it aggregates, by version id) and uploads parts only to staged aggregates "
-            "(rounds/<round>/staging/<job id>) and the server optimizer state's piece files "
-            "(rounds/<round>/optimizer/<digest>); rounds, job ids and digests are not known at deploy time.",
+            "(rounds/<round>/staging/<job id>), the server optimizer state's and the download delta's piece files "
+            "(rounds/<round>/optimizer/<digest>, rounds/<round>/delta/<digest>); rounds, job ids and digests are not "
+            "known at deploy time.",
             findings=[f"Resource::{arn_ref(bucket)}/{key}"
                       for key in (layout.round_objects(run_id), layout.staging_objects(run_id),
-                                  layout.optimizer_objects(run_id))],
+                                  layout.optimizer_objects(run_id), layout.delta_objects(run_id))],
         )
         acknowledge(
             self.join.role,  # type: ignore[arg-type]

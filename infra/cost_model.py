@@ -27,6 +27,7 @@ class Prices:
     ddb_read_per_m: float = 0.125  # DynamoDB on-demand read request unit
     ddb_write_per_m: float = 0.625  # DynamoDB on-demand write request unit
     lambda_per_m: float = 0.20  # Lambda requests
+    sqs_per_m: float = 0.40  # SQS standard queue requests
     lambda_gb_second: float = 0.0000166667  # Lambda duration, x86, per GB-second (first 6 billion a month)
     # S3's events reach EventBridge as AWS-service events on the default bus, which EventBridge lists as free;
     # priced here like custom events as an upper bound.
@@ -35,23 +36,46 @@ class Prices:
 
 @dataclass(frozen=True)
 class Assumptions:
-    round_seconds: float = 120.0  # wall time of a round, download to next global model
-    liveness_timeout: float = 60.0  # heartbeats every liveness_timeout / 4 (run default)
-    poll_seconds: float = 2.0  # participant polls the run item every ~2 s (backoff caps at 2 s): an upper bound
-    state_item_kb: float = 1.0  # the run item (phase, deadlines, ...) without members
-    state_kb_per_member: float = 0.11  # members, selected and counted lists grow the run item per participant
+    """A steady 60 s round of a run whose participants listen for state changes on their own SQS queues (`store.push`).
+    The per-operation counts are what the load test measured in its steady state (tests/e2e/test_load.py: the rounds
+    between the first and the last, ~60 s each, 200 simulated participants speaking the daemon's protocol, counted
+    at the server by operation: 9.16 requests per participant per round, 3.94 of them the participant's): a
+    participant reads the roster and the global model once, uploads once and wakes on one pushed message; ingest
+    reads the state item and the update once, writes the record and the round's count; the aggregation reads the
+    update once (a small model: ranged reads of a large one are in `aggregation_cost`)."""
+
+    round_seconds: float = 60.0  # wall time of a round, download to next global model (the steady state of issue 13)
+    # Silence after which a member is dropped: three rounds. Heartbeats go every liveness_timeout / 3, and none within
+    # two intervals of an update upload (`RunConfig.heartbeat_after_update`), so a member uploading every round sends
+    # none while its rounds are shorter than that (the load test: 0.00 a round in 57 s rounds).
+    liveness_timeout: float = 180.0
+    # Seconds a round's participant waits on its queue with nothing to do (its training fills the rest): one 20 s long
+    # poll per 20 s beyond the receive that wakes it.
+    idle_seconds: float = 20.0
+    # Pushed state changes a participant acts on in a round (the round's start; a run with witnesses: 2): each names a
+    # new roster, read once.
+    pushes_per_round: int = 1
+    state_item_kb: float = 1.0  # the run item: the same size whatever the membership (test_state_layout.py)
     participant_item_kb: float = 0.3  # one P# item (pid, times, public key, info)
     update_item_kb: float = 0.4  # one U# item (digest, key, metrics, ...)
-    # One state commit per accepted update plus a few phase changes; one of them is a transaction (2x units).
-    extra_commits_per_round: int = 3
+    # Commits that change the roster in a round (start, freeze, close, aggregation): one PUT each, shared.
+    roster_changes_per_round: int = 4
+    # Ticks that read the whole snapshot in a round (its start, its close ticked by the last update, the aggregation,
+    # a scheduled one), shared by its participants; state commits a round, one a transaction with its summary.
+    ticks_per_round: int = 4
+    commits_per_round: int = 4
 
     @property
     def heartbeats(self) -> float:
-        return self.round_seconds / (self.liveness_timeout / 4)
+        """Heartbeats a member sends in a round beside its update: none while an update covers the round (two
+        intervals), then about one an interval."""
+        every = self.liveness_timeout / 3
+        covered = 2 * every
+        return 0.0 if self.round_seconds <= covered else 1 + (self.round_seconds - covered) / every
 
     @property
-    def polls(self) -> float:
-        return self.round_seconds / self.poll_seconds
+    def receives(self) -> float:
+        return 1 + self.idle_seconds / 20
 
 
 @dataclass(frozen=True)
@@ -63,6 +87,7 @@ class RoundCost:
     invocations: float
     read_units: float
     write_units: float
+    sqs_requests: float
     usd_per_participant: float
 
     @property
@@ -73,20 +98,24 @@ class RoundCost:
 def round_cost(participants: int, a: Assumptions = Assumptions(), p: Prices = Prices()) -> RoundCost:
     """Requests and dollars per participant per round, with every participant selected every round."""
     n = participants
-    state_kb = a.state_item_kb + a.state_kb_per_member * n
-    read_state = math.ceil(state_kb / 4)  # strongly consistent GetItem: 1 unit per 4 KB
+    item = math.ceil(a.state_item_kb / 4)  # a strongly consistent GetItem of a small item: 1 unit per 4 KB
     uploads = 1 + a.heartbeats  # its update and its heartbeats; each is one S3 event and one ingest
-    # A tick: GetItem of the run item, Query of all participant items, Query of the round's updates (on
-    # average half of them are in); ingest first reads the run item once more.
-    tick_reads = read_state + math.ceil(a.participant_item_kb * n / 4) + max(1, math.ceil(a.update_item_kb * n / 8))
-    read_units = a.polls * read_state + uploads * (read_state + tick_reads)
-    commits = (n + a.extra_commits_per_round + 1) / n  # per participant; the +1 is the transaction's 2nd write
-    write_units = uploads * 1 + commits * math.ceil(state_kb)  # conditional PutItem of <= 1 KB, then commits
-    s3_puts = uploads
-    # The participant GETs the global model; ingest GETs each object it validates. (Aggregation reads the updates
-    # by 8 MiB ranges, and ingest reads the global by range to measure an update's distance: both grow with the
-    # model, so they are in `aggregation_cost`, not here.)
-    s3_gets = 1 + uploads
+    # Ingest of the update: GetItem of the run item (the participant's key is held by the warm function); writes: the
+    # record and the round's count. Of a heartbeat: the participant item and the run item; one write (last_seen).
+    ingest_reads = item + a.heartbeats * 2 * item
+    ingest_writes = 2 + a.heartbeats
+    # The round's ticks, shared by its participants: each reads the run item, every participant item and the
+    # round's update items.
+    snapshot = item + math.ceil(a.participant_item_kb * n / 4) + math.ceil(a.update_item_kb * n / 4)
+    tick_reads = a.ticks_per_round * snapshot / n
+    read_units = ingest_reads + tick_reads  # (the participant reads no item: the push carries the run item)
+    write_units = ingest_writes + (a.commits_per_round + 1) * math.ceil(a.state_item_kb) / n
+    s3_puts = uploads + a.roster_changes_per_round / n  # the coordinator's roster PUTs, shared by the members
+    # The participant GETs the global model and each pushed roster; ingest GETs each object it validates; the
+    # aggregation GETs each update once (a small model; a large one's ranged reads are in `aggregation_cost`).
+    s3_gets = 1 + a.pushes_per_round + uploads + 1
+    # Its long polls, and SNS's deliveries to its queue (priced as SQS requests: an upper bound).
+    sqs = a.receives + a.pushes_per_round
     usd = (
         s3_puts * p.s3_put_per_1k / 1e3
         + s3_gets * p.s3_get_per_1k / 1e3
@@ -94,8 +123,9 @@ def round_cost(participants: int, a: Assumptions = Assumptions(), p: Prices = Pr
         + write_units * p.ddb_write_per_m / 1e6
         + uploads * p.lambda_per_m / 1e6
         + uploads * p.eventbridge_per_m / 1e6
+        + sqs * p.sqs_per_m / 1e6
     )
-    return RoundCost(n, s3_puts, s3_gets, uploads, uploads, read_units, write_units, usd)
+    return RoundCost(n, s3_puts, s3_gets, uploads, uploads, read_units, write_units, sqs, usd)
 
 
 # Update bytes one shard worker aggregates per second (FedAvg). `make bench` measured about 2.7 GB/s of update
@@ -103,6 +133,12 @@ def round_cost(participants: int, a: Assumptions = Assumptions(), p: Prices = Pr
 # assumed slower and its bytes come from S3 rather than the page cache, so 1.5 GB/s is taken as a conservative
 # figure. Not measured on Lambda.
 WORKER_UPDATE_BYTES_PER_SECOND = 1.5e9
+
+
+def shard_polls(shard_seconds: float) -> int:
+    """The tick's looks for one shard's outcome: backing off from 0.05 s to 1 s (`functions.shard_runners`), so
+    about 5 in the first second and one a second after."""
+    return 5 + math.ceil(shard_seconds)
 
 
 @dataclass(frozen=True)
@@ -126,10 +162,10 @@ class AggregationCost:
     worker_gb_seconds: float  # all K workers together
     tick_gb_seconds: float  # the aggregating tick, waiting for its shards
     s3_gets: float
-    s3_puts: float  # PUT-class: UploadPart, CreateMultipartUpload, CompleteMultipartUpload, CopyObject
+    s3_puts: float  # PUT-class: UploadPart, CreateMultipartUpload, CompleteMultipartUpload, CopyObject, outcomes
     ingest_gets: float  # ingest's ranged reads of the global, for the round's updates
     usd_compute: float
-    usd_requests: float  # S3 requests of the aggregation and the shard invocations (not ingest's reads)
+    usd_requests: float  # S3 and SQS requests of the aggregation and the shard invocations (not ingest's reads)
     usd_ingest_gets: float
 
     @property
@@ -144,9 +180,10 @@ def aggregation_cost(
 
     K = ceil(pieces / pieces per shard) workers each aggregate (model bytes / K) x updates bytes at the worker
     throughput; every worker reads one range of every update per piece (plus, once, the base global's header in
-    two small reads and each update's header length in one), uploads one part per piece; the tick creates,
-    completes and copies the staged upload, after authenticating the base global (one streamed GET and two
-    header reads).
+    two small reads and each update's header length in one), uploads one part per piece and its outcome; the tick
+    creates, completes and copies the staged upload, after authenticating the base global (one streamed GET and
+    two header reads), sends the K tasks to the shard queue (each also received and deleted: 3 SQS requests) and
+    looks for each outcome while the shards run (SHARD_POLLS GETs, about one a second).
     """
     n = updates
     pieces = max(1, math.ceil(model_bytes / PIECE_BYTES))
@@ -161,11 +198,11 @@ def aggregation_cost(
         shard_seconds = min(per_shard * PIECE_BYTES, model_bytes) * n / a.worker_bytes_per_second
         worker_gbs = total_seconds * a.worker_memory_mb / 1024
         tick_gbs = shard_seconds * a.tick_memory_mb / 1024
-        s3_gets = pieces * n + shards * (2 + n) + 3
-        s3_puts = pieces + 3.0
+        s3_gets = pieces * n + shards * (2 + n) + 3 + shards * shard_polls(shard_seconds)
+        s3_puts = pieces + 3.0 + shards
     usd_compute = (worker_gbs + tick_gbs) * p.lambda_gb_second
     usd_requests = (s3_gets * p.s3_get_per_1k / 1e3 + s3_puts * p.s3_put_per_1k / 1e3
-                    + shards * p.lambda_per_m / 1e6)  # fmt: skip
+                    + shards * p.lambda_per_m / 1e6 + 3 * shards * p.sqs_per_m / 1e6)  # fmt: skip
     return AggregationCost(
         model_bytes,
         n,
@@ -209,21 +246,37 @@ def aggregation_table(rows: tuple[tuple[int, int], ...] = AGGREGATION_ROWS) -> s
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class IdleCost:
+    """A month with nothing happening (the run finished, or paused with nothing pending), per GB kept."""
+
+    requests_usd: float  # no tick fires (its schedule is off) and nobody uploads: no request at all
+    s3_usd_per_gb: float = 0.023  # S3 Standard storage, per GB-month
+    dynamodb_usd_per_gb: float = 0.25  # DynamoDB Standard table storage, per GB-month
+
+
+def idle_cost() -> IdleCost:
+    return IdleCost(requests_usd=0.0)
+
+
 def table(sizes: tuple[int, ...] = (10, 100, 1000)) -> str:
     """The markdown table docs/deploy.md shows."""
     lines = [
         "| participants per round | S3 PUT | S3 GET | EventBridge events | Lambda invocations "
-        "| DynamoDB read units | DynamoDB write units | USD per participant-round | USD per round "
+        "| DynamoDB read units | DynamoDB write units | SQS requests | USD per participant-round | USD per round "
         "| USD per 1,000 rounds |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in sizes:
         c = round_cost(n)
         lines.append(
             f"| {n:,} | {c.s3_puts:.0f} | {c.s3_gets:.0f} | {c.events:.0f} | {c.invocations:.0f} "
-            f"| {c.read_units:,.0f} | {c.write_units:,.1f} | {c.usd_per_participant:.6f} "
+            f"| {c.read_units:,.1f} | {c.write_units:,.1f} | {c.sqs_requests:.0f} | {c.usd_per_participant:.6f} "
             f"| {c.usd_per_round:.4f} | {c.usd_per_round * 1000:,.2f} |"
         )
+    idle = idle_cost()
+    lines.append(f"| idle, per month | 0 | 0 | 0 | 0 | 0 | 0 | 0 | — | {idle.requests_usd:.4f} of requests "
+                 f"| storage only: S3 ${idle.s3_usd_per_gb}/GB, DynamoDB ${idle.dynamodb_usd_per_gb}/GB |")
     return "\n".join(lines)
 
 

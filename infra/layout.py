@@ -54,8 +54,9 @@ def participant_reads(run_id: str, witnessing: bool = False) -> list[str]:
     shared among the run's participants, never beyond them.
     """
     if witnessing:
-        return [round_objects(run_id), keys.manifest_key(run_id), keys.config_key(run_id)]
-    return [global_models(run_id), keys.manifest_key(run_id), keys.config_key(run_id), own_updates(run_id)]
+        return [round_objects(run_id), rosters(run_id), keys.manifest_key(run_id), keys.config_key(run_id)]
+    return [global_models(run_id), delta_objects(run_id), rosters(run_id), keys.manifest_key(run_id),
+            keys.config_key(run_id), own_updates(run_id)]
 
 
 def round_objects(run_id: str) -> str:
@@ -72,12 +73,25 @@ def optimizer_objects(run_id: str) -> str:
     return _any_round(run_id, keys.optimizer_key(run_id, _ROUND, _JOB).replace(_JOB, "*"))
 
 
+def delta_objects(run_id: str) -> str:
+    """rounds/*/delta/*: the download deltas' index and piece files (`keys.delta_key`)."""
+    return _any_round(run_id, keys.delta_key(run_id, _ROUND, _JOB).replace(_JOB, "*"))
+
+
+def rosters(run_id: str) -> str:
+    """roster/*: the per-member part of each committed run state (`keys.roster_key`); participants read theirs to
+    know whether they are members, selected, witnesses, and their share."""
+    return keys.roster_key(run_id, _JOB).replace(_JOB, "*")
+
+
 def coordinator_writes(run_id: str) -> list[str]:
-    """Objects only the coordinator writes: global models, optimizer state, manifest, published config,
-    checkpoints."""
+    """Objects only the coordinator writes: global models, optimizer state, download deltas, rosters, manifest,
+    published config, checkpoints."""
     return [
         global_models(run_id),
         optimizer_objects(run_id),
+        delta_objects(run_id),
+        rosters(run_id),
         keys.manifest_key(run_id),
         keys.config_key(run_id),
         f"{keys.run_prefix(run_id)}{CHECKPOINTS}",

@@ -3,7 +3,8 @@
 A host assumes the role with the tag `participant=<id>`; IAM substitutes `${aws:PrincipalTag/participant}`
 into the resource ARNs, so the session can write only keys ending in its own id, read the global models,
 the manifest, the published config and its own updates, read the run's items in the table and this
-stack's outputs. Nothing else.
+stack's outputs, create, use and delete one SQS queue, fed-<run>-p-<its own id>, and subscribe that queue
+(and no other endpoint) to the run-state topic (`infra.notifications`). Nothing else.
 
 Who may assume it with which tag is decided by the host's own identity policy (see docs/deploy.md): the
 trust policy admits principals of this account (or `[deploy] participant_principals`) only with exactly
@@ -13,18 +14,20 @@ that one tag, and refuses tag values that are not usable participant ids (reserv
 
 from __future__ import annotations
 
-from aws_cdk import Aws, Duration
+from aws_cdk import ArnFormat, Aws, Duration, Stack
 from aws_cdk import aws_dynamodb as dynamodb
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
-from constructs import Construct
+from aws_cdk import aws_sns as sns
+from constructs import Construct, IConstruct
 
 from infra import layout
 from infra.nag import acknowledge, arn_ref
+from infra.notifications import subscribe_conditions
 from infra.settings import DeploySettings
 from shared.config import RunConfig
 from shared.keys import RESERVED_IDS
-from shared.naming import PARTICIPANT_TAG
+from shared.naming import PARTICIPANT_TAG, participant_queue_prefix
 from shared.table_keys import run_pk
 
 TAG = f"aws:PrincipalTag/{PARTICIPANT_TAG}"
@@ -40,6 +43,30 @@ TRUST_CONDITIONS = {
     "StringLike": {REQUEST_TAG: "?*"},
     "ForAllValues:StringEquals": {"aws:TagKeys": [PARTICIPANT_TAG]},
 }
+
+
+# What a participant does with its own queue: create it (SSE-SQS, the default for new queues: IAM has no condition
+# key for a queue's attributes, so that cannot be demanded here), give it the policy that lets the state topic send
+# to it, long-poll it, delete what it has read, and delete the queue when it leaves.
+QUEUE_ACTIONS = (
+    "sqs:CreateQueue",
+    "sqs:GetQueueUrl",
+    "sqs:GetQueueAttributes",
+    "sqs:SetQueueAttributes",
+    "sqs:ReceiveMessage",
+    "sqs:DeleteMessage",
+    "sqs:ChangeMessageVisibility",
+    "sqs:DeleteQueue",
+)
+# The AWS SDKs always call SQS and SNS over HTTPS; a request without TLS is not this participant's.
+OVER_TLS = {"Bool": {"aws:SecureTransport": "true"}}
+
+
+def own_queue_arn(scope: IConstruct, run_id: str) -> str:
+    """arn:<partition>:sqs:<region>:<account>:fed-<run>-p-${aws:PrincipalTag/participant}: the session's own queue
+    (`shared.naming.participant_queue_name`), in the stack's account and region; exactly that name, no wildcard."""
+    return Stack.of(scope).format_arn(service="sqs", resource=f"{participant_queue_prefix(run_id)}{layout.SELF}",
+                                      arn_format=ArnFormat.NO_RESOURCE_NAME)
 
 
 def _reserved() -> list[str]:
@@ -67,9 +94,11 @@ class ParticipantAccess(Construct):
         settings: DeploySettings,
         bucket: s3.IBucket,
         table: dynamodb.ITable,
+        state_topic: sns.ITopic,
     ) -> None:
         super().__init__(scope, id)
         run_id = config.run_id
+        self.own_queue_arn = own_queue_arn(self, run_id)
         trusted: list[iam.IPrincipal] = (
             [iam.ArnPrincipal(arn) for arn in settings.participant_principals]
             if settings.participant_principals
@@ -84,6 +113,7 @@ class ParticipantAccess(Construct):
             inline_policies={
                 "participant": iam.PolicyDocument(
                     statements=self._statements(bucket, table, run_id, witnessing=config.witness_nodes > 0)
+                    + self._state_statements(state_topic, self.own_queue_arn)
                 )
             },
         )
@@ -116,15 +146,37 @@ class ParticipantAccess(Construct):
             "Wildcards stand only for the round (and, under it, the kind of report) below this run's prefix: a "
             "participant writes and checks its update, witness proof or health report for any round at "
             "rounds/<round>/[witness/|health/]<its own id> (the id is the session tag, substituted by IAM) and "
-            "reads the global model of any round (with witnessing on, every object of the run's rounds: witnesses "
-            "evaluate the other participants' updates); rounds are not known at deploy time.",
+            "reads the global model and download delta of any round (with witnessing on, every object of the run's "
+            "rounds: witnesses evaluate the other participants' updates) and the run state's rosters "
+            "(roster/<digest>); rounds and digests are not known at deploy time.",
             findings=[
                 # cdk-nag prints the policy variable ${aws:PrincipalTag/participant} as <aws:PrincipalTag/...>
                 f"Resource::{arn_ref(bucket)}/{layout.own_updates(run_id).replace('${', '<').replace('}', '>')}",
                 f"Resource::{arn_ref(bucket)}/{layout.global_models(run_id)}",
+                f"Resource::{arn_ref(bucket)}/{layout.delta_objects(run_id)}",
                 f"Resource::{arn_ref(bucket)}/{layout.round_objects(run_id)}",
+                f"Resource::{arn_ref(bucket)}/{layout.rosters(run_id)}",
             ],
         )
+
+    @staticmethod
+    def _state_statements(state_topic: sns.ITopic, own_queue: str) -> list[iam.PolicyStatement]:
+        """Its own queue, and subscribing that queue to the run-state topic: no other queue (the coordinator's
+        fed-<run>-ingest and -join, another participant's), no other endpoint or protocol."""
+        return [
+            iam.PolicyStatement(
+                sid="OwnStateQueue",
+                actions=list(QUEUE_ACTIONS),
+                resources=[own_queue],
+                conditions={**id_conditions(TAG), **OVER_TLS},
+            ),
+            iam.PolicyStatement(
+                sid="SubscribeOwnQueueToState",
+                actions=["sns:Subscribe"],
+                resources=[state_topic.topic_arn],
+                conditions={**id_conditions(TAG), **subscribe_conditions(own_queue), **OVER_TLS},
+            ),
+        ]
 
     @staticmethod
     def _statements(

@@ -78,8 +78,9 @@ class DeploySettings(BaseModel):
     )
     shard: FunctionSettings = Field(
         FunctionSettings(memory_mb=1769, timeout_seconds=900, ephemeral_storage_mb=512),
-        description="The shard worker: one aggregation shard per invocation, invoked synchronously by the tick "
-        "(retry_attempts and max_event_age_seconds do not apply). It holds about min(updates, 8) x 8 MiB read "
+        description="The shard worker: one aggregation shard per invocation, fed by the shard queue the aggregating "
+        "tick fills (retry_attempts and max_event_age_seconds do not apply). It holds about min(updates, 8) x 8 MiB "
+        "read "
         "buffers, two 8 MiB pieces and 24 MiB of accumulators (~100-200 MB) beside the runtime, so 512 MB would "
         "fit; 1769 MB is for the CPU: Lambda gives one full vCPU at 1769 MB, which the per-core aggregation "
         "throughput (and shard_bytes) assume. Less memory is as many GB-seconds but slower shards. No /tmp use.",
@@ -95,6 +96,15 @@ class DeploySettings(BaseModel):
         "join requests can take.",
     )
     join_batch_size: int = Field(10, ge=1, le=100, description="Join requests per join function invocation.")
+    shard_concurrency: int = Field(
+        64, ge=2, le=1000, description="Shard-worker invocations at once, at most (the shard queue's event source "
+        "mapping's maximum concurrency): K = model bytes / shard_bytes shards run at once up to this.",
+    )
+    shard_max_receives: int = Field(
+        3, ge=1, le=1000, description="Deliveries of a shard task whose worker dies (out of memory, timeout) before "
+        "the dead-letter queue; a shard that fails with an error is retried inside the worker and reported to "
+        "the tick instead.",
+    )
     join_max_receives: int = Field(
         5, ge=1, le=1000, description="Deliveries of a join request that keeps failing before the dead-letter queue."
     )

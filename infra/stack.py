@@ -10,18 +10,19 @@ from constructs import Construct
 
 from infra.coordinator import Coordinator
 from infra.lambdas import function_code
+from infra.notifications import StateTopic
 from infra.observability import Observability
 from infra.participants import ParticipantAccess
 from infra.settings import DeploySettings
 from infra.storage import Storage
 from infra.table import StateTable
 from shared.config import RunConfig
-from shared.naming import OUTPUT_BUCKET, OUTPUT_PARTICIPANT_ROLE, OUTPUT_RUN_ID, OUTPUT_TABLE
+from shared.naming import OUTPUT_BUCKET, OUTPUT_PARTICIPANT_ROLE, OUTPUT_RUN_ID, OUTPUT_STATE_TOPIC, OUTPUT_TABLE
 
 
 class FedRunStack(Stack):
     """Bucket, table, coordinator functions and their triggers (two lanes for uploads), the shard worker the
-    ticks invoke, participant role, dashboard and alarms."""
+    ticks invoke, the run-state topic the ticks publish to, participant role, dashboard and alarms."""
 
     def __init__(
         self,
@@ -38,23 +39,33 @@ class FedRunStack(Stack):
         self.storage = Storage(self, "Storage", config=config, settings=settings)
         self.state = StateTable(self, "State", config=config, settings=settings)
         bucket, table = self.storage.bucket, self.state.table
+        self.notifications = StateTopic(self, "StateTopic", config=config)
+        topic = self.notifications.topic
         self.coordinator = Coordinator(
             self, "Coordinator", config=config, settings=settings, bucket=bucket, table=table,
-            code=function_code(asset_dir),
+            code=function_code(asset_dir), state_topic=topic,
         )  # fmt: skip
         self.participants = ParticipantAccess(
-            self, "Participants", config=config, settings=settings, bucket=bucket, table=table
+            self, "Participants", config=config, settings=settings, bucket=bucket, table=table, state_topic=topic
         )
+        self.notifications.admit(
+            publishers=[fn.role for fn in self.coordinator.committers if fn.role is not None],
+            subscriber=self.participants.role, own_queue_arn=self.participants.own_queue_arn,
+        )  # fmt: skip
         self.observability = Observability(
             self, "Observability", config=config, settings=settings, functions=self.coordinator.functions,
             ingest=self.coordinator.ingest, dead_letters=self.coordinator.dead_letters,
             join_queue=self.coordinator.join_queue, shard=self.coordinator.shard,
         )  # fmt: skip
-        # `fed-participant start --stack NAME` reads these four; a host needs nothing else.
+        # `fed-participant start --stack NAME` reads these five; a host needs nothing else.
         CfnOutput(self, OUTPUT_BUCKET, value=bucket.bucket_name, description="The run's bucket")
         CfnOutput(self, OUTPUT_TABLE, value=table.table_name, description="The run's state table")
         CfnOutput(self, OUTPUT_RUN_ID, value=config.run_id, description="The run id")
         CfnOutput(
             self, OUTPUT_PARTICIPANT_ROLE, value=self.participants.role.role_arn,
             description="Assume with the session tag participant=<id>",
+        )  # fmt: skip
+        CfnOutput(
+            self, OUTPUT_STATE_TOPIC, value=topic.topic_arn,
+            description="Subscribe the participant's own queue fed-<run>-p-<id> (SQS, raw delivery)",
         )  # fmt: skip

@@ -34,6 +34,8 @@ from botocore.config import Config
 
 from local.context import LocalContext
 from local.resources import LocalResources
+from shared.naming import tick_rule_name
+from store.schedule import Schedule
 
 log = logging.getLogger("fed.local.dispatcher")
 
@@ -118,6 +120,7 @@ class DispatchStats:
     failed: int = 0
     dropped: int = 0  # events given up on after max_attempts failed deliveries
     ticks: int = 0
+    ticks_skipped: int = 0  # scheduled ticks not made: the run had switched its schedule off (idle)
     tick_failures: int = 0
     errors: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -140,6 +143,7 @@ class Lane:
     function: str  # the Lambda function it stands in for (the invocation context's name)
     handler: Handler | None = None
     slots: threading.Semaphore = field(init=False, repr=False)
+    delivering: threading.Event = field(default_factory=threading.Event, repr=False)
     pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -185,7 +189,7 @@ class Dispatcher:
         self._injected_lock = threading.Lock()
         self.stats = DispatchStats()
         self._stop = threading.Event()
-        self._delivering = threading.Event()
+        self._tick_lock = threading.Lock()  # held by each tick, and by `release` while held joins are drained
         self._threads: list[threading.Thread] = []
         self._sqs = boto3.client(
             "sqs",
@@ -210,8 +214,10 @@ class Dispatcher:
                 lane.handler = lane.handler or defaults[lane.name]
             self._tick = self._tick or _local_invocation(tick.handler)
         self._stop.clear()
-        if deliver:
-            self._delivering.set()
+        for lane in self.lanes:
+            lane.delivering.clear()
+            if deliver:
+                lane.delivering.set()
         self._threads = [threading.Thread(target=self._tick_loop, name="dispatch-tick", daemon=True)]
         for lane in self.lanes:
             lane.pool = ThreadPoolExecutor(lane.workers, thread_name_prefix=lane.name)
@@ -222,9 +228,30 @@ class Dispatcher:
             t.start()
         return self
 
-    def release(self) -> None:
-        """Begin delivering the events held back by `start(deliver=False)`; they wait in the queue till then."""
-        self._delivering.set()
+    def release(self, joins_first: float = 30.0) -> None:
+        """Begin delivering the events held back by `start(deliver=False)`; they wait in the queue till then.
+
+        The held join requests go first, with ticks paused (after the one in flight, if any) until the join
+        queue is drained or `joins_first` seconds pass: everyone who asked to join while events were held is
+        registered (and proven live by the heartbeat it sent meanwhile) before a tick can start the first
+        epoch, so that epoch admits them all instead of whoever the join lane happened to register first."""
+        with self._tick_lock:
+            for lane in self.lanes:
+                if lane.name == JOIN_LANE:
+                    lane.delivering.set()
+                    deadline = time.monotonic() + joins_first
+                    while self._queued(lane) and time.monotonic() < deadline and not self._stop.wait(0.1):
+                        pass
+            for lane in self.lanes:
+                lane.delivering.set()
+
+    def _queued(self, lane: Lane) -> int:
+        """Messages in a lane's queue, visible or in flight (0 once it is drained)."""
+        attrs = self._sqs.get_queue_attributes(
+            QueueUrl=lane.queue_url,
+            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+        )["Attributes"]
+        return sum(int(v) for v in attrs.values())
 
     def stop(self, timeout: float = 15.0) -> None:
         """Stop polling and ticking; wait for deliveries in flight (undelivered messages stay queued)."""
@@ -247,7 +274,7 @@ class Dispatcher:
 
     def _poll_loop(self, lane: Lane) -> None:
         while not self._stop.is_set():
-            if not self._delivering.wait(0.2):
+            if not lane.delivering.wait(0.2):
                 continue
             free = self._acquire_slots(lane)
             if not free:
@@ -371,15 +398,24 @@ class Dispatcher:
     # --- ticks -------------------------------------------------------------------------------------------
 
     def _tick_loop(self) -> None:
-        rule = f"fed-{self.resources.run_id}-tick"
+        rule = tick_rule_name(self.resources.run_id)
+        schedule = Schedule(rule, boto3.client("events", endpoint_url=self.resources.endpoint,
+                                               region_name=self.resources.region))
         next_at = time.monotonic()
         while not self._stop.is_set():
             try:
-                assert self._tick is not None
-                self._tick(scheduled_event(self.resources.region, rule), LocalContext(function_name="fed-local-tick"))
-                self.stats.add("ticks")
+                with self._tick_lock:
+                    self._scheduled_tick(schedule, rule)
             except Exception as exc:
                 self.stats.add("tick_failures", f"tick: {type(exc).__name__}: {exc}")
                 log.exception("scheduled tick failed; the next one will try again")
             next_at = max(next_at + self.tick_interval, time.monotonic())
             self._stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def _scheduled_tick(self, schedule: Schedule, rule: str) -> None:
+        assert self._tick is not None
+        if schedule.enabled() is False:  # switched off by the run (finished, or paused): like EventBridge
+            self.stats.add("ticks_skipped")
+            return
+        self._tick(scheduled_event(self.resources.region, rule), LocalContext(function_name="fed-local-tick"))
+        self.stats.add("ticks")

@@ -1,6 +1,7 @@
 """Create, on any endpoint (moto here), the resources the CDK stack declares, from the same names.
 
-Bucket (versioned, EventBridge notifications on), table (pk/sk), and the two "Object Created" rules: the
+Bucket (versioned, EventBridge notifications on), table (pk/sk), the state topic participants' queues
+subscribe to (`shared.naming.state_topic_name`), and the two "Object Created" rules: the
 main lane (`shared.naming.object_created_pattern`, everything but join requests), whose target here is an
 SQS queue the local dispatcher polls (on AWS: the ingest function), and the join lane
 (`join_request_pattern`), whose target is a second queue with its own dispatcher worker (on AWS: a queue the
@@ -26,7 +27,9 @@ from shared.naming import (
     join_rule_name,
     local_bucket_name,
     object_created_pattern,
+    state_topic_name,
     table_name,
+    tick_rule_name,
 )
 
 
@@ -39,6 +42,7 @@ class LocalResources:
     endpoint: str | None
     region: str
     join_queue_url: str = ""  # the join lane: runs/<run>/join/
+    state_topic: str = ""  # the SNS topic a commit that changes phase or round publishes to (participants' queues)
 
     @property
     def queue_urls(self) -> tuple[str, ...]:
@@ -93,4 +97,8 @@ def create_resources(run_id: str, endpoint: str | None = None, region: str = "us
         events.put_rule(Name=rule, EventPattern=json.dumps(pattern), State="ENABLED")
         events.put_targets(Rule=rule, Targets=[{"Id": target, "Arn": arn}])
         urls.append(url)
-    return LocalResources(run_id, bucket, table, urls[0], endpoint, region, join_queue_url=urls[1])
+    # The tick schedule (the dispatcher ticks while it is enabled; the run switches it off while idle)
+    events.put_rule(Name=tick_rule_name(run_id), ScheduleExpression="rate(1 minute)", State="ENABLED")
+    topic = client("sns", endpoint, region).create_topic(Name=state_topic_name(run_id))["TopicArn"]
+    return LocalResources(run_id, bucket, table, urls[0], endpoint, region, join_queue_url=urls[1],
+                          state_topic=topic)

@@ -131,9 +131,11 @@ class LocalServer:
         # Imported here: moto costs about a second to import and only the local run needs it.
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 
-        from local import moto_ranges
+        from local import moto_ranges, moto_sns, moto_sqs
 
         moto_ranges.apply()
+        moto_sns.apply()
+        moto_sqs.apply()
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log line per request
         app: WSGIApp = SerialDynamoDB(DomainDispatcherApplication(create_backend_app))

@@ -19,7 +19,15 @@ from local.dispatcher import Dispatcher, FaultPlan
 from local.resources import LocalResources, create_resources
 from local.server import LocalServer
 from shared.config import RunConfig
-from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_ENDPOINT, ENV_RUN_ID, ENV_SHARD_RUNNER, ENV_TABLE
+from shared.naming import (
+    ENV_BUCKET,
+    ENV_CONFIG,
+    ENV_ENDPOINT,
+    ENV_RUN_ID,
+    ENV_SHARD_RUNNER,
+    ENV_STATE_TOPIC,
+    ENV_TABLE,
+)
 from store.connection import Connection
 
 LOCAL_REGION = "us-east-1"
@@ -45,6 +53,7 @@ def function_environment(resources: LocalResources, config: RunConfig, log_level
         ENV_TABLE: resources.table,
         ENV_CONFIG: config.model_dump_json(),
         ENV_ENDPOINT: resources.endpoint,
+        ENV_STATE_TOPIC: resources.state_topic,
         ENV_SHARD_RUNNER: f"processes:{os.cpu_count() or 1}",  # aggregation shards on worker processes, one a core
         "POWERTOOLS_TRACE_DISABLED": "true",
         "POWERTOOLS_METRICS_DISABLED": "true",
@@ -65,7 +74,10 @@ def route_function_logs(level: str | int, stream: IO[str] | None) -> tuple[int, 
     handler = logger.registered_handler
     previous_stream = handler.stream if isinstance(handler, logging.StreamHandler) else None
     if stream is not None and isinstance(handler, logging.StreamHandler):
-        handler.setStream(stream)
+        if getattr(handler.stream, "closed", False):  # e.g. an earlier test runner's captured output: no flush
+            handler.stream = stream
+        else:
+            handler.setStream(stream)
     return previous_level, previous_stream
 
 
@@ -103,7 +115,8 @@ class LocalStack:
         if self.resources is None:
             raise RuntimeError("the local stack is not running")
         r = self.resources
-        return Connection(run_id=r.run_id, bucket=r.bucket, table=r.table, endpoint=r.endpoint, region=r.region)
+        return Connection(run_id=r.run_id, bucket=r.bucket, table=r.table, endpoint=r.endpoint, region=r.region,
+                          state_topic=r.state_topic)
 
     def start(self) -> LocalStack:
         try:

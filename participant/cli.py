@@ -157,6 +157,18 @@ def start(
         2.0, "--poll-max", min=0.05, metavar="SECONDS", rich_help_panel="Testing",
         help="Longest pause between two reads of the run state while waiting (polls start at 0.2s and back off).",
     ),
+    push: bool = typer.Option(
+        True, "--push/--poll", rich_help_panel="Testing",
+        help="Learn of new rounds from a queue of this participant's own subscribed to the run's state topic "
+             "(long polling: one request per 20 s while nothing happens, woken at once when something does), or "
+             "by polling the run state (--poll). Without a topic, or where the queue cannot be created, it polls.",
+    ),
+    throttle: float = typer.Option(
+        1.0, "--throttle", min=0.01, max=1.0, metavar="F", rich_help_panel="Testing",
+        help="Testing aid: train at F of this host's speed (after each batch, wait (1/F - 1) times as long as it "
+             "took), to try throughput sizing with mixed speeds on one machine: --throttle 0.25 is a host four "
+             "times slower.",
+    ),
     log_level: str = typer.Option(
         "INFO", "--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR.", case_sensitive=False,
     ),
@@ -201,7 +213,7 @@ def start(
 
     options = Options(
         pid=pid, state_dir=state_dir or default_state_dir(conn.run_id, pid), task=task, device=device,
-        threads=threads, max_rounds=max_rounds, poll_max=poll_max, data=data,
+        threads=threads, max_rounds=max_rounds, poll_max=poll_max, data=data, throttle=throttle, push=push,
     )
     endpoint = conn.endpoint or f"AWS {conn.region}"
     log.info("participant %s, run %s (bucket %s, table %s, %s); state in %s", pid, conn.run_id, conn.bucket,

@@ -12,16 +12,31 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import random
 import socket
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from participant.decide import CheckUpdates, Fetch, Finish, Local, ReportHealth, SendProof, Train, Wait
+from botocore.exceptions import BotoCoreError, ClientError
+
+from participant.decide import (
+    CheckUpdates,
+    Fetch,
+    Finish,
+    Local,
+    ReportHealth,
+    SendProof,
+    Train,
+    Wait,
+    heartbeat_due,
+    next_heartbeat,
+)
 from participant.journal import JournalFile, JournalKeeper
 from participant.protocol import POLL_MAX, Outcome, Participant
 from participant.remote import Remote, Retrier, Stopped
@@ -30,12 +45,14 @@ from participant.ui import Reporter
 from participant.witnessing import Witnessing
 from shared import keys
 from shared.config import RunConfig
-from shared.messages import Heartbeat, JoinRequest
+from shared.messages import MAX_RATE, Heartbeat, JoinRequest, Progress
 from shared.signing import Signer
 from shared.state import RunState
 from store.connection import Connection
+from store.push import Pushed, StateQueue
 
 log = logging.getLogger("participant")
+STOP_CHECK_SECONDS = 0.2  # how promptly a stop request ends a long poll of the push queue
 
 
 @dataclass
@@ -48,6 +65,8 @@ class Options:
     max_rounds: int = 0  # leave after uploading this many updates; 0: run to the end
     poll_max: float = POLL_MAX
     data: str | None = None  # local data mode: what the task's local_data loads (a path or a split spec)
+    throttle: float = 1.0  # testing aid: train at this fraction of the host's speed (--throttle)
+    push: bool = True  # listen on a push queue of our own where the run has a state topic (--push/--poll)
 
 
 def default_state_dir(run_id: str, pid: str) -> Path:
@@ -75,7 +94,7 @@ class Daemon(Participant):
         self.device: Any = None
         self.own: Any = None  # local data mode: the indices of this participant's own data
         self.training = Training(self.remote, self.kept, reporter, stop, self._doing, state_dir / "cache", run_id,
-                                 pid)
+                                 pid, throttle=options.throttle)
         self.witnessing = Witnessing(self.remote, self.kept, self.training, stop, self._doing, state_dir, run_id, pid)
         self.last_seen: tuple[Any, ...] | None = None  # the state's phase, epoch, round and model last logged
         # shared with the heartbeat thread
@@ -93,6 +112,7 @@ class Daemon(Participant):
                 work = self._load_workload(self.config)
             self._join()
             self.config = self.config or self._wait_for_config()
+            self.feed = self._open_feed()
             log.info("run config: task %s, %d rounds, %d local epoch(s), batch %d, learning rate %g",
                      self.opt.task or self.config.task, self.config.total_rounds, self.config.local_epochs,
                      self.config.batch_size, self.config.learning_rate)
@@ -114,6 +134,52 @@ class Daemon(Participant):
             self._beats_stop.set()
             if heart is not None:
                 heart.join(timeout=5)
+
+    def _open_feed(self) -> StateQueue | None:
+        """Our push queue, subscribed to the run's state topic; None (we poll) where there is none or it cannot
+        be made (a role without the permission, a participant id too long for a queue name)."""
+        if not self.opt.push or not self.conn.state_topic:
+            return None
+        try:
+            c = self.conn
+            feed = StateQueue.connect(self.run_id, self.pid, c.state_topic, c.endpoint, c.region)
+        except (ClientError, BotoCoreError) as exc:
+            log.warning("no push queue (%s): polling the run state instead", exc)
+            return None
+        if feed is None:
+            log.info("the participant id is too long for a push queue's name: polling the run state instead")
+        else:
+            log.info("listening for new rounds on %s", feed.url)
+        return feed
+
+    def _listen(self, seconds: float) -> Pushed | None:
+        """The long poll on a daemon thread of its own, so that a stop request ends the wait at once."""
+        feed = self.feed
+        assert feed is not None
+        got: list[Pushed | None | BaseException] = []
+        done = threading.Event()
+
+        def receive() -> None:
+            try:
+                got.append(feed.wait(seconds))
+            except BaseException as exc:  # handed to the loop below
+                got.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=receive, name="push", daemon=True).start()
+        while not done.wait(STOP_CHECK_SECONDS):
+            if self.stop.is_set():
+                raise Stopped()
+        result = got[0]
+        if isinstance(result, ClientError | BotoCoreError):  # the state item is read instead: nothing is lost
+            log.warning("the push queue failed (%s); reading the run state", result)
+            self.read_at = self.known_at = -math.inf  # read the state item next
+            self._pause(1.0)
+            return None
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def _load_workload(self, config: RunConfig) -> Workload:
         work = load_workload(self.opt.task or config.task, config, self.opt.device, self.opt.threads, self.opt.data)
@@ -193,22 +259,32 @@ class Daemon(Participant):
 
     def _heartbeats(self) -> None:
         assert self.config is not None
-        every = self.config.heartbeat_every
+        every, after_update = self.config.heartbeat_every, self.config.heartbeat_after_update
+        last = -math.inf
         while not self._beats_stop.is_set() and not self.stop.is_set():
             try:
-                self._beat()
+                if heartbeat_due(time.monotonic(), self.training.update_sent_at, after_update * 0.9):
+                    self._beat()
+                    last = time.monotonic()
             except Stopped:
                 return
             except Exception as exc:  # never let the heartbeat thread die
                 log.warning("heartbeat failed: %s: %s", type(exc).__name__, exc)
-            if self._beats_stop.wait(every * random.uniform(0.9, 1.0)):
+                last = time.monotonic()  # (tried: the next try one interval on)
+            jitter = random.uniform(0.9, 1.0)
+            due = next_heartbeat(last, self.training.update_sent_at, every * jitter, after_update * jitter)
+            if self._beats_stop.wait(max(0.0, due - time.monotonic())):
                 return
 
     def _beat(self) -> None:
         with self._beat_lock:
             info = self._info()
             info["activity"] = self.activity
-            beat = Heartbeat(participant=self.pid, sent_at=self.sent_at(), ready_epoch=self.ready_epoch, info=info)
+            progress, rate = self.training.progress, self.training.rate
+            beat = Heartbeat(participant=self.pid, sent_at=self.sent_at(), ready_epoch=self.ready_epoch, info=info,
+                             progress=Progress(round=progress[0], done=progress[1], total=progress[2])
+                             if progress is not None else None,
+                             samples_per_second=min(rate, MAX_RATE) if rate and math.isfinite(rate) else None)
             self.remote.put_json(keys.heartbeat_key(self.run_id, self.pid), beat.model_dump(mode="json"),
                                  "sending a heartbeat")
 
@@ -240,6 +316,9 @@ class Daemon(Participant):
         self.witnessing.report_health(action, state)
 
     def _finish(self, action: Finish) -> Outcome:
+        if self.feed is not None:  # the run is over: no more changes to hear of
+            self.feed.close()
+            self.feed = None
         if not action.digest:
             log.warning("the run finished without a model")
             return Outcome(True, self.rounds_uploaded, reason="finished without a model")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.selection import as_plan
+from shared.sizing import Plan
 from shared.state import LIVE_PHASES, MemberStatus, Phase, RunState
 
 # Re-sending what the coordinator has not recorded yet: the join request first after 15 s, the ready report after
@@ -38,6 +40,7 @@ class Local:
     ready_age: float = 0.0  # seconds since that report
     ready_sends: int = 1  # how many times we sent the report for that epoch
     ready_recorded: int = 0  # the ready epoch the coordinator has recorded for us (read during warmup)
+    ready_in_flight: bool = False  # no message of ours accepted since that report: it is still queued, not lost
     uploaded: frozenset[int] = field(default_factory=frozenset)  # rounds whose update we uploaded
     recorded: bool = False  # an update of ours is recorded (or stored) for state.round
     # witness duty for state.round (gathered only while we are one of its witnesses with a proof to send)
@@ -54,9 +57,13 @@ class Local:
 
 @dataclass(frozen=True)
 class Wait:
-    """Nothing to do until the state changes; `reason` is what the participant is waiting for."""
+    """Nothing to do until the state changes; `reason` is what the participant is waiting for. `announced`: what
+    ends the wait is a change of the run's phase, round, epoch or model, which the coordinator publishes (a
+    participant with a push queue waits on it instead of polling); otherwise it is a record of ours or of the
+    round (our join, our ready report, the updates a witness checks), which only polling finds."""
 
     reason: str
+    announced: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,13 @@ class Train:
     seed: str
     selected: tuple[str, ...]
     digest: str
+    plan: Plan = ()  # the round's shares (shared.sizing): everyone's weight and local steps; (): equal shares
+    deadline: float = 0.0  # when the round closes at the latest (before it, only our being dropped closes it to us)
+
+    @property
+    def planned(self) -> Plan:
+        """The round's plan (a bare selection: equal weights)."""
+        return self.plan or as_plan(self.selected)
 
 
 @dataclass(frozen=True)
@@ -135,11 +149,22 @@ def unhealthy(state: RunState, pid: str) -> tuple[str, ...]:
     witnessed round: the ones a health report names."""
     if state.health_round < 0 or not state.health:
         return ()
-    return tuple(sorted(
-        p for p, score in state.health.items()
-        if score < state.health_quorum and p != pid
-        and (m := state.members.get(p)) is not None and m.status is MemberStatus.ACTIVE
-    ))
+    return tuple(p for p in state.unhealthy() if p != pid)
+
+
+def heartbeat_due(now: float, update_sent_at: float, after_update: float) -> bool:
+    """Whether the heartbeat thread's beat at `now` should go out: not within `after_update` seconds
+    (`RunConfig.heartbeat_after_update`) of our last update upload (monotonic clock), which showed the coordinator
+    we are alive (a tick counts recorded updates as heard from, and looks in the bucket before dropping anyone)."""
+    return now - update_sent_at >= after_update
+
+
+def next_heartbeat(last_beat: float, update_sent_at: float, every: float, after_update: float) -> float:
+    """When the next heartbeat is due (monotonic clock): one interval after the last heartbeat, and not before
+    `after_update` seconds after the last update upload. Waiting for exactly that (not waking every interval and
+    skipping a beat close to an upload, which left up to two intervals of silence after the last heartbeat) keeps
+    the longest silence at one interval after a heartbeat, `after_update` after an update."""
+    return max(last_beat + every, update_sent_at + after_update)
 
 
 def is_witness_duty(state: RunState, local: Local) -> bool:
@@ -170,21 +195,25 @@ def decide(state: RunState, local: Local) -> Action:
     if not local.joined:
         if local.join_age >= retry_after(JOIN_RETRY_SECONDS, local.join_sends, JOIN_RETRY_MAX_SECONDS):
             return Join()
-        return Wait("waiting for the join request to be recorded")
+        # Announced once the run has a model: with a push queue we listen on it rather than poll our record (each
+        # wake-up, a change pushed or a long poll's end, looks at the record once); what admits us, an epoch's start,
+        # is pushed. (A thousand joiners polling their records from 0.2 s on outnumbered everything the join lane
+        # served.) A run without a model waits for an offer, which only a recorded joiner sends: poll for that.
+        return Wait("waiting for the join request to be recorded", state.has_model)
     if not state.has_model:
         if not local.offered:
             return OfferModel()
         if state.phase is Phase.WAITING:
-            return Wait(f"waiting for members (the run needs its first epoch; {len(state.members)} admitted)")
-        return Wait(f"waiting for the run's initial model ({state.phase})")
+            return Wait(f"waiting for members (the run needs its first epoch; {len(state.members)} admitted)", True)
+        return Wait(f"waiting for the run's initial model ({state.phase})", True)
     member = state.members.get(pid)
     if member is None:
         if state.phase is Phase.WAITING:
-            return Wait("waiting for enough members to start an epoch")
-        return Wait(f"not a member of epoch {state.epoch}: admitted at the next epoch")
+            return Wait("waiting for enough members to start an epoch", True)
+        return Wait(f"not a member of epoch {state.epoch}: admitted at the next epoch", True)
     if member.status is MemberStatus.DROPPED:
         why = f" ({member.reason})" if member.reason else ""
-        return Wait(f"dropped from epoch {state.epoch}{why}: admitted again at the next epoch")
+        return Wait(f"dropped from epoch {state.epoch}{why}: admitted again at the next epoch", True)
     if (report := _health_report(state, local)) is not None:
         return report
     if state.phase is Phase.WARMUP:
@@ -192,29 +221,34 @@ def decide(state: RunState, local: Local) -> Action:
             return Fetch(state.round, state.global_digest)
         if local.reported_ready < state.epoch:
             return ReportReady(state.epoch)
-        if local.ready_recorded < state.epoch and local.ready_age >= retry_after(
-                READY_RETRY_SECONDS, local.ready_sends, READY_RETRY_MAX_SECONDS):
-            return ReportReady(state.epoch)  # the heartbeat was lost or not yet processed: say it again
+        # Say it again if the heartbeat was lost, not merely queued: while our record shows no message of ours
+        # accepted since it, a re-send would only queue behind it (with a thousand members warming up, re-sends
+        # every few seconds grew the queue they waited in); the cap still re-sends one that was refused.
+        due = retry_after(READY_RETRY_SECONDS, local.ready_sends, READY_RETRY_MAX_SECONDS)
+        if local.ready_recorded < state.epoch and local.ready_age >= due and (
+                not local.ready_in_flight or local.ready_age >= READY_RETRY_MAX_SECONDS):
+            return ReportReady(state.epoch)
         return Wait(f"ready for epoch {state.epoch}; warmup ends when every member is ready")
     if state.phase is Phase.TRAIN:
         if pid not in state.selected:
-            return Wait(f"not selected for round {state.round}")
+            return Wait(f"not selected for round {state.round}", True)
         if state.round not in local.uploaded and not local.recorded:
             if local.held != state.global_digest:
                 return Fetch(state.round, state.global_digest)
-            return Train(state.round, state.epoch, state.seed, tuple(state.selected), state.global_digest)
+            return Train(state.round, state.epoch, state.seed, tuple(state.selected), state.global_digest,
+                         tuple(state.plan), state.deadline)
         if is_witness_duty(state, local):
             return _witness(state, local)
         if state.round in local.uploaded:
-            return Wait(f"update for round {state.round} uploaded; waiting for the round to close")
-        return Wait(f"an update for round {state.round} is already stored; waiting for the round to close")
+            return Wait(f"update for round {state.round} uploaded; waiting for the round to close", True)
+        return Wait(f"an update for round {state.round} is already stored; waiting for the round to close", True)
     if state.phase is Phase.WITNESS:
         if is_witness_duty(state, local):
             return _witness(state, local)
-        return Wait(f"round {state.round} closed; waiting for its aggregation")
+        return Wait(f"round {state.round} closed; waiting for its aggregation", True)
     if state.phase is Phase.COOLDOWN:
-        return Wait(f"epoch {state.epoch} ended; cooldown")
-    return Wait(f"phase {state.phase}")
+        return Wait(f"epoch {state.epoch} ended; cooldown", True)
+    return Wait(f"phase {state.phase}", True)
 
 
 def _witness(state: RunState, local: Local) -> Action:

@@ -11,6 +11,7 @@ recorded on the same schedule, and back off the same way while waiting.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -39,12 +40,31 @@ from participant.decide import (
 from participant.journal import Journal, JournalKeeper
 from shared.config import RunConfig
 from shared.state import Phase, RunState
+from store.push import RETENTION_SECONDS, Pushed
 from store.views import ParticipantRecord, UpdateRecord
 
 log = logging.getLogger("participant")
 
 POLL_FIRST, POLL_MAX, POLL_GROWTH = 0.2, 2.0, 1.6
-RECORD_CHECK_SECONDS = 3.0  # while not a member: how often to check that our participant record still exists
+# While not a member: how often, at most, to check that our participant record still exists (it is gone only after
+# the run's table was lost and restored, a rare recovery: joining again 30 s late costs little). Every 3 s, a
+# thousand non-members woken by each push or long poll read their records 50 times a second.
+RECORD_CHECK_SECONDS = 30.0
+# With a push queue: read the state item ourselves after this long without news (a lost or undelivered message
+# delays us at most this much), and once when the phase's deadline has passed by DEADLINE_READ_SECONDS without news
+# (the tick that acts on a deadline runs within a minute of it).
+QUIET_READ_SECONDS = 300.0
+DEADLINE_READ_SECONDS = 90.0
+LISTEN_SECONDS = 20.0  # one long poll
+# Until our join request is recorded, what we wait for shows in our own participant record, not in the state item:
+# poll the record only, and read the state again after this long (or once the join is recorded). With 1,000
+# participants joining at once the join lane takes minutes, and a state read with each record read was half of all
+# requests served meanwhile, slowing the join lane itself.
+JOIN_WAIT_STATE_SECONDS = 60.0
+CLOSE_MARGIN_SECONDS = 5.0  # before a round's deadline less this, only our being dropped can close it to us
+# Away from the push queue for longer than this (acting: a download, training), a change announced meanwhile may
+# have expired unread (store.push.RETENTION_SECONDS, less a margin for the clocks): read the state item instead.
+AWAY_SECONDS = RETENTION_SECONDS - 10.0
 
 
 class ParticipantError(RuntimeError):
@@ -74,9 +94,23 @@ class Reads(Protocol):
 
     def update_stored(self, round_no: int, since: float | None = None) -> bool: ...
 
+    def pushed_state(self, pushed: Pushed) -> RunState: ...  # the state a pushed state item names
+
+
+class Feed(Protocol):
+    """Our push queue (`store.push.StateQueue`)."""
+
+    def wait(self, seconds: float) -> Pushed | None: ...
+
+    def close(self) -> None: ...
+
 
 def closed_while_training(reads: Reads, a: Train, pid: str) -> bool:
-    """Read the state again after training: True (and say so) if the round closed for our update meanwhile."""
+    """True (and say so) if the round closed for our update while we trained. Before its deadline (less a margin
+    for the clocks) a round closes without our update only if we were dropped, which the upload's refusal will
+    say: no read. After it, read the state."""
+    if a.deadline and time.time() < a.deadline - CLOSE_MARGIN_SECONDS:
+        return False
     now = reads.read_state()
     if still_open(now, a, pid):
         return False
@@ -89,8 +123,14 @@ class Participant(ABC):
     """The poll loop and what `decide` needs to know about us; subclasses send and train."""
 
     def __init__(self, pid: str, run_id: str, reads: Reads, kept: JournalKeeper, poll_max: float = POLL_MAX,
-                 max_rounds: int = 0, rng: random.Random | None = None) -> None:
+                 max_rounds: int = 0, rng: random.Random | None = None, feed: Feed | None = None) -> None:
+        """`feed`: our push queue; None: poll the state item."""
         self.pid, self.run_id, self.reads, self.kept = pid, run_id, reads, kept
+        self.feed = feed
+        self.read_at = -math.inf  # (monotonic) when we last read the state item or were pushed it
+        self.known_at = -math.inf  # (monotonic) up to when we know of every change: a read, or a listen's end
+        self.read_version = 0  # the version of the state item we last read ourselves
+        self.first_round: int | None = None  # the round of the first state this process saw
         self.poll_max, self.max_rounds = poll_max, max_rounds  # max_rounds: leave after that many uploads
         self.rng = rng or random.Random()  # the polls' jitter
         self.joined_at: float | None = None  # our join time as the coordinator recorded it
@@ -100,6 +140,7 @@ class Participant(ABC):
         self.held_model: bytes | Path = b""  # its file (the daemon), or its bytes (the load test's simulation)
         self.reported_ready = 0
         self.ready_sent, self.ready_sends = 0.0, 0
+        self.ready_sent_at = 0.0  # the `sent_at` of that report (the clock its messages carry)
         self.stored: set[int] = set()  # rounds with an update of ours found in the bucket or table
         self.skipped: set[int] = set()  # rounds trained but not sent (the round closed meanwhile)
         self.rounds_uploaded = 0
@@ -163,19 +204,33 @@ class Participant(ABC):
 
     def _loop(self) -> Outcome:
         delay, last_wait = POLL_FIRST, None
+        state: RunState | None = None
+        kept = False  # `state` was kept, not read again, while waiting for our join to be recorded
         while True:
             self._check_stop()
-            state = self.reads.read_state()
+            if state is None:
+                state = self._read_state()
             self._observe(state)
             self._check_outcome(state)
             local = self._local(state)
+            if kept and local.joined:  # our join was just recorded: decide on the current state
+                state, kept = None, False
+                continue
             action = decide(state, local)
             if isinstance(action, Wait):
                 marker = (state.version, action.reason)
                 if marker != last_wait:
                     self._waiting(action, last_wait is None or action.reason != last_wait[1])
                     delay, last_wait = POLL_FIRST, marker
-                delay = self._backoff(delay)
+                if action.announced and self.feed is not None:
+                    state = self._await_announcement(state)
+                else:
+                    delay = self._backoff(delay)
+                    kept = not local.joined and time.monotonic() - self.read_at < JOIN_WAIT_STATE_SECONDS
+                    state = state if kept else None
+                continue
+            if isinstance(action, Finish) and self.feed is not None and state.version > self.read_version:
+                state = None  # the run's end, as pushed: confirmed by the state item itself before we exit
                 continue
             resend = is_resend(action, local)
             if not resend:  # a re-send is no progress: keep polling at the slower pace
@@ -183,6 +238,39 @@ class Participant(ABC):
             outcome = self._act(action, state, resend)
             if outcome is not None:
                 return outcome
+            if self.feed is None:  # with a push queue the state we hold is current until a change is announced
+                state = None
+
+    def _read_state(self) -> RunState:
+        state = self.reads.read_state()
+        self.read_at = self.known_at = time.monotonic()
+        self.read_version = state.version
+        if self.first_round is None:
+            self.first_round = state.round
+        return state
+
+    def _await_announcement(self, state: RunState) -> RunState | None:
+        """Wait on the push queue for a change of the state we hold: the newer state pushed, the same state when
+        nothing came (decide again: re-sends are due by time), or None to read the item ourselves (no news for
+        QUIET_READ_SECONDS, the phase's deadline long past, or we were away from the queue for longer than a
+        message lives)."""
+        now = time.monotonic()
+        quiet = now - self.read_at
+        overdue = bool(state.deadline) and time.time() > state.deadline + DEADLINE_READ_SECONDS
+        away = now - self.known_at >= AWAY_SECONDS
+        if away or quiet >= QUIET_READ_SECONDS or (overdue and quiet >= DEADLINE_READ_SECONDS):
+            return None
+        pushed = self._listen(LISTEN_SECONDS)
+        self.known_at = time.monotonic()
+        if pushed is None or pushed.version <= state.version:
+            return state
+        self.read_at = time.monotonic()
+        return self.reads.pushed_state(pushed)
+
+    def _listen(self, seconds: float) -> Pushed | None:
+        """One long poll of the push queue (the daemon makes it interruptible by a stop request)."""
+        assert self.feed is not None
+        return self.feed.wait(seconds)
 
     def _backoff(self, delay: float) -> float:
         """Pause about `delay` seconds (jittered, so a fleet does not poll in step); return the next delay."""
@@ -242,7 +330,7 @@ class Participant(ABC):
 
     def _report_ready(self, epoch: int, again: bool) -> None:
         self._send_ready(epoch)
-        self.reported_ready, self.ready_sent = epoch, time.monotonic()
+        self.reported_ready, self.ready_sent, self.ready_sent_at = epoch, time.monotonic(), self._last_sent
         self.ready_sends = self.ready_sends + 1 if again else 1
         if again:
             log.info("ready for epoch %d: not yet recorded by the coordinator, heartbeat sent again", epoch)
@@ -252,7 +340,7 @@ class Participant(ABC):
     # --- what decide() needs to know about us -----------------------------------------------------------
 
     def _local(self, state: RunState) -> Local:
-        ready_recorded = self.reported_ready
+        ready_recorded, ready_in_flight = self.reported_ready, False
         if self.joined_at is not None and self.pid not in state.members:
             self._check_still_registered()
         if self.joined_at is None:
@@ -263,14 +351,19 @@ class Participant(ABC):
               and state.members.get(self.pid) is not None):
             record = self.reads.participant_record()
             ready_recorded = int(record.ready_epoch or 0) if record is not None else 0
+            ready_in_flight = record is not None and record.last_sent < self.ready_sent_at
         recorded = False
-        if state.phase is Phase.TRAIN and self.pid in state.selected and state.round not in self._done():
+        # Only a round that began before this process saw the run can hold an upload this process did not make
+        # (before a restart); of later rounds the journal knows every upload.
+        if (state.phase is Phase.TRAIN and self.pid in state.selected and state.round not in self._done()
+                and state.round <= (self.first_round if self.first_round is not None else state.round)):
             recorded = self._update_exists(state.round)
         now = time.monotonic()
         return Local(pid=self.pid, joined=self.joined_at is not None, join_age=now - self.join_sent,
                      join_sends=self.join_sends, offered=self.offered, held=self.held,
                      reported_ready=self.reported_ready, ready_age=now - self.ready_sent, ready_sends=self.ready_sends,
-                     ready_recorded=ready_recorded, uploaded=self._done(), recorded=recorded,
+                     ready_recorded=ready_recorded, ready_in_flight=ready_in_flight, uploaded=self._done(),
+                     recorded=recorded,
                      witnessed=frozenset(self.journal.witnessed),
                      health_reported=frozenset(self.journal.health_reported))
 
@@ -325,6 +418,13 @@ class Participant(ABC):
         if not pending:
             return
         r = max(pending)
+        if state.round <= r:  # still open (or being witnessed): ask once, after it closed
+            return
+        if state.round == r + 1 and self.pid in state.counted_last:  # the roster says: aggregated (no read)
+            log.info("round %d: update accepted and aggregated", r)
+            self.journal.outcomes[r] = "accepted"
+            self.kept.save()
+            return
         rec = self.reads.update_record(r)
         if rec is None:
             if state.round > r:  # the round closed without a record of ours: do not ask again

@@ -35,10 +35,11 @@ from s3transfer.manager import TransferManager
 from shared import keys
 from shared.config import RunConfig
 from shared.digest import digest, digest_file
-from shared.signing import Signer
+from shared.signing import SignatureError, Signer, verify_digest
 from shared.state import RoundSummary, RunState
 from store.blobs import Bucket, NotFound
 from store.connection import Connection
+from store.push import Pushed
 from store.table import StateStore
 from store.views import ParticipantRecord, UpdateRecord
 
@@ -147,12 +148,16 @@ class Remote:
         self.signer = signer  # every upload carries its signature (shared/signing.py)
         self.client = participant_s3_client(conn.endpoint, conn.region)
         self.bucket = Bucket(conn.bucket, self.client)
-        self.store = StateStore(conn.table, conn.run_id, conn.endpoint, conn.region)
+        self.store = StateStore.of(conn, self.bucket)
 
     # --- reads ------------------------------------------------------------------------------------
 
     def read_state(self) -> RunState:
         return self.retry.call("reading the run state", self.store.read_state)
+
+    def pushed_state(self, pushed: Pushed) -> RunState:
+        """The state a pushed state item names (its roster read if it is not the one we hold)."""
+        return self.retry.call("reading the run state's roster", self.store.state_of, pushed.body, pushed.version)
 
     def read_config(self) -> RunConfig | None:
         """The run's configuration as the coordinator published it; None until its first tick."""
@@ -177,16 +182,30 @@ class Remote:
         return self.retry.call(f"reading the summary of round {round_no}", self.store.round_summary, round_no)
 
     def update_stored(self, round_no: int, since: float | None = None) -> bool:
-        return self.stored_since(keys.update_key(self.run_id, round_no, self.pid), since)
+        return self.ours_since(keys.update_key(self.run_id, round_no, self.pid), since)
 
-    def stored_since(self, key: str, since: float | None = None) -> bool:
-        """Whether the object exists (and, with `since`, was written at or after that time: an object left by
-        an earlier incarnation of the run, before its state was restored, does not count)."""
+    def ours_since(self, key: str, since: float | None = None) -> bool:
+        """Whether the object at `key` is one we uploaded: it exists, was written at or after `since` (an object
+        left by an earlier incarnation of the run, before its state was restored, does not count) and carries our
+        signature of its own bytes. Anything else there (locally nothing stops another writer; on AWS IAM does)
+        is not ours: the caller sends its own over it, which ingest takes, the squatter's having been refused."""
         head = self.retry.call(f"checking for {key}", self.bucket.head, key)
         if head is None:
             return False
         modified = head.get("LastModified")
-        return since is None or modified is None or modified.timestamp() >= math.floor(since)
+        if not (since is None or modified is None or modified.timestamp() >= math.floor(since)):
+            return False
+        with tempfile.TemporaryDirectory(prefix="fed-check-") as tmp:
+            try:  # exactly the version looked at: its metadata and its bytes belong together
+                got = self.download_file(key, Path(tmp) / "object", version_id=str(head.get("VersionId") or ""))
+            except NotFound:
+                return False
+        try:
+            verify_digest(self.signer.public_key, key, got, dict(head.get("Metadata") or {}))
+        except SignatureError as exc:
+            log.warning("%s holds an object we did not upload (%s): sending ours over it", key, exc)
+            return False
+        return True
 
     def download_file(self, key: str, path: Path, progress: ByteProgress | None = None, version_id: str = "") -> str:
         """Download an object (a given version if named) to `path` and return its content digest

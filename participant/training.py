@@ -27,6 +27,7 @@ import numpy as np
 
 from participant.compressed import Residual, write_update
 from participant.decide import Fetch, Train
+from participant.delta_fetch import rebuild_from_delta
 from participant.journal import JournalKeeper
 from participant.protocol import ParticipantError, closed_while_training
 from participant.remote import Remote, Stopped
@@ -35,6 +36,7 @@ from shared import keys
 from shared.config import DataMode, RunConfig
 from shared.digest import digest_file
 from shared.selection import assignment
+from shared.sizing import share_of
 from shared.wire import UpdateMeta
 from store.blobs import NotFound
 
@@ -169,13 +171,62 @@ def own_data(task: Any, spec: str, config: RunConfig, data: str | None) -> np.nd
     return own
 
 
+class RoundClosed(Exception):
+    """The round being trained closed meanwhile: training stops, nothing is sent."""
+
+
+ROUND_CHECK_SECONDS = 2.0  # while training: how often to check that the round is still open for our update
+THROTTLE_SLICE = 0.02  # --throttle waits once this many seconds are owed (short waits overshoot)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What this participant trains in a round, from the round's plan: the sample indices, the local steps (0: the
+    run's local_epochs passes), the samples it claims (its FedAvg weight) and the units its time grows with."""
+
+    indices: np.ndarray
+    steps: int
+    claim: int
+    units: int
+
+
+def round_work(work: Workload, a: Train, pid: str) -> Work:
+    """Our share of round `a` (`shared.sizing`): in assigned mode our slice of the round's permutation, as long as our
+    weight makes it; in local mode our own data. With a step count in the plan, that many steps (cycling through the
+    data as often as needed) and, in local mode, the distinct samples they reach as the claim."""
+    config = work.config
+    share = share_of(a.planned, pid)
+    steps = share.steps if share is not None else 0
+    if work.own is not None:
+        indices = work.own
+        claim = min(len(indices), steps * config.batch_size) if steps else len(indices)
+    else:
+        indices = assignment(a.seed, work.dataset_size, a.planned, pid)
+        claim = len(indices)
+    steps = steps or config.local_steps
+    units = steps * config.batch_size if steps else len(indices) * config.local_epochs
+    return Work(indices, steps, claim, units)
+
+
 class Training:
-    """Offer the initial model, fetch global models (cached under `cache_dir`), train and upload a round."""
+    """Offer the initial model, fetch global models (cached under `cache_dir`), train and upload a round.
+
+    `throttle` (a testing aid, `fed-participant start --throttle F`): train at F of this host's speed, by waiting
+    (1/F - 1) times as long as each batch took after it; 1: full speed."""
 
     def __init__(self, remote: Remote, kept: JournalKeeper, reporter: Reporter, stop: threading.Event,
-                 doing: Doing, cache_dir: Path, run_id: str, pid: str, outbox: Path | None = None) -> None:
+                 doing: Doing, cache_dir: Path, run_id: str, pid: str, outbox: Path | None = None,
+                 throttle: float = 1.0) -> None:
         self.remote, self.kept, self.ui, self.stop, self.doing = remote, kept, reporter, stop, doing
         self.cache_dir, self.run_id, self.pid = cache_dir, run_id, pid
+        if not 0 < throttle <= 1:
+            raise ParticipantError(f"--throttle {throttle}: must be in (0, 1]")
+        self.throttle = throttle
+        self.round_check = ROUND_CHECK_SECONDS  # while training, how often to ask whether the round is still open
+        # what heartbeats report: (round, batches done, batches in all) of the round trained or trained last, and
+        # the training throughput measured then (samples per second); read by the heartbeat thread
+        self.progress: tuple[int, int, int] | None = None
+        self.rate: float | None = None
         # model files we write, until they are uploaded (beside the cache: the state directory)
         self.outbox = outbox if outbox is not None else cache_dir.parent / "outbox"
         self.residual = Residual(cache_dir.parent)  # error feedback of compressed updates
@@ -184,6 +235,8 @@ class Training:
         for left in leftovers:
             left.unlink(missing_ok=True)
         self.global_evals: dict[str, dict[str, float]] = {}  # the held global model's evaluation, by digest
+        self.downloaded = 0  # bytes of global models (or their deltas) downloaded by this process
+        self.update_sent_at = -math.inf  # time.monotonic() of our last update upload (ingest takes it as a heartbeat)
 
     def offer_model(self, work: Workload) -> None:
         from participant.tensors import save_model
@@ -213,7 +266,7 @@ class Training:
             path.unlink(missing_ok=True)
         if not path.exists():
             started = time.perf_counter()
-            if not self._download(action, path):
+            if not self._download(action, path, work.config):
                 if self.stop.wait(1.0):
                     raise Stopped() from None
                 return None
@@ -226,15 +279,27 @@ class Training:
                  source)
         return path
 
-    def _download(self, action: Fetch, path: Path) -> bool:
-        """Stream the global model into the cache as `path`, once its digest is the one the run records; False if
-        it is not in the bucket yet, or is not what the run says (then nothing is kept)."""
+    def _download(self, action: Fetch, path: Path, config: RunConfig) -> bool:
+        """Stream the global model into the cache as `path` (or rebuild it from the previous one and the round's
+        compressed delta, `download_encoding`), once its digest is the one the run records; False if it is not in
+        the bucket yet, or is not what the run says (then nothing is kept)."""
         key = keys.global_key(self.run_id, action.round, action.digest)
         unverified = path.with_suffix(UNVERIFIED_SUFFIX)
         self.doing(f"downloading the global model of round {action.round}")
         try:
             with self.ui.track(f"download round {action.round}", 0, "bytes") as progress:
-                got = self.remote.download_file(key, unverified, progress)
+                fetched = None
+                if config.download.is_delta and action.round > 0:
+                    fetched = rebuild_from_delta(self.remote, self.run_id, action.round, action.digest,
+                                                 config.download, self._cached, unverified, progress)
+                if fetched is None:
+                    got = self.remote.download_file(key, unverified, progress)
+                    fetched = unverified.stat().st_size
+                else:  # every piece was checked against the index, whose hashes combine to this digest
+                    got = action.digest
+                    log.info("round %d: rebuilt the global model from the previous one and its %s delta (%d bytes "
+                             "downloaded)", action.round, config.download, fetched)
+            self.downloaded += fetched
         except NotFound:
             log.warning("round %d: the global model %s is not in the bucket yet; retrying", action.round, key)
             return False
@@ -248,6 +313,10 @@ class Training:
         for old in files[CACHE_KEEP:]:
             old.unlink(missing_ok=True)
         return True
+
+    def _cached(self, model_digest: str) -> Path | None:
+        path = self.cache_dir / f"{model_digest}{MODEL_SUFFIX}"
+        return path if path.exists() else None
 
     def evaluate(self, work: Workload, model_file: ModelSource) -> dict[str, float]:
         """A model's evaluation on the task's held-out data."""
@@ -267,14 +336,18 @@ class Training:
     def train(self, work: Workload, a: Train, held_model: ModelSource) -> bool:
         """Train our assignment of the round from the global model and upload the update; False if it was not
         sent (too large, or the round closed meanwhile)."""
-        indices = work.own if work.own is not None else assignment(a.seed, work.dataset_size, a.selected, self.pid)
+        mine = round_work(work, a, self.pid)
         previous = self.kept.start_training(a.round, a.digest)
         if previous and previous.get("round") == a.round:
             log.info("round %d: retraining (interrupted by a restart)", a.round)
-        path, metrics = self._fit(work, a, held_model, indices)
+        try:
+            path, metrics = self._fit(work, a, held_model, mine)
+        except RoundClosed:
+            self.residual.discard()
+            return False
         sent = False
         try:
-            sent = self._send(work, a, path, len(indices), metrics)
+            sent = self._send(work, a, path, mine.claim, metrics)
             return sent
         finally:
             path.unlink(missing_ok=True)
@@ -297,6 +370,7 @@ class Training:
         started = time.perf_counter()
         with self.ui.track(f"upload round {a.round}", size, "bytes") as up:
             self.remote.upload_file(key, path, f"uploading the round {a.round} update", up, content_digest)
+        self.update_sent_at = time.monotonic()
         self.kept.uploaded(a.round, {"digest": content_digest, "samples": samples, "at": time.time(),
                                      "metrics": metrics})
         self.doing(f"uploaded round {a.round}")
@@ -304,15 +378,17 @@ class Training:
                  time.perf_counter() - started)
         return True
 
-    def _fit(self, work: Workload, a: Train, held_model: ModelSource,
-             indices: np.ndarray) -> tuple[Path, dict[str, float]]:
-        """Train the samples `indices` from the global model; return the update's file (in the outbox) and its
-        metrics."""
+    def _fit(self, work: Workload, a: Train, held_model: ModelSource, mine: Work) -> tuple[Path, dict[str, float]]:
+        """Train our share of the round from the global model; return the update's file (in the outbox) and its
+        metrics (among them its training seconds, from which the coordinator measures its throughput)."""
         import torch
 
         from participant.tensors import load_into, save_model
 
+        indices = mine.indices
         config, task = work.config, work.task
+        if mine.steps != config.local_steps:  # our share's step count (throughput sizing)
+            config = config.model_copy(update={"local_steps": mine.steps})
         model = load_into(task.build_model(config.seed), held_model)
         global_eval = task.evaluate(model, work.device)
         self.global_evals = {a.digest: dict(global_eval)}  # a witness compares the round's updates with it
@@ -321,26 +397,44 @@ class Training:
         self.doing(f"training round {a.round}")
         started = time.perf_counter()
 
+        clock = {"batch": time.perf_counter(), "checked": time.monotonic(), "owed": 0.0}
+        self.progress = (a.round, 0, 1)
+
         def progress_cb(done: int, total: int) -> None:
             if self.stop.is_set():
                 raise Stopped()
+            if self.throttle < 1 and done:  # the testing aid: wait (1/F - 1) x what the batches took
+                clock["owed"] += (time.perf_counter() - clock["batch"]) * (1 / self.throttle - 1)
+                if clock["owed"] >= THROTTLE_SLICE or done >= total:  # in slices: a wait of microseconds oversleeps
+                    waited = time.perf_counter()
+                    if self.stop.wait(clock["owed"]):
+                        raise Stopped()
+                    clock["owed"] -= time.perf_counter() - waited
+            clock["batch"] = time.perf_counter()
+            self.progress = (a.round, min(done, total), max(total, 1))
             bar(done, total)
             self.doing(f"training round {a.round} ({100 * done // max(total, 1)}%)")
+            if time.monotonic() - clock["checked"] >= self.round_check:
+                clock["checked"] = time.monotonic()
+                if closed_while_training(self.remote, a, self.pid):
+                    raise RoundClosed()
 
-        log.info("round %d: training %d samples for %d local epoch(s)", a.round, len(indices), config.local_epochs)
+        steps = f"{mine.steps} step(s)" if mine.steps else f"{config.local_epochs} local epoch(s)"
+        log.info("round %d: training %d samples for %s", a.round, len(indices), steps)
         with self.ui.track(f"train round {a.round}", 0) as bar, mixed_precision(work.device):
             metrics = dict(task.train(model, indices, config, work.device, progress_cb, seed=seed))
         seconds = time.perf_counter() - started
+        self.rate = mine.units / seconds if seconds > 0 else None
         local_eval = task.evaluate(model, work.device)
         metrics.update(
             test_accuracy=local_eval.get("test_accuracy", math.nan),
             test_loss=local_eval.get("test_loss", math.nan),
             global_test_accuracy=global_eval.get("test_accuracy", math.nan),
             global_test_loss=global_eval.get("test_loss", math.nan),
-            train_seconds=seconds,
+            train_seconds=seconds,  # with the samples (or steps) of its share: the coordinator's rate measurement
         )
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
-        meta = UpdateMeta(self.run_id, a.round, self.pid, len(indices), metrics)
+        meta = UpdateMeta(self.run_id, a.round, self.pid, mine.claim, metrics)
         path = self.outbox / f"update-{a.round:06d}{MODEL_SUFFIX}"
         if config.encoding.is_delta:  # the delta from the global model, compressed (`shared.compress`)
             write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(),

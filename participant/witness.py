@@ -15,9 +15,15 @@ evaluates, on the task's held-out data, the round's aggregate `A` (the sample-we
 verified update, as FedAvg would make it) and, for each update `i`, the aggregate without it `A - i`
 (the round's global model if `i` is alone). It attests `i` if
 
+    cos(i - G, median_{j != i}(j - G)) >= witness_min_cosine     (with at least two other updates)
     loss(A) <= loss(A - i) * (1 + witness_tolerance)
 
-that is, if applying the update to the rest of the round does not make the model clearly worse.
+that is, if its change does not point away from the round's robust direction (the coordinate-wise median of
+the other updates' changes from the global model G: `directions`), and applying it to the rest of the round
+does not make the model clearly worse. The direction test catches a sign-flipped update early in a run, where
+its loss effect can hide inside a loose tolerance; late in a run honest changes are nearly orthogonal to each
+other (cosines about 0, -0.52 at worst measured), and the loss test decides (docs/protocol.md, *Witnesses under
+attack*; benchmarks/witness_errors.py).
 
 Why not compare each update alone with the global model: measured on digits, an honest update trained
 on 1/n of the data is itself a worse model than the global once the run has converged (its loss
@@ -104,6 +110,7 @@ class RoundWitness:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     global_loss: float = math.nan
     aggregate_loss: float = math.nan
+    cosines: dict[str, float] = field(default_factory=dict)  # each update's direction against the others
     evaluation_seconds: float = 0.0
     verify_seconds: float = 0.0  # downloads and checks, all updates together
 
@@ -150,9 +157,11 @@ class RoundWitness:
         return check
 
     def evaluate(self, task: Any, device: Any, build_seed: int, reference: ModelSource, global_loss: float,
-                 tolerance: float, selected: Iterable[str], stopping: Callable[[], bool] = lambda: False) -> None:
-        """Decide every verified update of `selected`: leave-one-out against the round's aggregate. Updates are read
-        from their files one tensor at a time; memory: the global model and the float64 sums."""
+                 tolerance: float, selected: Iterable[str], stopping: Callable[[], bool] = lambda: False,
+                 min_cosine: float = -1.0) -> None:
+        """Decide every verified update of `selected`: its direction against the others' (`directions`; with at
+        least two others) and leave-one-out against the round's aggregate. Updates are read from their files one
+        tensor at a time; memory: the global model, the float64 sums, and one tensor of every update."""
         from participant.tensors import open_tensors
 
         started = time.perf_counter()
@@ -181,6 +190,7 @@ class RoundWitness:
             return float(task.evaluate(model, device).get("test_loss", math.nan))
 
         self.aggregate_loss = loss_of({n: s / total for n, s in sums.items()})
+        self.cosines = directions(base, {c.pid: path for c, path in good}) if len(good) >= 3 else {}
         for c, path in good:  # pass 2: each update left out in turn
             if len(good) == 1:
                 without = global_loss
@@ -190,8 +200,13 @@ class RoundWitness:
                     rests = {n: (s - weights[c.pid] * update.tensor(n).double()) / rest for n, s in sums.items()}
                 without = loss_of(rests)
             bound = without * (1 + tolerance)
+            cosine = self.cosines.get(c.pid)
             if not math.isfinite(self.aggregate_loss) or not math.isfinite(without):
                 self.verdicts[c.pid] = Verdict(c.pid, c.digest, False, None, "its evaluation is not finite")
+            elif cosine is not None and not cosine >= min_cosine:
+                why = (f"its change points away from the others': cosine {cosine:.3f} with the coordinate-wise median "
+                       f"of their changes (at least {min_cosine:g})")
+                self.verdicts[c.pid] = Verdict(c.pid, c.digest, False, without, why)
             elif self.aggregate_loss > bound:
                 why = (f"the round's aggregate has loss {self.aggregate_loss:.4f} with it, {without:.4f} without "
                        f"(tolerance x{1 + tolerance:g})")
@@ -203,6 +218,50 @@ class RoundWitness:
     def discard(self) -> None:
         """Remove the verified files kept on disk (after the proof was sent)."""
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+LEAVE_ONE_OUT_MEDIAN = 32  # up to this many updates each is compared with the median of the others, beyond with all's
+
+
+def directions(base: dict[str, Any], paths: dict[str, Path]) -> dict[str, float]:
+    """For each update (a file of the round's weights), the cosine between its change from `base` and the
+    coordinate-wise median of the other updates' changes: a robust direction of the round that one update cannot
+    pull (over LEAVE_ONE_OUT_MEDIAN updates, the median of all of them). Float tensors only, read one tensor of
+    every update at a time."""
+    import contextlib
+
+    import torch
+
+    from participant.tensors import open_tensors
+
+    pids = sorted(paths)
+    n = len(pids)
+    dots, own, theirs = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(open_tensors(paths[p])) for p in pids]
+        for name, reference in base.items():
+            if not reference.is_floating_point():
+                continue
+            flat = reference.double().flatten()
+            deltas = torch.stack([f.tensor(name).double().flatten() - flat for f in files])
+            own += deltas.pow(2).sum(1)
+            everyone = _median(deltas) if n > LEAVE_ONE_OUT_MEDIAN else None
+            for i in range(n):
+                middle = everyone if everyone is not None else _median(torch.cat([deltas[:i], deltas[i + 1:]]))
+                dots[i] += deltas[i] @ middle
+                theirs[i] += middle @ middle
+    out = {}
+    for i, pid in enumerate(pids):
+        norm = math.sqrt(float(own[i]) * float(theirs[i]))
+        out[pid] = float(dots[i]) / norm if norm > 0 else 0.0
+    return out
+
+
+def _median(rows: Any) -> Any:
+    """The coordinate-wise median of the rows (the mean of the middle two for an even count)."""
+    ordered = rows.sort(dim=0).values
+    k = ordered.shape[0]
+    return (ordered[(k - 1) // 2] + ordered[k // 2]) / 2
 
 
 def _decoded(path: Path, reference: ModelSource, encoding: Encoding) -> str:

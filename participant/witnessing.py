@@ -113,7 +113,7 @@ class Witnessing:
         if w is None or w.round != r:
             w = RoundWitness(r, state.global_digest, self._workdir(r))
         key = keys.witness_key(self.run_id, r, self.pid)
-        if self.remote.stored_since(key, joined_at):
+        if self.remote.ours_since(key, joined_at):
             log.info("round %d: our witness proof is already in the bucket (sent before a restart)", r)
             attested = {}
         else:
@@ -121,7 +121,8 @@ class Witnessing:
             global_loss = float(self.training.global_eval(work, held, held_model).get("test_loss", math.nan))
             try:
                 w.evaluate(work.task, work.device, work.config.seed, held_model, global_loss,
-                           work.config.witness_tolerance, state.selected, self.stop.is_set)
+                           work.config.witness_tolerance, state.selected, self.stop.is_set,
+                           work.config.witness_min_cosine)
             except InterruptedError:
                 raise Stopped() from None
             attested = w.attested(state.selected)

@@ -52,7 +52,7 @@ def check_update_meta(
         if meta.samples > registered:
             raise WireError(f"claims {meta.samples} samples, more than the {registered} its join registered")
     elif config.dataset_size:
-        assigned = assigned_count(config.dataset_size, state.selected, pid)
+        assigned = assigned_count(config.dataset_size, state.plan or state.selected, pid)
         if meta.samples > assigned:
             raise WireError(f"claims {meta.samples} samples, more than the {assigned} it was assigned")
 

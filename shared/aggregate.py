@@ -18,20 +18,23 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from shared.compress import Encoding
 from shared.config import RunConfig, Strategy
+from shared.delta import applied, codes_of, encode_delta_piece
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
+from shared.plan import PieceLayout, Plan, store
 from shared.server_opt import ServerStep, decode_piece, encode_index, encode_piece, new_state
-from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, TensorSpec, encode_header, tensor_view
+from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, TensorSpec, tensor_view
 
 ROBUST_ROW_BYTES = 64 * 1024  # the least a robust strategy reads of one input at a time
-FEDAVG_GROUP_BYTES = 64 * 1024 * 1024  # FedAvg reads up to this much of a piece's inputs before summing them
-BLOCK_BYTES = 256 * 1024  # the output block summed over a group of inputs while it stays in the CPU cache
+BLOCK_BYTES = 256 * 1024  # the block of an input added into the accumulator at a time (numpy calls stay few)
 
 
 class RangeSource(Protocol):
@@ -79,56 +82,6 @@ class WeightedInput:
     norm: float = -1.0  # L2 distance from the round's global model, as measured at ingest (clipping needs it)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """The part of one tensor inside a byte range of the data section."""
-
-    name: str
-    spec: TensorSpec
-    begin: int  # data-section offsets
-    end: int
-
-    @property
-    def count(self) -> int:
-        return (self.end - self.begin) // DTYPES[self.spec.dtype][1]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The layout of one output file: its header bytes, then its data section, cut into pieces."""
-
-    manifest: Manifest
-    header: bytes
-
-    @classmethod
-    def of(cls, manifest: Manifest, metadata: dict[str, str]) -> Plan:
-        return cls(manifest, encode_header(manifest.tensors, metadata))
-
-    @property
-    def size(self) -> int:
-        return len(self.header) + self.manifest.nbytes
-
-    @property
-    def pieces(self) -> int:
-        return max(1, -(-self.size // PIECE_BYTES))
-
-    def piece_span(self, index: int) -> tuple[int, int]:
-        """Piece `index`'s byte range in the file."""
-        return index * PIECE_BYTES, min((index + 1) * PIECE_BYTES, self.size)
-
-    def shards(self, shard_bytes: int) -> list[range]:
-        """The pieces cut into contiguous shards of about `shard_bytes` (at least one piece each)."""
-        per = max(1, shard_bytes // PIECE_BYTES)
-        return [range(i, min(i + per, self.pieces)) for i in range(0, self.pieces, per)]
-
-    def segments(self, begin: int, end: int) -> Iterator[Segment]:
-        """The tensors' parts in data-section range [begin, end) (8-aligned ends cut no element)."""
-        for name, (a, b) in self.manifest.layout().items():
-            lo, hi = max(a, begin), min(b, end)
-            if lo < hi:
-                yield Segment(name, self.manifest.tensors[name], lo, hi)
-
-
 class PieceAggregator:
     """Computes pieces of a round's global model from ranged reads of its inputs."""
 
@@ -150,8 +103,12 @@ class PieceAggregator:
         if self.step is not None and base is None:
             raise ValueError("a server optimizer needs the round's global model")
         self.state = state or NoState(self.step.slots if self.step else ())
-        self._opt: _PieceState | None = None  # the piece being computed's base values and optimizer state
-        self._buffers: list[bytearray] = []  # one piece-sized read buffer per input of a group, reused
+        self.download = config.download
+        if self.download.is_delta and base is None:
+            raise ValueError("a compressed download needs the round's global model")
+        self._piece: _PieceState | None = None  # the piece being computed's base values and optimizer state
+        self._buffers: list[bytearray] = []  # two piece-sized read buffers, reused: one read while one is summed
+        self._read_ahead: ThreadPoolExecutor | None = None
         # accumulators for one piece, indexed by byte offset / 2 (float32: a bf16/f16 element is 2 bytes) or / 8
         self._acc32 = np.empty(PIECE_BYTES // 2, np.float32)
         self._acc64 = np.empty(PIECE_BYTES // 8, np.float64)
@@ -168,37 +125,44 @@ class PieceAggregator:
     def piece(self, index: int) -> bytearray:
         """The bytes of piece `index` of the output file (a new buffer: it may be uploaded while the next piece
         is computed)."""
-        return self.piece_with_state(index)[0]
+        return self.piece_output(index).data
 
-    def piece_with_state(self, index: int) -> tuple[bytearray, bytes | None]:
+    def piece_output(self, index: int) -> PieceOutput:
         """Piece `index` of the output file and, with a server optimizer, the state file of that piece after
-        the round's step (None without one)."""
-        start, stop = self.plan.piece_span(index)
-        header = self.plan.header
-        out = bytearray(stop - start)
-        in_header = max(0, min(stop, len(header)) - start)
-        out[:in_header] = header[start : start + in_header]
-        data_begin, data_end = max(start, len(header)) - len(header), stop - len(header)
-        data_end = max(data_begin, data_end)
-        if self.step is not None:
+        the round's step; with a compressed download, the piece's delta file (`shared.delta`)."""
+        layout = self.plan.layout(index)
+        start = layout.index * PIECE_BYTES
+        out = bytearray(layout.in_header + layout.data_bytes)
+        out[: layout.in_header] = self.plan.header[start : start + layout.in_header]
+        data = memoryview(out)[layout.in_header :]
+        if self.step is not None or self.download.is_delta:
             assert self.base is not None
-            self._opt = _PieceState(self.plan, data_begin, data_end, self.base)
-            self._opt.values = self.state.load(index, self._opt.count)
-        if data_end > data_begin:
-            self._data(data_begin, data_end, memoryview(out)[in_header:])
-        if self._opt is None:
-            return out, None
-        assert self.step is not None
-        state, self._opt = encode_piece(self.step, index, self._opt.values), None
-        return out, state
+            self._piece = _PieceState(layout, self.base, self.download.is_delta)
+            self._piece.values = self.state.load(index, layout.count) if self.step is not None else {}
+        if layout.data_bytes:
+            self._data(layout.data_begin, layout.data_end, data)
+        if self._piece is None:
+            return PieceOutput(out)
+        piece, self._piece = self._piece, None
+        state = None if self.step is None else encode_piece(self.step, index, piece.values)
+        if not self.download.is_delta:
+            return PieceOutput(out, state)
+        return PieceOutput(out, state, piece.finish_delta(self.download, bytes(out[: layout.in_header]), data))
 
     def _emit(self, out: memoryview, offset: int, spec: TensorSpec, values: np.ndarray) -> None:
         """Store the strategy's aggregate of elements at byte `offset` of the piece's data — or, with a server
-        optimizer, the next global values its step makes from them."""
-        if self._opt is not None and self.step is not None:
-            x, state = self._opt.at(offset, spec)
-            values = self.step.apply(x, values, state)
-        _store(out, offset, spec, values)
+        optimizer, the next global values its step makes from them; with a compressed download, keep them until
+        the piece's delta is made (`_PieceState.finish_delta`)."""
+        if self._piece is not None:
+            first = self._piece.first(offset)
+            if self.step is not None:
+                x = tensor_view(self._piece.base, offset, spec).astype(np.float32)
+                state = {slot: v[first : first + spec.numel] for slot, v in self._piece.values.items()}
+                values = self.step.apply(x, values, state)
+            if self._piece.targets is not None:
+                self._piece.targets[first : first + spec.numel] = values
+                return
+        store(out, offset, spec, values)
 
     def _data(self, begin: int, end: int, out: memoryview) -> None:
         if self.strategy is Strategy.FEDAVG:
@@ -209,46 +173,55 @@ class PieceAggregator:
             self._robust(lo, min(lo + step, end), out, begin)
 
     def _fedavg(self, begin: int, end: int, out: memoryview) -> None:
-        """Blocked accumulation: a group of inputs' slices of the piece is read into reused buffers, then each
-        small block of the output is summed over the whole group while it sits in the CPU cache, and written
-        once. Memory traffic is the reads of the inputs and one write of the output."""
+        """Each input's slice of the piece is read into a reused buffer and added into the piece's accumulator
+        block by block, while the next input's slice is being read into the other buffer. A piece of input and
+        the piece's accumulator stay in the CPU's last-level cache, so memory traffic is about the reads of the
+        inputs and one write of the output, and K shard workers on K cores share the memory bandwidth instead
+        of exhausting it; the reads (S3 ranged GETs on Lambda) overlap the arithmetic. Every element is summed
+        in the same order (inputs by participant), whatever the shard."""
         size = end - begin
         floats = [seg for seg in self.plan.segments(begin, end) if seg.spec.dtype in FLOAT_TAGS]
-        group = max(1, min(len(self.inputs), FEDAVG_GROUP_BYTES // PIECE_BYTES))
-        while len(self._buffers) < group:
+        while len(self._buffers) < min(2, len(self.inputs)):
             self._buffers.append(bytearray(PIECE_BYTES))
-        for first in range(0, len(self.inputs), group):
-            members = range(first, min(first + group, len(self.inputs)))
-            views = [memoryview(self._buffers[k - first])[:size] for k in members]
-            for k, view in zip(members, views, strict=True):
-                self.inputs[k].source.readinto(begin, view)
-            if first == 0:  # tensors that are not averaged (integer counters, flags) come from the first input
-                out[:] = views[0]
-            last = members.stop == len(self.inputs)
+        views = [memoryview(b)[:size] for b in self._buffers]
+        last = len(self.inputs) - 1
+        reading = self._reader().submit(self.inputs[0].source.readinto, begin, views[0])
+        for k in range(len(self.inputs)):
+            reading.result()
+            view = views[k % len(views)]
+            if k < last:
+                reading = self._reader().submit(self.inputs[k + 1].source.readinto, begin, views[(k + 1) % len(views)])
+            if k == 0:  # tensors that are not averaged (integer counters, flags) come from the first input
+                out[:] = view
             for seg in floats:
                 item = DTYPES[seg.spec.dtype][1]
                 for lo in range(seg.begin, seg.end, BLOCK_BYTES):
                     hi = min(lo + BLOCK_BYTES, seg.end)
-                    self._block(seg.spec.dtype, lo - begin, (hi - lo) // item, views, members, last, out)
+                    self._block(seg.spec.dtype, lo - begin, (hi - lo) // item, view, k, k == last, out)
 
-    def _block(self, dtype: str, offset: int, count: int, views: list[memoryview], members: range, last: bool,
+    def _reader(self) -> ThreadPoolExecutor:
+        if self._read_ahead is None:
+            self._read_ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
+        return self._read_ahead
+
+    def _block(self, dtype: str, offset: int, count: int, view: memoryview, k: int, last: bool,
                out: memoryview) -> None:
-        """Sum one block (`count` elements at byte `offset` of the piece) over a group of inputs."""
+        """Add input `k`'s block (`count` elements at byte `offset` of the piece) into the accumulator; after the
+        last input, emit the block."""
         wide = dtype == "F64"
         acc = (self._acc64 if wide else self._acc32)[offset // (8 if wide else 2) :][:count]
         tmp = (self._tmp64 if wide else self._tmp32)[:count]
         flat = TensorSpec(dtype, (count,))
-        for view, k in zip(views, members, strict=True):
-            x = tensor_view(view, offset, flat)
-            if x.dtype != acc.dtype:  # bf16 / f16: widened to float32 first
-                np.copyto(tmp, x, casting="unsafe")
-                x = tmp
-            weight = acc.dtype.type(self.weights[k])
-            if k == 0:
-                np.multiply(x, weight, out=acc)
-            else:
-                np.multiply(x, weight, out=tmp)
-                np.add(acc, tmp, out=acc)
+        x = tensor_view(view, offset, flat)
+        if x.dtype != acc.dtype:  # bf16 / f16: widened to float32 first
+            np.copyto(tmp, x, casting="unsafe")
+            x = tmp
+        weight = acc.dtype.type(self.weights[k])
+        if k == 0:
+            np.multiply(x, weight, out=acc)
+        else:
+            np.multiply(x, weight, out=tmp)
+            np.add(acc, tmp, out=acc)
         if last:
             self._emit(out, offset, flat, acc)
 
@@ -280,40 +253,41 @@ class PieceAggregator:
             self._emit(out, seg.begin - out_begin, flat, value)
 
 
+@dataclass
+class PieceOutput:
+    data: bytearray  # the piece of the global model
+    state: bytes | None = None  # its server optimizer state file
+    delta: bytes | None = None  # its download delta file
+
+
 class _PieceState:
-    """One piece's base values and optimizer state, addressed by byte offset in the piece's data: the state
-    holds the piece's float elements in data order (`shared.server_opt`)."""
+    """One piece's base values, optimizer state and (compressed download) targets, addressed by byte offset in
+    the piece's data: state and targets hold the piece's float elements in data order (`shared.plan`)."""
 
-    def __init__(self, plan: Plan, begin: int, end: int, base: RangeSource) -> None:
-        self.base = bytearray(end - begin)
-        if end > begin:
-            base.readinto(begin, memoryview(self.base))
-        self.starts: list[int] = []  # float segments: byte offset in the piece, element size, state index
-        self.items: list[int] = []
-        self.firsts: list[int] = []
-        count = 0
-        for seg in plan.segments(begin, end):
-            if seg.spec.dtype in FLOAT_TAGS:
-                self.starts.append(seg.begin - begin)
-                self.items.append(DTYPES[seg.spec.dtype][1])
-                self.firsts.append(count)
-                count += seg.count
-        self.count = count
+    def __init__(self, layout: PieceLayout, base: RangeSource, delta: bool) -> None:
+        self.layout = layout
+        self.base = bytearray(layout.data_bytes)
+        if layout.data_bytes:
+            base.readinto(layout.data_begin, memoryview(self.base))
+        self.starts = [offset for offset, _, _ in layout.floats]
         self.values: dict[str, np.ndarray] = {}
+        self.targets = np.zeros(layout.count, np.float32) if delta else None
 
-    def at(self, offset: int, spec: TensorSpec) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The base values (float32) and state slices of `spec.numel` elements at byte `offset`."""
+    def first(self, offset: int) -> int:
+        """The index, among the piece's float elements, of the element at byte `offset` of its data."""
         k = bisect.bisect_right(self.starts, offset) - 1
-        first = self.firsts[k] + (offset - self.starts[k]) // self.items[k]
-        x = tensor_view(self.base, offset, spec).astype(np.float32)
-        return x, {slot: v[first : first + spec.numel] for slot, v in self.values.items()}
+        start, seg, first = self.layout.floats[k]
+        return first + (offset - start) // DTYPES[seg.dtype][1]
 
-
-def _store(out: memoryview, offset: int, spec: TensorSpec, values: np.ndarray) -> None:
-    """Write `values` into `out` at `offset` in the dtype of `spec` (little-endian)."""
-    dtype = DTYPES[spec.dtype][0].newbyteorder("<")
-    target = np.frombuffer(out, dtype=dtype, count=spec.numel, offset=offset)
-    np.copyto(target, values, casting="unsafe")
+    def finish_delta(self, encoding: Encoding, head: bytes, data: memoryview) -> bytes:
+        """Write the piece's float elements as base + decoded delta (`shared.delta`: what every participant
+        rebuilds) and return the delta file."""
+        assert self.targets is not None
+        x = self.layout.gather_floats(self.base)
+        codes, scales = codes_of(self.targets - x, encoding)
+        with np.errstate(over="ignore"):
+            self.layout.scatter_floats(data, applied(x, codes, scales, encoding))
+        return encode_delta_piece(self.layout, encoding, head, self.layout.gather_others(data), codes, scales)
 
 
 def global_metadata(run_id: str, round_no: int, inputs: Iterable[WeightedInput], strategy: str) -> dict[str, str]:
@@ -340,6 +314,7 @@ class RoundOutput:
     model: bytes
     state_pieces: tuple[bytes, ...] = ()
     state_index: bytes = b""
+    delta_pieces: tuple[bytes, ...] = ()  # with a compressed download: each piece's delta file
 
     @property
     def digest(self) -> str:
@@ -365,13 +340,14 @@ def aggregate_round(config: RunConfig, manifest: Manifest, out_round: int, input
     """The whole output of a round in memory (small models and tests)."""
     plan = round_plan(config, manifest, out_round, inputs)
     worker = PieceAggregator(config, plan, inputs, base, state)
-    made = [worker.piece_with_state(i) for i in range(plan.pieces)]
-    model = b"".join(data for data, _ in made)
+    made = [worker.piece_output(i) for i in range(plan.pieces)]
+    model = b"".join(p.data for p in made)
+    deltas = tuple(p.delta for p in made if p.delta is not None)
     if worker.step is None:
-        return RoundOutput(model)
-    pieces = tuple(st for _, st in made if st is not None)
+        return RoundOutput(model, delta_pieces=deltas)
+    pieces = tuple(p.state for p in made if p.state is not None)
     index = encode_index(worker.step, out_round, digest(model), [digest(p) for p in pieces])
-    return RoundOutput(model, pieces, index)
+    return RoundOutput(model, pieces, index, deltas)
 
 
 def aggregate_file(
@@ -389,10 +365,10 @@ def aggregate_digest(config: RunConfig, manifest: Manifest, out_round: int, inpu
     worker = PieceAggregator(config, plan, inputs, base, state)
     hashes, states = [], []
     for i in range(plan.pieces):
-        data, st = worker.piece_with_state(i)
-        hashes.append(piece_hash(data))
-        if st is not None:
-            states.append(digest(st))
+        made = worker.piece_output(i)
+        hashes.append(piece_hash(made.data))
+        if made.state is not None:
+            states.append(digest(made.state))
     model = combine(hashes)
     if worker.step is None:
         return model, ""

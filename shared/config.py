@@ -52,10 +52,25 @@ class DataMode(StrEnum):
     LOCAL = "local"  # each participant's own (private) data; it registers its sample count when it joins
 
 
+class WorkSizing(StrEnum):
+    """How a round's work is divided among its selected participants (`shared.sizing`)."""
+
+    THROUGHPUT = "throughput"  # in proportion to each one's measured throughput: all predicted to finish together
+    EQUAL = "equal"  # equal shares, whatever each host's speed
+
+
 class UpdateEncoding(StrEnum):
     """What a participant uploads (`shared.compress`)."""
 
     WEIGHTS = "weights"
+    BF16 = "bf16"
+    INT8 = "int8"
+
+
+class DownloadEncoding(StrEnum):
+    """What participants download each round (`shared.delta`)."""
+
+    FULL = "full"
     BF16 = "bf16"
     INT8 = "int8"
 
@@ -74,15 +89,29 @@ class RunConfig(BaseModel):
     rounds_per_epoch: int = Field(0, ge=0, description="Rounds per epoch; 0 means one epoch for the run.")
     warmup_time: float = Field(30.0, ge=0, description="Seconds for members to fetch the model.")
     max_round_train_time: float = Field(300.0, gt=0, description="Round deadline in seconds.")
-    round_witness_time: float = Field(0.0, ge=0, description="Seconds the witness phase lasts.")
+    round_witness_time: float = Field(
+        30.0, ge=0, description="Seconds the witness phase waits for missing proofs at most; it ends at once when "
+        "every elected witness's proof is in, or a quorum of them attest the same updates."
+    )
     cooldown_time: float = Field(5.0, ge=0, description="Seconds between epochs.")
     liveness_timeout: float = Field(60.0, gt=0, description="Silence after which a participant is dropped.")
-    heartbeat_interval: float = Field(0.0, ge=0, description="Seconds between heartbeats; 0: timeout/4.")
+    heartbeat_interval: float = Field(
+        0.0, ge=0, description="Seconds between heartbeats; 0: liveness_timeout / 3. A heartbeat due within this long "
+        "of an update upload is skipped (ingesting the update showed the participant alive).")
     epoch_time: float = Field(0.0, ge=0, description="Seconds after which an epoch ends at its next round; 0: off.")
     witness_nodes: int = Field(0, ge=0, description="Witnesses elected per round; 0 turns witnessing off.")
     witness_tolerance: float = Field(
         0.1, ge=0, description="A witness attests update i if the round's aggregate is at most (1 + this) x worse "
         "on its held-out data with i than without it (leave-one-out)."
+    )
+    health_strikes: int = Field(
+        2, ge=1, description="Witnessed rounds in a row a member's update must go unattested by a quorum of "
+        "witnesses before a health report drops it; 1: the first. Two spare an honest member one unlucky round "
+        "(its update is left out of that round either way) at the cost of a poisoner's seat for one more round."
+    )
+    witness_min_cosine: float = Field(
+        -0.7, ge=-1, le=1, description="A witness attests update i only if the cosine between its change and the "
+        "coordinate-wise median of the round's other changes is at least this (with two others or more); -1: off."
     )
     norm_outlier_factor: float = Field(
         10.0, ge=0, description="Refuse an update whose distance from the global is this x the round's median; 0: off."
@@ -138,6 +167,12 @@ class RunConfig(BaseModel):
         "The coordinator decodes as it reads; the global model stays in the model's dtypes.")
     quant_block: int = Field(256, ge=1, le=1 << 20, description="Elements per int8 quantization block (one "
                              "float32 scale each).")
+    download_encoding: DownloadEncoding = Field(
+        DownloadEncoding.FULL, description="What participants download each round: full (the global model) or the "
+        "round's change from the previous global as bf16 or int8 (per block of quant_block elements), which a "
+        "participant holding the previous global applies; the global model is then defined as the previous one plus "
+        "the decoded change, so it is exact and verifiable. A participant without the previous one downloads the "
+        "full model.")
     error_feedback: bool = Field(True, description="Participants keep what quantization lost and add it to their "
                                  "next round's delta (bf16, int8), so no part of an update is lost for good.")
     max_update_bytes: int = Field(
@@ -148,6 +183,22 @@ class RunConfig(BaseModel):
         "aggregated by ceil(S / shard_bytes) workers in parallel, each over its own byte range (multiples of "
         "the 8 MiB digest piece).")
     seed: int = Field(0, ge=0, description="Run seed for selection and data assignment.")
+    work_sizing: WorkSizing = Field(
+        WorkSizing.THROUGHPUT, description="throughput: each selected participant's share of a round (its slice of "
+        "the data, or its local steps) is proportional to its measured training throughput, so all are predicted "
+        "to finish together; equal: equal shares.")
+    throughput_smoothing: float = Field(0.5, gt=0, le=1, description="Weight of the newest round in a participant's "
+                                        "smoothed throughput estimate.")
+    max_speed_ratio: float = Field(8.0, ge=1, description="Throughput estimates are clamped to [median / this, "
+                                   "median x this] of the round's participants: no reported rate buys more.")
+    deadline_margin: float = Field(
+        3.0, ge=0, description="The round's deadline is the latest predicted finish (from the throughput "
+        "estimates) x this, within [min_round_train_time, max_round_train_time]; 0: always max_round_train_time.")
+    min_round_train_time: float = Field(60.0, ge=0, description="The shortest deadline a prediction may set.")
+    stuck_timeout: float = Field(
+        120.0, ge=0, description="A selected participant that heartbeats but whose training progress has not moved "
+        "for this many seconds is stuck: the round does not wait for it, and it is dropped when the round closes; "
+        "0: off.")
 
     @field_validator("run_id")
     @classmethod
@@ -179,12 +230,28 @@ class RunConfig(BaseModel):
         return Encoding(self.update_encoding.value, self.quant_block)
 
     @property
+    def download(self) -> Encoding:
+        """The download delta's encoding (`weights`: full models only)."""
+        kind = self.download_encoding.value
+        return Encoding("weights" if kind == "full" else kind, self.quant_block)
+
+    @property
     def epoch_rounds(self) -> int:
         return self.rounds_per_epoch or self.total_rounds
 
     @property
     def heartbeat_every(self) -> float:
-        return self.heartbeat_interval or self.liveness_timeout / 4
+        return self.heartbeat_interval or self.liveness_timeout / 3
+
+    @property
+    def heartbeat_after_update(self) -> float:
+        """How long an update upload stands in for a heartbeat: two intervals (by default two thirds of the
+        liveness timeout), always leaving one interval before the timeout for the heartbeat that follows. The update
+        is in the bucket once its upload returned, and a tick looks there before it drops anyone as silent
+        (`coordinator.catchup`): so a member uploading every round sends no heartbeat while its rounds are shorter
+        than this, one interval less than a heartbeat needs for itself."""
+        every = self.heartbeat_every
+        return max(every, min(2 * every, self.liveness_timeout - every))
 
     def to_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

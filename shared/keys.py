@@ -6,6 +6,9 @@
     runs/<run>/rounds/<round>/global/<digest>  global model that round <round> trains from, by its SHA-256
     runs/<run>/rounds/<round>/optimizer/<digest>  server optimizer state that produced round <round>'s global:
                                                its index and piece files, each named by its digest
+    runs/<run>/rounds/<round>/staging/<job>/<first>  a shard worker's outcome for the shard starting at piece <first>
+    runs/<run>/rounds/<round>/delta/<digest>   the compressed change from the previous global to round <round>'s:
+                                               its index (named by that global's digest) and piece files (by theirs)
     runs/<run>/rounds/<round>/<participant>    participant's trained model for round <round>
     runs/<run>/rounds/<round>/witness/<participant>   a witness's proof for round <round> (JSON)
     runs/<run>/rounds/<round>/health/<participant>    a health report about round <round> (JSON)
@@ -13,6 +16,8 @@
     runs/<run>/checkpoints/<round>/state.json  the run's state with it (every few rounds, and at each epoch's end)
     runs/<run>/checkpoints/<round>/optimizer/<digest>  the server optimizer state kept with it (index, pieces)
     runs/<run>/checkpoints/latest.json         which checkpoint is the latest
+    runs/<run>/roster/<digest>                 the per-member part of the run state (members, selection, plan,
+                                               speeds, health), by its digest, named by the state item
     runs/<run>/manifest.json                   tensor names, shapes and dtypes of the model
     runs/<run>/config.json                     the run configuration, published by the first tick
 
@@ -33,7 +38,7 @@ PARTICIPANT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}", re.ASCII)
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{1,38}[a-z0-9]", re.ASCII)
 RESERVED_IDS = frozenset({
     "global", "manifest", "config", "witness", "health", "state", "checkpoint", "checkpoints", "staging",
-    "optimizer",
+    "optimizer", "delta",
 })
 ROUND_DIGITS = 6
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}", re.ASCII)
@@ -57,6 +62,8 @@ class ObjectKind(StrEnum):
     CHECKPOINT = "checkpoint"
     STAGING = "staging"  # a global model being written in parts by the shard workers, before it has a digest
     OPTIMIZER = "optimizer"  # a server optimizer state's index or piece file, by its digest
+    DELTA = "delta"  # a download delta's index (by the digest of the global it rebuilds) or piece file (by its own)
+    ROSTER = "roster"  # the per-member part of a committed run state, by its digest (`store.rosters`)
 
 
 def validate_participant_id(pid: str) -> str:
@@ -121,12 +128,28 @@ def staging_key(run_id: str, round_no: int, job: str) -> str:
     return f"{round_prefix(run_id, round_no)}staging/{job}"
 
 
+def shard_result_key(run_id: str, round_no: int, job: str, first: int) -> str:
+    """Where the shard worker fed by the shard queue leaves its outcome for the shard of aggregation job `job`
+    that starts at piece `first` (JSON), for the tick waiting on the job."""
+    if not 0 <= first < 10**ROUND_DIGITS:
+        raise KeyError_(f"a shard's first piece must be 0 to {10**ROUND_DIGITS - 1}, got {first}")
+    return f"{staging_key(run_id, round_no, job)}/{first:0{ROUND_DIGITS}d}"
+
+
 def optimizer_key(run_id: str, round_no: int, digest: str) -> str:
     """Content-addressed like the global model: the index of the server optimizer state that made round
     `round_no`'s global model, or one of its piece files (`shared.server_opt`)."""
     if not DIGEST_PATTERN.fullmatch(digest):
         raise KeyError_(f"optimizer state digest must be 64 hex characters, got {digest!r}")
     return f"{round_prefix(run_id, round_no)}optimizer/{digest}"
+
+
+def delta_key(run_id: str, round_no: int, digest: str) -> str:
+    """The download delta to round `round_no`'s global model (`shared.delta`): its index, at the digest of the
+    global it rebuilds, or one of its piece files, at the piece file's own digest."""
+    if not DIGEST_PATTERN.fullmatch(digest):
+        raise KeyError_(f"delta file digest must be 64 hex characters, got {digest!r}")
+    return f"{round_prefix(run_id, round_no)}delta/{digest}"
 
 
 def update_key(run_id: str, round_no: int, pid: str) -> str:
@@ -164,6 +187,13 @@ def latest_checkpoint_key(run_id: str) -> str:
     return f"{run_prefix(run_id)}checkpoints/latest.json"
 
 
+def roster_key(run_id: str, digest: str) -> str:
+    """Content-addressed: the per-member part of a run state (`store.rosters`); the state item names it."""
+    if not DIGEST_PATTERN.fullmatch(digest):
+        raise KeyError_(f"roster digest must be 64 hex characters, got {digest!r}")
+    return f"{run_prefix(run_id)}roster/{digest}"
+
+
 def manifest_key(run_id: str) -> str:
     return f"{run_prefix(run_id)}manifest.json"
 
@@ -179,7 +209,8 @@ class ParsedKey:
     participant: str | None = None
     round: int | None = None
     digest: str | None = None  # a global model's or optimizer file's content address; a staging object's job id
-    name: str | None = None  # a checkpoint's file: "global", "state.json", "latest.json" or "optimizer"
+    name: str | None = None  # a checkpoint's file ("global", "state.json", "latest.json", "optimizer"); a shard's first
+    # piece (staging/<job>/<first>)
 
 
 _ROUND_RE = re.compile(rf"[0-9]{{{ROUND_DIGITS}}}", re.ASCII)
@@ -211,12 +242,18 @@ def format_key(p: ParsedKey) -> str:
             return init_key(p.run_id, pid)
         case ObjectKind.HEARTBEAT if pid is not None:
             return heartbeat_key(p.run_id, pid)
+        case ObjectKind.ROSTER if p.digest is not None:
+            return roster_key(p.run_id, p.digest)
         case ObjectKind.GLOBAL if r is not None:
             return global_key(p.run_id, r, p.digest) if p.digest is not None else f"{global_prefix(p.run_id, r)[:-1]}"
+        case ObjectKind.STAGING if r is not None and p.digest is not None and p.name is not None:
+            return shard_result_key(p.run_id, r, p.digest, int(p.name))
         case ObjectKind.STAGING if r is not None and p.digest is not None:
             return staging_key(p.run_id, r, p.digest)
         case ObjectKind.OPTIMIZER if r is not None and p.digest is not None:
             return optimizer_key(p.run_id, r, p.digest)
+        case ObjectKind.DELTA if r is not None and p.digest is not None:
+            return delta_key(p.run_id, r, p.digest)
         case ObjectKind.UPDATE if r is not None and pid is not None:
             return update_key(p.run_id, r, pid)
         case ObjectKind.WITNESS if r is not None and pid is not None:
@@ -248,6 +285,13 @@ def parse_key(key: str) -> ParsedKey:
     return parsed
 
 
+_BY_DIGEST = {  # rounds/<round>/<part>/<64 hex digits>
+    "global": (ObjectKind.GLOBAL, "a global model's name (its digest)"),
+    "staging": (ObjectKind.STAGING, "an aggregation job's name"),
+    "delta": (ObjectKind.DELTA, "a download delta file's name (a digest)"),
+}
+
+
 def _parse_parts(key: str) -> ParsedKey:
     parts = key.split("/")
     if len(parts) < 3 or parts[0] != "runs" or not RUN_ID_PATTERN.fullmatch(parts[1]):
@@ -260,6 +304,10 @@ def _parse_parts(key: str) -> ParsedKey:
     simple = {"join": ObjectKind.JOIN, "init": ObjectKind.INIT, "heartbeat": ObjectKind.HEARTBEAT}
     if len(rest) == 2 and rest[0] in simple:
         return ParsedKey(simple[rest[0]], run_id, participant=validate_participant_id(rest[1]))
+    if len(rest) == 2 and rest[0] == "roster":
+        if not DIGEST_PATTERN.fullmatch(rest[1]):
+            raise KeyError_(f"key {_shown(key)}: a roster's name must be its 64-hex-digit digest")
+        return ParsedKey(ObjectKind.ROSTER, run_id, digest=rest[1])
     if rest == ["checkpoints", "latest.json"]:
         return ParsedKey(ObjectKind.CHECKPOINT, run_id, name="latest.json")
     if len(rest) == 3 and rest[0] == "checkpoints" and rest[2] in _CHECKPOINT_FILES:
@@ -271,14 +319,15 @@ def _parse_parts(key: str) -> ParsedKey:
         if rest[0] == "checkpoints":
             return ParsedKey(ObjectKind.CHECKPOINT, run_id, round=round_no, digest=rest[3], name="optimizer")
         return ParsedKey(ObjectKind.OPTIMIZER, run_id, round=round_no, digest=rest[3])
-    if len(rest) == 4 and rest[0] == "rounds" and rest[2] == "global":
+    if len(rest) == 4 and rest[0] == "rounds" and rest[2] in _BY_DIGEST:
+        kind, what = _BY_DIGEST[rest[2]]
         if not DIGEST_PATTERN.fullmatch(rest[3]):
-            raise KeyError_(f"key {_shown(key)}: a global model's name must be its 64-hex-digit digest")
-        return ParsedKey(ObjectKind.GLOBAL, run_id, round=_round_of(key, rest[1]), digest=rest[3])
-    if len(rest) == 4 and rest[0] == "rounds" and rest[2] == "staging":
-        if not DIGEST_PATTERN.fullmatch(rest[3]):
-            raise KeyError_(f"key {_shown(key)}: an aggregation job's name must be 64 hex digits")
-        return ParsedKey(ObjectKind.STAGING, run_id, round=_round_of(key, rest[1]), digest=rest[3])
+            raise KeyError_(f"key {_shown(key)}: {what} must be 64 hex digits")
+        return ParsedKey(kind, run_id, round=_round_of(key, rest[1]), digest=rest[3])
+    if len(rest) == 5 and rest[0] == "rounds" and rest[2] == "staging":
+        if not DIGEST_PATTERN.fullmatch(rest[3]) or not _ROUND_RE.fullmatch(rest[4]):
+            raise KeyError_(f"key {_shown(key)}: a shard outcome is staging/<64 hex digits>/<6 digits>")
+        return ParsedKey(ObjectKind.STAGING, run_id, round=_round_of(key, rest[1]), digest=rest[3], name=rest[4])
     if len(rest) == 4 and rest[0] == "rounds" and rest[2] in ("witness", "health"):
         kind = ObjectKind.WITNESS if rest[2] == "witness" else ObjectKind.HEALTH
         return ParsedKey(kind, run_id, participant=validate_participant_id(rest[3]), round=_round_of(key, rest[1]))

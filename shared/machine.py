@@ -9,11 +9,13 @@ and a test fires each row.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from shared.config import RunConfig
+from shared import sizing
+from shared.config import DataMode, RunConfig, WorkSizing
 from shared.limits import MAX_SUMMARY_REASON_CHARS, bounded
 from shared.selection import round_seed, select
 from shared.state import (
@@ -35,7 +37,7 @@ from shared.state import (
     UpdateView,
     WriteCheckpoint,
 )
-from shared.witness import Proof, elect, health_scores, quorum
+from shared.witness import Proof, elect, evidence, health_scores, quorum, suspects, verdicts
 
 MAX_STEPS = 16
 
@@ -124,9 +126,24 @@ def _warmup_over(c: Ctx) -> bool:
     return ready or _deadline_passed(c)
 
 
+def stuck(snap: Snapshot, config: RunConfig, state: RunState, pid: str, now: float) -> float | None:
+    """Seconds a selected participant without an update has shown no training progress in the current round, if that
+    makes it stuck (it reported progress in this round, then none for `stuck_timeout`); None otherwise."""
+    view = snap.participants.get(pid)
+    if (config.stuck_timeout <= 0 or state.phase is not Phase.TRAIN or view is None
+            or view.progress_round != state.round or view.progress_done >= view.progress_total):
+        return None  # no progress reported in this round yet, or its training is done (it is uploading)
+    still = view.stalled_for(state.round, state.round_started, now)
+    return still if still >= config.stuck_timeout else None
+
+
+def _stuck(c: Ctx, pid: str) -> float | None:
+    return stuck(c.snap, c.config, c.state, pid, c.now)
+
+
 def _round_closed(c: Ctx) -> bool:
     updates = c.updates()
-    recorded = all(pid in updates for pid in c.state.selected)
+    recorded = all(pid in updates or _stuck(c, pid) is not None for pid in c.state.selected)
     if c.state.witnesses:  # opportunistic witnessing: a quorum has checked everything recorded
         complete = sum(1 for p in c.proofs().values() if p.complete)
         recorded = recorded and complete >= quorum(len(c.state.witnesses))
@@ -134,14 +151,27 @@ def _round_closed(c: Ctx) -> bool:
 
 
 def _witness_over(c: Ctx) -> bool:
-    every_proof_in = bool(c.state.witnesses) and len(c.proofs()) == len(c.state.witnesses)
-    return every_proof_in or _deadline_passed(c)
+    """Every elected witness's proof is in, or a quorum of proofs is in and every one of them attests every
+    counted update (nothing a later proof could dispute), or the witness deadline passed. Proofs that disagree
+    wait for the others: one early empty proof and one honest proof must not decide the round between them; and
+    a refusal waits for every witness, so that it can count as evidence (shared.witness.evidence)."""
+    seats, proofs, counted = len(c.state.witnesses), c.proofs(), _counted_digests(c)
+    if not seats:  # no witnesses: nothing to wait for
+        return True
+    every_proof_in = len(proofs) == seats
+    all_attested = (len(proofs) >= quorum(seats)
+                    and all(got == set(counted) for got in verdicts(proofs, counted).values()))
+    return every_proof_in or all_attested or _deadline_passed(c)
+
+
+def _counted_digests(c: Ctx) -> dict[str, str]:
+    updates = c.updates()
+    return {pid: updates[pid].digest for pid in c.state.counted if pid in updates}
 
 
 def _health(c: Ctx) -> dict[str, int]:
     """Each counted update's health score: the proofs that attest exactly its bytes."""
-    updates = c.updates()
-    return health_scores(c.proofs().values(), {pid: updates[pid].digest for pid in c.state.counted})
+    return health_scores(c.proofs().values(), _counted_digests(c))
 
 
 def _attested(c: Ctx) -> tuple[str, ...]:
@@ -185,13 +215,17 @@ def _start_epoch(c: Ctx) -> None:
     eligible = c.eligible()
     s = c.state.evolve(
         epoch=c.state.epoch + 1,
-        members={p.pid: Member(MemberStatus.ACTIVE, c.now) for p in eligible},
+        members={p.pid: Member(MemberStatus.ACTIVE, c.now, heard=p.last_seen) for p in eligible},
         selected=(),
         counted=(),
         rounds_in_epoch=0,
         epoch_started=c.now,
         health={},  # last epoch's health records cannot drop anyone just admitted again
+        strikes={},
         deadline=c.now + c.config.warmup_time,
+        # estimates of registered participants only (a participant record lost with the table takes its own)
+        speeds={p: v for p, v in c.state.speeds.items() if p in c.snap.participants},
+        late=(),
     )
     if not s.has_model:
         source = next(p for p in eligible if p.init_digest)
@@ -234,33 +268,116 @@ def _resume(c: Ctx) -> None:
 
 
 def _begin_round(c: Ctx) -> None:
-    s = c.state
-    seed = round_seed(c.config.seed, s.epoch, s.round)
-    chosen = select(seed, s.active(), c.config.fraction_per_round, c.config.min_per_round)
+    s, cfg = c.state, c.config
+    seed = round_seed(cfg.seed, s.epoch, s.round)
+    chosen = select(seed, s.active(), cfg.fraction_per_round, cfg.min_per_round)
+    plan = _plan(c, chosen)
+    predicted = sizing.predicted_seconds(plan, s.speeds, cfg.batch_size, s.round_units, cfg.max_speed_ratio)
+    sized = cfg.work_sizing is WorkSizing.THROUGHPUT
+    limit = sizing.deadline_seconds(predicted, len(plan), cfg.deadline_margin if sized else 0.0,
+                                    cfg.min_round_train_time, cfg.max_round_train_time)
     c.state = s.evolve(
         seed=seed,
         selected=chosen,
-        witnesses=elect(seed, chosen, c.config.witness_nodes),
+        plan=plan,
+        witnesses=elect(seed, chosen, cfg.witness_nodes),
         counted=(),
         round_started=c.now,
-        deadline=c.now + c.config.max_round_train_time,
+        deadline=c.now + limit,
     )
+
+
+def _plan(c: Ctx, chosen: tuple[str, ...]) -> sizing.Plan:
+    """The round's shares (shared.sizing): weights from the throughput estimates, and local steps."""
+    cfg = c.config
+    steps: int | dict[str, int] = cfg.local_steps
+    if cfg.data_mode is DataMode.LOCAL:  # each its own passes (or local_steps), scaled by its speed
+        own = {p: v.samples for p in chosen if (v := c.snap.participants.get(p)) is not None}
+        steps = {p: cfg.local_steps or cfg.local_epochs * -(-own.get(p, 0) // cfg.batch_size) for p in chosen}
+        if cfg.work_sizing is WorkSizing.EQUAL or not all(steps.values()):
+            steps = cfg.local_steps  # everyone its local_epochs passes (or local_steps), as without sizing
+    return sizing.make_plan(chosen, c.state.speeds, steps=steps, sized=cfg.work_sizing is WorkSizing.THROUGHPUT,
+                            max_ratio=cfg.max_speed_ratio)
 
 
 def _freeze_round(c: Ctx) -> None:
     updates = c.updates()
+    late: list[str] = []
     for pid in c.state.selected:  # with witnesses, the health checks deal with those who did not deliver
-        if pid not in updates and not c.state.witnesses:
-            c.drop(pid, f"missed the deadline of round {c.state.round}")
+        if pid in updates:
+            continue
+        if (still := _stuck(c, pid)) is not None:  # stuck even with witnesses: it is treated as missing
+            c.drop(pid, f"stuck: its training progress in round {c.state.round} did not move for {still:.0f}s "
+                        f"(stuck_timeout {c.config.stuck_timeout:g}s)")
+        elif not c.state.witnesses:
+            if _slow_but_progressing(c, pid):
+                late.append(pid)
+            else:
+                c.drop(pid, f"missed the deadline of round {c.state.round}")
     accepted = sorted(pid for pid in c.state.selected if (u := updates.get(pid)) is not None and u.accepted)
+    _measure(c, updates, accepted, late)
+    weights = {share.pid: share.weight for share in c.state.plan}
     # Inputs excluded earlier in the round (unreadable as recorded: `exclude_input`) stay excluded.
     excluded = {
         **c.state.excluded,
-        **_sample_outliers(c.config, {pid: updates[pid].samples for pid in accepted}),
+        **_sample_outliers(c.config, {pid: updates[pid].samples for pid in accepted}, weights),
         **_norm_outliers(c.config, {pid: updates[pid].norm for pid in accepted}),
     }
     counted = tuple(pid for pid in accepted if pid not in excluded)
     c.state = c.state.evolve(counted=counted, excluded=excluded, deadline=c.now + c.config.round_witness_time)
+
+
+def _slow_but_progressing(c: Ctx, pid: str) -> bool:
+    """A participant that missed the deadline while its training was still moving, for the first time in a row: kept,
+    with a smaller share next time (throughput sizing only; a second miss in a row drops it)."""
+    view = c.snap.participants.get(pid)
+    return (c.config.work_sizing is WorkSizing.THROUGHPUT and pid not in c.state.late and view is not None
+            and view.progress_round == c.state.round and view.progress_total > 0)
+
+
+def _measure(c: Ctx, updates: dict[str, UpdateView], accepted: list[str], late: list[str]) -> None:
+    """Fold the round's measurements into the throughput estimates: each accepted update's training rate (what it
+    trained over the `train_seconds` its metrics report) and the seconds it took beyond training (overhead); a late
+    participant's rate cut to what it achieved."""
+    s, cfg = c.state, c.config
+    speeds = dict(s.speeds)
+    units_seen, fraction_seen = 0.0, 0.0
+    for pid in accepted:
+        u = updates[pid]
+        share = sizing.share_of(s.plan, pid)
+        trained = trained_units(cfg, share, u.samples)
+        seconds = u.metrics.get("train_seconds", 0.0)
+        if not seconds > 0 or not trained > 0:
+            continue
+        rate = sizing.clamp_rate(trained / seconds)
+        elapsed = (u.received_at - s.round_started) if u.received_at else 0.0
+        speeds[pid] = sizing.smoothed(speeds.get(pid), rate, elapsed - seconds, cfg.throughput_smoothing)
+        if share is not None and not share.steps:
+            units_seen += trained
+            fraction_seen += sizing.fraction(s.plan, pid)
+    planned = sizing.rates([share.pid for share in s.plan], s.speeds, cfg.max_speed_ratio)
+    for pid in late:
+        view = c.snap.participants[pid]
+        done = view.progress_done / view.progress_total
+        share = sizing.share_of(s.plan, pid)
+        expected = planned.get(pid, sizing.median_rate(s.speeds.values()))
+        old = speeds.get(pid)
+        spent = max(1e-3, c.now - s.round_started - (old.overhead if old else 0.0))
+        owed = sizing.units(s.plan, share, cfg.batch_size, s.round_units) if share is not None else 0.0
+        achieved = done * owed / spent if owed > 0 else 0.0
+        rate = min(expected * 0.5, achieved) if achieved > 0 else expected * 0.5
+        speeds[pid] = sizing.Speed(sizing.clamp_rate(rate), old.overhead if old else 0.0, old.rounds if old else 1)
+        c.effects.append(Note(f"{pid} missed the deadline of round {s.round} at {100 * done:.0f}% of its share: "
+                              f"kept, with a smaller share (estimate {rate:.3g} samples/s)"))
+    round_units = units_seen / fraction_seen if fraction_seen > 0 else s.round_units
+    c.state = s.evolve(speeds=speeds, late=tuple(sorted(late)), round_units=round_units)
+
+
+def trained_units(config: RunConfig, share: sizing.Share | None, samples: int) -> int:
+    """What an update's training time grew with: its steps x batch (a share with steps, or local_steps), else its
+    samples x local_epochs passes. With the `train_seconds` its metrics report, its rate (samples per second)."""
+    steps = (share.steps if share is not None else 0) or config.local_steps
+    return steps * config.batch_size if steps else samples * config.local_epochs
 
 
 def exclude_input(state: RunState, pid: str, reason: str) -> RunState:
@@ -269,17 +386,21 @@ def exclude_input(state: RunState, pid: str, reason: str) -> RunState:
     return state.evolve(counted=tuple(p for p in state.counted if p != pid), excluded={**state.excluded, pid: reason})
 
 
-def _sample_outliers(config: RunConfig, claims: dict[str, int]) -> dict[str, str]:
+def _sample_outliers(config: RunConfig, claims: dict[str, int],
+                     weights: dict[str, int] | None = None) -> dict[str, str]:
     """Updates claiming far more samples than the median of the round's other claims (leave-one-out, so one
-    huge claim cannot raise the median it is judged against)."""
+    huge claim cannot raise the median it is judged against). Claims are compared per unit of plan weight: a
+    participant sized to a larger share may claim proportionally more."""
     if not config.max_sample_ratio or len(claims) < 2:
         return {}
+    w = {pid: (weights or {}).get(pid, 1) or 1 for pid in claims}
+    equal = len(set(w.values())) == 1
     out = {}
     for pid, n in claims.items():
-        others = statistics.median(v for p, v in claims.items() if p != pid)
+        others = statistics.median(v / w[p] for p, v in claims.items() if p != pid) * w[pid]
         if n > config.max_sample_ratio * others:
             out[pid] = (f"claims {n} samples, more than {config.max_sample_ratio:g} x the median "
-                        f"{others:g} of the round's other updates")
+                        f"{others:g} of the round's other updates" + ("" if equal else " (per its share)"))
     return out
 
 
@@ -308,15 +429,25 @@ def _weighted_metric(c: Ctx, name: str) -> float | None:
     return sum(w * v for w, v in pairs) / total if total else None
 
 
+def _heard_from(members: Mapping[str, Member], updates: Mapping[str, UpdateView]) -> dict[str, Member]:
+    """The members, each heard from when its update of the round closing was uploaded (`Member.heard`)."""
+    return {pid: dataclasses.replace(m, heard=max(m.heard, u.received_at)) if (u := updates.get(pid)) else m
+            for pid, m in members.items()}
+
+
 def _close_round(c: Ctx, aggregated: bool) -> None:
     s = c.state
     updates = c.updates()
     counted = _attested(c) if aggregated else ()
     proofs = len(c.proofs())
-    # Health scores only from a round whose proofs reached the quorum: otherwise everyone would score low
-    # and one member's report could drop them all.
+    # Health scores only from a round whose proofs reached the quorum (otherwise everyone would score low and
+    # one member's report could drop them all), and only where the witnesses agree (shared.witness.evidence).
     witnessed = bool(s.witnesses) and proofs >= quorum(len(s.witnesses))
-    health = {pid: 0 for pid in s.selected} | _health(c) if witnessed else {}
+    health = evidence(c.proofs(), _counted_digests(c), s.selected, len(s.witnesses)) if witnessed else {}
+    suspected = {w: bounded(why, MAX_SUMMARY_REASON_CHARS)
+                 for w, why in suspects(c.proofs(), _counted_digests(c), len(s.witnesses)).items()}
+    for w, why in suspected.items():
+        c.effects.append(Note(f"round {s.round}: witness {w} is a suspect: {why}"))
     dropped = {
         pid: m.reason
         for pid, m in s.members.items()
@@ -342,29 +473,47 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         proofs=proofs,
         quorum=quorum(len(s.witnesses)),
         health=health,
+        shares={share.pid: share.weight for share in s.plan},
+        finished={pid: round(u.received_at - s.round_started, 3) for pid, u in sorted(updates.items())
+                  if u.accepted and u.received_at},
+        suspects=suspected,
     )
     if aggregated:
-        inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest, updates[p].version_id, updates[p].norm)
+        inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest, updates[p].version_id, updates[p].norm,
+                                      updates[p].data_offset)
                        for p in counted)
         c.effects.append(Aggregate(s.round, inputs, s.global_digest, s.optimizer_digest))
     else:
         c.effects.append(CarryGlobal(s.round, s.global_digest, s.optimizer_digest))
     c.effects.append(RecordRound(summary))
     c.state = s.evolve(
+        members=_heard_from(s.members, updates),
         round=s.round + 1,
         aggregated=s.aggregated + (1 if aggregated else 0),
         rounds_in_epoch=s.rounds_in_epoch + (1 if aggregated else 0),
         selected=(),
+        plan=(),
         counted=(),
+        counted_last=counted,
         excluded={},
         witnesses=(),
         health_round=s.round,
         health=health,
         health_quorum=quorum(len(s.witnesses)),
+        strikes=count_strikes(s.strikes, health, quorum(len(s.witnesses))),
+        strikes_needed=c.config.health_strikes,
         # The aggregate's digest is known only once it is written: Decision.resolve fills it in.
         global_digest="" if aggregated else s.global_digest,
         optimizer_digest="" if aggregated else s.optimizer_digest,
     )
+
+
+def count_strikes(before: Mapping[str, int], health: Mapping[str, int], need: int) -> dict[str, int]:
+    """Each member's witnessed rounds in a row under the quorum: one more for a low score, none after a good one;
+    a member the round's evidence does not cover keeps its count."""
+    out = {p: n for p, n in before.items() if p not in health}
+    out.update({p: before.get(p, 0) + 1 for p, score in health.items() if score < need})
+    return out
 
 
 def _aggregate_and_continue(c: Ctx) -> None:
@@ -440,11 +589,11 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(WU, W, "warmup_too_few", _too_few_members, _back_to_waiting,
                "members dropped below min_clients during warmup"),
     Transition(WU, T, "warmup_done", _warmup_over, _begin_round,
-               "every member reported ready, or warmup_time passed: select the round's trainers"),
+               "every member reported ready, or warmup_time passed: select the round's trainers and size their shares"),
     Transition(T, W, "train_too_few", _too_few_members, _back_to_waiting,
                "members dropped below min_clients: the round closes unaggregated"),
     Transition(T, RW, "round_closed", _round_closed, _freeze_round,
-               "every selected participant uploaded, or max_round_train_time passed: freeze the count"),
+               "every selected participant uploaded (or is stuck), or the round's deadline passed: freeze the count"),
     Transition(RW, CD, "witness_quorum_missed", _all(_witness_over, _quorum_missed), _quorum_missed_cool_down,
                "fewer witness proofs than the quorum: no aggregation, the epoch ends"),
     Transition(RW, CD, "aggregate_epoch_end",
@@ -467,20 +616,17 @@ TRANSITIONS: tuple[Transition, ...] = (
 
 
 def _apply_health_reports(c: Ctx) -> None:
-    """Drop a participant named by a member's health report only if the witness records agree."""
+    """Drop a participant named by a member's health report only if the witness records agree: it was attested by
+    fewer than a quorum in the last `health_strikes` witnessed rounds that scored it (RunState.unhealthy)."""
     s = c.state
     if s.phase not in LIVE_PHASES or not s.health:
         return
     reporters = set(s.active())
-    named = sorted({pid for reporter, pids in c.snap.health_reports.items() if reporter in reporters for pid in pids})
-    for pid in named:
-        score = s.health.get(pid)
-        member = c.state.members.get(pid)
-        if score is None or member is None or member.status is not MemberStatus.ACTIVE:
-            continue
-        if score < s.health_quorum:
-            needed = f"{s.health_quorum} witnesses needed"
-            c.drop(pid, f"health check: round {s.health_round} attested by {score} of {needed}")
+    named = {pid for reporter, pids in c.snap.health_reports.items() if reporter in reporters for pid in pids}
+    for pid in sorted(named & set(s.unhealthy())):
+        in_a_row = f", {s.strikes[pid]} witnessed rounds in a row" if s.strikes[pid] > 1 else ""
+        c.drop(pid, f"health check: round {s.health_round} attested by {s.health[pid]} of {s.health_quorum} "
+                    f"witnesses needed{in_a_row}")
 
 
 def _silent(snap: Snapshot, config: RunConfig, now: float) -> list[str]:
@@ -521,7 +667,13 @@ def overdue(snap: Snapshot, config: RunConfig, now: float) -> Overdue:
 
 
 def tick(snap: Snapshot, config: RunConfig, now: float) -> Decision:
-    """Advance the run as far as `now` allows. Pure: the same inputs always give the same decision."""
+    """Advance the run as far as `now` allows. Pure: the same inputs always give the same decision.
+
+    A tick decides after every decision it builds on: an invocation that read the clock before another committed
+    (it lost a race, or caught up on uploads for a while) or whose host's clock is behind decides just after the
+    state's last change, never before it. Otherwise a member it drops would be dated before the round it was
+    dropped in, and that round's record would miss the drop."""
+    now = max(now, math.nextafter(max(snap.state.phase_started, snap.state.round_started), math.inf))
     c = Ctx(snap, config, now, snap.state)
     _drop_silent(c)
     _apply_health_reports(c)

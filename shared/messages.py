@@ -5,6 +5,10 @@
     HealthReport   runs/<run>/rounds/<round>/health/<participant>    members a participant reports unhealthy
     ProofEnvelope  runs/<run>/rounds/<round>/witness/<participant>   a witness proof's JSON (shared.witness.Proof)
 
+and the one the coordinator sends them:
+
+    StateChange    the run's state topic -> each participant's queue    a committed state item, pushed
+
 Every model is strict (no coercion: "3" is not an integer), forbids unknown fields, is frozen and bounds
 every string, list and mapping, so a hostile upload costs a bounded amount of work and storage. Ingest
 parses each body with `parse_message`, whose `MessageError` names the offending field(s) and never echoes
@@ -38,7 +42,8 @@ from shared.keys import validate_participant_id
 SCHEMA_VERSION: Final = 1  # join requests, heartbeats and health reports; absent means 1
 PROOF_SCHEMA: Final = 1  # witness proofs carry it explicitly
 MAX_CONTROL_BYTES = 64 * 1024  # join requests, heartbeats and health reports are small JSON documents
-MAX_PROOF_BYTES = 256 * 1024  # recorded whole in one DynamoDB item (400 KB at most)
+MAX_PROOF_BYTES = 256 * 1024  # an uploaded proof; recorded whole in one DynamoDB item (400 KB at most)
+MAX_PROOF_RECORD_BYTES = 300 * 1024  # the proof as recorded (shared.witness.Proof.to_json), which can be longer
 MAX_BLOOM_BITS = 1 << 20
 MAX_HASHES = 32
 MAX_HEALTH_IDS = 1000  # participant ids one health report may name
@@ -193,14 +198,44 @@ class JoinRequest(Message):
         return body
 
 
+class Progress(Message):
+    """How far a participant's training of a round has got: `done` of `total` units (batches)."""
+
+    round: Counter
+    done: Counter
+    total: Annotated[int, Field(ge=1, le=MAX_COUNTER)]
+
+    @model_validator(mode="after")
+    def _done_within_total(self) -> Progress:
+        if self.done > self.total:
+            raise ValueError("done cannot exceed total")
+        return self
+
+
+MAX_RATE = 1e9  # samples per second
+
+
 class Heartbeat(Message):
-    """Liveness, and the epoch whose model the participant holds (`ready_epoch`; absent: no news)."""
+    """Liveness, and the epoch whose model the participant holds (`ready_epoch`; absent: no news); its training
+    progress in the round it trains or trained last (`progress`), and the training throughput it measured in its
+    last round, in samples per second (`samples_per_second`). Both are shown by `fed status`; progress also tells
+    a stuck participant from a slow one (docs/protocol.md)."""
 
     schema_version: Literal[1] = Field(SCHEMA_VERSION, alias="schema")
     participant: ParticipantId
     sent_at: SentAt
     ready_epoch: Counter | None = None
     info: Info = Field(default_factory=dict)
+    progress: Progress | None = None
+    samples_per_second: Annotated[float, Field(ge=0, le=MAX_RATE)] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body: dict[str, Any] = handler(self)
+        for name in ("progress", "samples_per_second"):  # a heartbeat without them reads as it did before
+            if body.get(name) is None:
+                body.pop(name, None)
+        return body
 
 
 class HealthReport(Message):
@@ -208,6 +243,21 @@ class HealthReport(Message):
 
     schema_version: Literal[1] = Field(SCHEMA_VERSION, alias="schema")
     unhealthy: tuple[ParticipantId, ...] = Field(max_length=MAX_HEALTH_IDS)
+
+
+MAX_STATE_CHANGE_BYTES = 16 * 1024  # the state item's body is a few hundred bytes whatever the membership
+
+
+class StateChange(Message):
+    """A commit that changed the run's phase, round, epoch or model, as published to the run's state topic: the
+    state item's body exactly as stored (its roster named by digest, `store.rosters`) and its version. A
+    participant takes it as a read of the state item that it did not have to make. Publishing is best effort:
+    a participant that hears nothing for long reads the item itself (participant.protocol)."""
+
+    schema_version: Literal[1] = Field(SCHEMA_VERSION, alias="schema")
+    run_id: RunId
+    version: Annotated[int, Field(ge=1, le=10**15)]
+    state: dict[str, Any]
 
 
 class BloomEnvelope(Message):
@@ -255,6 +305,7 @@ class ShardInput(Message):
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     version_id: str = Field(max_length=1024)
     norm: float = -1.0
+    data_offset: int = Field(-1, ge=-1)
 
 
 class ShardTask(Message):
@@ -279,6 +330,7 @@ class PieceDone(Message):
     etag: str = Field(max_length=256)
     hash: str = Field(pattern=r"^[0-9a-f]{64}$")
     state: str = Field("", pattern=r"^([0-9a-f]{64})?$")  # the digest of the piece's optimizer state file, if any
+    delta: str = Field("", pattern=r"^([0-9a-f]{64})?$")  # the digest of the piece's download delta file, if any
 
 
 class ShardDone(Message):

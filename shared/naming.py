@@ -26,12 +26,37 @@ def ingest_rule_name(run_id: str) -> str:
     return f"fed-{run_id}-object-created"
 
 
+def tick_rule_name(run_id: str) -> str:
+    """The tick schedule's EventBridge rule: off while the run needs no tick (`shared.state.needs_ticks`)."""
+    return f"fed-{run_id}-tick"
+
+
 def join_queue_name(run_id: str) -> str:
     return f"fed-{run_id}-join"
 
 
 def join_rule_name(run_id: str) -> str:
     return f"fed-{run_id}-join-requests"
+
+
+def state_topic_name(run_id: str) -> str:
+    """The SNS topic a commit that changes the run's phase or round publishes the state item's body to."""
+    return f"fed-{run_id}-state"
+
+
+MAX_QUEUE_NAME = 80  # SQS's limit
+
+
+def participant_queue_name(run_id: str, pid: str) -> str | None:
+    """The SQS queue a participant creates and subscribes to the state topic, to learn of a new round without
+    polling; None where the name would pass SQS's 80 characters (that participant polls the state instead)."""
+    name = f"{participant_queue_prefix(run_id)}{pid}"
+    return name if len(name) <= MAX_QUEUE_NAME else None
+
+
+def participant_queue_prefix(run_id: str) -> str:
+    """What every participant queue's name of the run starts with (no coordinator queue's does: `-p-`)."""
+    return f"fed-{run_id}-p-"
 
 
 # Two lanes for the run's uploads, so that heartbeats and updates never wait behind join requests: the join
@@ -66,9 +91,11 @@ ENV_BUCKET = "FED_BUCKET"
 ENV_TABLE = "FED_TABLE"
 ENV_CONFIG = "FED_CONFIG_JSON"
 ENV_ENDPOINT = "FED_AWS_ENDPOINT"
+ENV_STATE_TOPIC = "FED_STATE_TOPIC_ARN"  # where a commit that changes phase or round publishes ("": nowhere)
 # Where a tick's aggregation shards run: "lambda:<function name>" (the shard-worker function, on AWS),
 # "processes:<n>" (a pool of n worker processes: the local stack), unset: threads of the tick itself.
 ENV_SHARD_RUNNER = "FED_SHARD_RUNNER"
+ENV_SHARD_WAIT = "FED_SHARD_WAIT"  # seconds a tick waits for its queue-fed shards' outcomes
 
 # DynamoDB table schema (one table per run; see store/records.py for the items).
 TABLE_HASH_KEY = "pk"
@@ -88,6 +115,7 @@ OUTPUT_BUCKET = "BucketName"
 OUTPUT_TABLE = "TableName"
 OUTPUT_RUN_ID = "RunId"
 OUTPUT_PARTICIPANT_ROLE = "ParticipantRoleArn"
+OUTPUT_STATE_TOPIC = "StateTopicArn"
 
 # The session tag naming a participant; IAM policy variables use it to scope its keys.
 PARTICIPANT_TAG = "participant"

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from shared.aggregate import Plan
+from shared.plan import Plan
 from shared.wire import FLOAT_TAGS, Manifest, TensorSpec, tensor_view
 
 

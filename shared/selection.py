@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from shared.sizing import Plan, Share, bounds
+
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -64,17 +66,21 @@ def shard_bounds(n: int, parts: int, position: int) -> tuple[int, int]:
     return start, start + base + (1 if position < extra else 0)
 
 
-def assigned_count(dataset_size: int, selected: Sequence[str], participant: str) -> int:
+def as_plan(planned: Plan | Sequence[str]) -> Plan:
+    """A round's plan (`shared.sizing`); a bare selection is a plan of equal weights."""
+    return tuple(Share(p) if isinstance(p, str) else p for p in planned)
+
+
+def assigned_count(dataset_size: int, planned: Plan | Sequence[str], participant: str) -> int:
     """How many samples a participant was assigned (the most it may claim to have trained)."""
-    if participant not in selected:
-        return 0
-    start, end = shard_bounds(dataset_size, len(selected), list(selected).index(participant))
+    start, end = bounds(as_plan(planned), dataset_size, participant)
     return end - start
 
 
-def assignment(seed_hex: str, dataset_size: int, selected: Sequence[str], participant: str) -> np.ndarray:
-    """The sample indices a selected participant trains this round; disjoint across the round."""
-    if participant not in selected:
+def assignment(seed_hex: str, dataset_size: int, planned: Plan | Sequence[str], participant: str) -> np.ndarray:
+    """The sample indices a planned participant trains this round: a contiguous slice of the round's permutation,
+    as long as its weight makes it; disjoint across the round, covering the data set."""
+    start, end = bounds(as_plan(planned), dataset_size, participant)
+    if end == start:
         return np.empty(0, dtype=np.int64)
-    start, end = shard_bounds(dataset_size, len(selected), list(selected).index(participant))
     return permutation(seed_hex, dataset_size)[start:end]

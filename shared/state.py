@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from shared.sizing import Plan, Speed
 from shared.witness import Proof
 
 
@@ -30,6 +31,7 @@ class Phase(StrEnum):
 LIVE_PHASES = frozenset({Phase.WARMUP, Phase.TRAIN, Phase.WITNESS})
 
 
+
 class MemberStatus(StrEnum):
     ACTIVE = "active"
     DROPPED = "dropped"
@@ -42,6 +44,11 @@ class Member:
     status: MemberStatus = MemberStatus.ACTIVE
     since: float = 0.0
     reason: str = ""
+    # When it was last heard from by an update recorded in an earlier round of the epoch (its upload time), or when
+    # it was last heard from at all as the epoch admitted it. Ingest writes an update's record, not the participant's
+    # record too, and a participant does not heartbeat within an interval of an update upload: without this, a
+    # member uploading every round would look silent since its last heartbeat once a round closed.
+    heard: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,9 @@ class RunState:
     members: Mapping[str, Member] = field(default_factory=dict)
     selected: tuple[str, ...] = ()
     counted: tuple[str, ...] = ()  # accepted updates frozen for aggregation when RoundTrain ends
+    # The updates the last closed round (round - 1) aggregated; () if it was not aggregated. A participant reads
+    # its update's outcome here, in the roster it reads anyway, instead of from its update record.
+    counted_last: tuple[str, ...] = ()
     excluded: Mapping[str, str] = field(default_factory=dict)  # accepted but left out at the freeze, and why
     global_digest: str = ""  # digest of rounds/<round>/global; "" before the run has a model
     optimizer_digest: str = ""  # the server optimizer state that made it (rounds/<round>/optimizer); "": zeros
@@ -69,7 +79,18 @@ class RunState:
     health_round: int = -1  # the last closed round with witness records
     health: Mapping[str, int] = field(default_factory=dict)  # its health scores (proofs attesting each)
     health_quorum: int = 0
+    # Witnessed rounds in a row, through health_round, each member's update went unattested (a score under the
+    # quorum; no counted update scores 0), and how many make a health report drop it (RunConfig.health_strikes).
+    strikes: Mapping[str, int] = field(default_factory=dict)
+    strikes_needed: int = 1
     pause_requested: bool = False  # set by the operator; the next tick pauses (and clearing it resumes)
+    # Throughput sizing (shared.sizing): the smoothed estimate of every participant measured so far, the current
+    # round's plan (who trains which share, fixed at round start), and who missed the last deadline while still
+    # making progress (kept with a smaller share; a second miss drops it).
+    speeds: Mapping[str, Speed] = field(default_factory=dict)
+    plan: Plan = ()
+    late: tuple[str, ...] = ()
+    round_units: float = 0.0  # samples x passes a whole round trains, as the last measured round's updates said
 
     @property
     def has_model(self) -> bool:
@@ -79,6 +100,20 @@ class RunState:
 
     def active(self) -> list[str]:
         return sorted(p for p, m in self.members.items() if m.status is MemberStatus.ACTIVE)
+
+    def unhealthy(self) -> tuple[str, ...]:
+        """Active members a health report may drop: unattested by a quorum of witnesses in the last witnessed
+        round and in the `strikes_needed - 1` witnessed rounds before it that scored them."""
+        return tuple(p for p in self.active() if self.strikes.get(p, 0) >= self.strikes_needed
+                     and self.health.get(p, self.health_quorum) < self.health_quorum)
+
+    @property
+    def needs_ticks(self) -> bool:
+        """False while nothing happens until someone acts: the run is finished, or paused and not asked to resume
+        (the tick schedule is off then, `store.schedule`)."""
+        if self.phase is Phase.FINISHED:
+            return False
+        return not (self.phase is Phase.PAUSED and self.pause_requested)
 
     def evolve(self, **changes: Any) -> RunState:
         return dataclasses.replace(self, **changes)
@@ -98,6 +133,20 @@ class ParticipantView:
     # comparison of last_seen with joined_at: event times are whole seconds, and a heartbeat sent within the
     # second of the join would not move last_seen past joined_at.
     heard_at: float = 0.0
+    samples: int = 0  # local data mode: its own data's sample count, registered at join
+    # Training progress from its latest heartbeat: the round, units done of total, when it last moved (ingest's
+    # clock), and the samples per second it measured in its last round. progress_round -1: never reported.
+    progress_round: int = -1
+    progress_done: int = 0
+    progress_total: int = 0
+    progress_at: float = 0.0
+    rate: float = 0.0
+
+    def stalled_for(self, round_no: int, round_started: float, now: float) -> float:
+        """Seconds its training progress in `round_no` has not moved (counted from the round's start if it has not
+        reported progress in that round yet)."""
+        moved = self.progress_at if self.progress_round == round_no else 0.0
+        return now - max(moved, round_started)
 
     def alive(self, now: float, timeout: float) -> bool:
         return now - self.last_seen <= timeout
@@ -121,6 +170,24 @@ class UpdateView:
     metrics: Mapping[str, float] = field(default_factory=dict)
     version_id: str = ""
     norm: float = -1.0  # L2 distance from the round's global model; -1: not measured
+    received_at: float = 0.0  # when it was uploaded (the S3 event's time)
+    data_offset: int = -1  # where its data section starts; -1: unknown (read from the file)
+
+
+def heard_through_updates(participants: Mapping[str, ParticipantView], updates: Mapping[str, UpdateView],
+                          members: Mapping[str, Member] | None = None) -> dict[str, ParticipantView]:
+    """The participants as their signed updates show them: heard from when the latest was uploaded, the round's
+    (its record) or an earlier round's of the epoch (`Member.heard`). Ingest writes the update's record only, not
+    the participant's too: one write less per update."""
+    heard = {pid: m.heard for pid, m in (members or {}).items() if m.heard}
+    for pid, u in updates.items():
+        heard[pid] = max(heard.get(pid, 0.0), u.received_at)
+    out = dict(participants)
+    for pid, at in heard.items():
+        view = out.get(pid)
+        if view is not None and at > view.last_seen:
+            out[pid] = dataclasses.replace(view, last_seen=at, heard_at=max(view.heard_at, at))
+    return out
 
 
 @dataclass(frozen=True)
@@ -151,6 +218,7 @@ class AggregateInput:
     digest: str
     version_id: str = ""  # the S3 object version accepted (uploads to the same key cannot swap it)
     norm: float = -1.0  # its distance from the round's global model, measured at ingest (clipping uses it)
+    data_offset: int = -1  # where its data section starts, as ingest read it; -1: unknown
 
 
 @dataclass(frozen=True)
@@ -193,7 +261,10 @@ class RoundSummary:
     witnesses: tuple[str, ...] = ()
     proofs: int = 0  # valid witness proofs received
     quorum: int = 0
-    health: Mapping[str, int] = field(default_factory=dict)
+    health: Mapping[str, int] = field(default_factory=dict)  # the scores members may be dropped on
+    shares: Mapping[str, int] = field(default_factory=dict)  # each planned participant's weight (shared.sizing)
+    finished: Mapping[str, float] = field(default_factory=dict)  # seconds from round start to each update's upload
+    suspects: Mapping[str, str] = field(default_factory=dict)  # witnesses whose proof the others contradict, why
 
     @property
     def seconds(self) -> float:

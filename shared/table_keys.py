@@ -8,6 +8,7 @@ One table per run, keys `pk` / `sk`:
     RUN#<run>  W#<round>#<witness>      a witness proof (validated)
     RUN#<run>  H#<round>#<reporter>     a health report naming peers believed unhealthy
     RUN#<run>  COUNT#participants       how many participants have joined (bounded by max_participants)
+    RUN#<run>  COUNT#U#<round>          how many update records the round has (ingest ticks on the last one)
     RUN#<run>  X#<hash of key, etag>    an object refused outside any round slot, with the reason
 """
 
@@ -36,6 +37,10 @@ def participant_sk(pid: str) -> str:
 
 def update_sk(round_no: int, pid: str = "") -> str:
     return f"U#{round_no:0{ROUND_DIGITS}d}#{pid}"
+
+
+def update_count_sk(round_no: int) -> str:
+    return f"COUNT#U#{round_no:0{ROUND_DIGITS}d}"
 
 
 def round_sk(round_no: int) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from shared.messages import MAX_BLOOM_BITS as MAX_BLOOM_BITS
 from shared.messages import MAX_HASHES as MAX_HASHES
 from shared.messages import MAX_PROOF_BYTES as MAX_PROOF_BYTES
+from shared.messages import MAX_PROOF_RECORD_BYTES as MAX_PROOF_RECORD_BYTES
 from shared.messages import PROOF_SCHEMA as PROOF_SCHEMA
 from shared.messages import BloomEnvelope, MessageError, ProofEnvelope, parse_message
 from shared.selection import shuffled
@@ -73,6 +74,9 @@ class BloomFilter:
     def add(self, item: str) -> None:
         for p in self._positions(item):
             self.data[p // 8] |= 1 << (p % 8)
+
+    def set_bits(self) -> int:
+        return sum(bin(b).count("1") for b in self.data)
 
     def __contains__(self, item: str) -> bool:
         return all(self.data[p // 8] & (1 << (p % 8)) for p in self._positions(item))
@@ -179,3 +183,61 @@ def health_scores(proofs: Iterable[Proof], updates: dict[str, str]) -> dict[str,
     """For each participant with an update (digest), how many proofs attest exactly that update."""
     proofs = list(proofs)
     return {pid: sum(1 for p in proofs if p.attests(pid, dig)) for pid, dig in updates.items()}
+
+
+MAX_FALSE_ATTESTATION = 0.05  # a filter that would attest more than this share of updates it never saw claims too much
+
+
+def overclaim(proof: Proof, recorded: int) -> str:
+    """Why a proof's filters claim more than the round could let a witness know, or "".
+
+    `recorded` updates (the round's accepted ones) put at most `recorded x hashes` bits in a filter; an
+    honest filter also stays sparse enough that an update it never saw passes it rarely (its design rate
+    is 1%). A filter with more bits set, or one that would pass over MAX_FALSE_ATTESTATION of unseen
+    entries (say every bit set), attests what its witness could not have checked."""
+    for name, bloom in (("participants", proof.participants), ("digests", proof.digests)):
+        ones, most = bloom.set_bits(), min(bloom.bits, recorded * bloom.hashes)
+        if ones > most:
+            return (f"its {name} filter has {ones} of {bloom.bits} bits set; the round's {recorded} recorded "
+                    f"update(s) set at most {most} with {bloom.hashes} hash(es)")
+        rate = (ones / bloom.bits) ** bloom.hashes
+        if rate > MAX_FALSE_ATTESTATION:
+            return (f"its {name} filter would attest {rate:.0%} of entries it never saw ({ones} of {bloom.bits} "
+                    f"bits set, {bloom.hashes} hash(es)); at most {MAX_FALSE_ATTESTATION:.0%}")
+    return ""
+
+
+def verdicts(proofs: dict[str, Proof], updates: dict[str, str]) -> dict[str, frozenset[str]]:
+    """For each witness, the updates (participant -> digest) its proof attests."""
+    return {w: frozenset(pid for pid, dig in updates.items() if p.attests(pid, dig)) for w, p in proofs.items()}
+
+
+def evidence(proofs: dict[str, Proof], updates: dict[str, str], selected: Iterable[str], seats: int
+             ) -> dict[str, int]:
+    """The health scores a member may be dropped on, for each selected participant the evidence covers.
+
+    A participant with no counted update scores 0: the coordinator's own records show it. One with a counted
+    update scores the proofs that attest it; a score under the quorum counts only when every one of the `seats`
+    elected witnesses sent a proof and none attested it. When the witnesses disagree (some attest, some do not)
+    or some proofs are missing, the update is left out: no evidence either way, nobody dropped on it. So
+    witnesses that withhold attestations cannot evict the honest unless they hold every seat."""
+    need, everyone = quorum(seats), len(proofs) == seats
+    out = {pid: 0 for pid in selected if pid not in updates}
+    for pid, score in health_scores(proofs.values(), updates).items():
+        if score >= need or (everyone and score == 0):
+            out[pid] = score
+    return out
+
+
+def suspects(proofs: dict[str, Proof], updates: dict[str, str], seats: int) -> dict[str, str]:
+    """Witnesses whose proof refused an update that a quorum of the other witnesses attested, with why."""
+    need, out = quorum(seats), dict[str, str]()
+    seen = verdicts(proofs, updates)
+    for pid in sorted(updates):
+        attesters = sorted(w for w, got in seen.items() if pid in got)
+        if len(attesters) < need:
+            continue
+        for w in sorted(seen):
+            if pid not in seen[w] and w not in out:
+                out[w] = f"refused the update of {pid}, which {len(attesters)} other witness(es) attested"
+    return out

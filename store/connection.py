@@ -8,7 +8,7 @@ from pathlib import Path
 
 import boto3
 
-from shared.naming import OUTPUT_BUCKET, OUTPUT_PARTICIPANT_ROLE, OUTPUT_RUN_ID, OUTPUT_TABLE
+from shared.naming import OUTPUT_BUCKET, OUTPUT_PARTICIPANT_ROLE, OUTPUT_RUN_ID, OUTPUT_STATE_TOPIC, OUTPUT_TABLE
 
 DEFAULT_LOCAL_FILE = Path(".fed") / "local.json"
 
@@ -25,6 +25,7 @@ class Connection:
     endpoint: str | None = None  # None: AWS through the standard credential chain
     region: str = "us-east-1"
     participant_role: str = ""
+    state_topic: str = ""  # SNS topic announcing new phases and rounds ("": none, the participant polls)
 
     def save(self, path: Path = DEFAULT_LOCAL_FILE) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -55,4 +56,5 @@ class Connection:
             endpoint=None,
             region=cfn.meta.region_name,
             participant_role=outputs.get(OUTPUT_PARTICIPANT_ROLE, ""),
+            state_topic=outputs.get(OUTPUT_STATE_TOPIC, ""),
         )

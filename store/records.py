@@ -17,6 +17,7 @@ from pynamodb.attributes import (
 )
 from pynamodb.models import Model
 
+from shared.sizing import Share, Speed
 from shared.state import Member, MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
 from store.views import ParticipantRecord, ProofRecord, RefusalRecord, UpdateRecord
 
@@ -48,6 +49,10 @@ class ParticipantItem(_Item):
     last_sent = NumberAttribute(default=0)  # `sent_at` of the last join or heartbeat accepted (replays are older)
     heard_at = NumberAttribute(default=0)  # last signed message accepted after the registering join; 0: none
     samples = NumberAttribute(default=0)  # local data mode: the sample count registered at join; 0: none
+    # training progress from the latest heartbeat (`Heartbeat.progress`) and when it last moved; its measured rate
+    progress = JSONAttribute(default=dict)
+    progress_at = NumberAttribute(default=0)
+    rate = NumberAttribute(default=0)
 
 
 class UpdateItem(_Item):
@@ -62,6 +67,7 @@ class UpdateItem(_Item):
     etag = UnicodeAttribute(default="")
     version_id = UnicodeAttribute(default="")
     norm = NumberAttribute(default=-1.0)
+    data_offset = NumberAttribute(default=-1)  # where the file's data section starts (-1: not recorded)
     received_at = NumberAttribute()
     metrics = JSONAttribute(default=dict)
 
@@ -145,11 +151,12 @@ def state_to_body(state: RunState) -> dict[str, Any]:
         "round_started": state.round_started,
         "rounds_in_epoch": state.rounds_in_epoch,
         "members": {
-            p: {"status": m.status.value, "since": m.since, "reason": m.reason}
+            p: {"status": m.status.value, "since": m.since, "reason": m.reason, "heard": m.heard}
             for p, m in sorted(state.members.items())
         },
         "selected": list(state.selected),
         "counted": list(state.counted),
+        "counted_last": list(state.counted_last),
         "excluded": dict(state.excluded),
         "global_digest": state.global_digest,
         "optimizer_digest": state.optimizer_digest,
@@ -159,8 +166,33 @@ def state_to_body(state: RunState) -> dict[str, Any]:
         "health_round": state.health_round,
         "health": dict(state.health),
         "health_quorum": state.health_quorum,
+        "strikes": dict(state.strikes),
+        "strikes_needed": state.strikes_needed,
         "pause_requested": state.pause_requested,
+        # (6 significant digits: a measurement has fewer; keeps the item small with many participants)
+        "speeds": {p: [float(f"{v.rate:.6g}"), float(f"{v.overhead:.6g}"), v.rounds]
+                   for p, v in sorted(state.speeds.items())},
+        "plan": [[share.pid, share.weight, share.steps] for share in state.plan],
+        "late": list(state.late),
+        "round_units": state.round_units,
     }
+
+
+# What of the state grows with the membership: kept out of the state item (`store.rosters`), so that the item
+# every participant polls has the same size whatever the number of members.
+ROSTER_FIELDS = ("members", "selected", "counted", "counted_last", "excluded", "witnesses", "health", "strikes",
+                 "speeds", "plan", "late")
+ROSTER = "roster"  # the state item's field naming its roster (a digest; "": every roster field empty)
+
+
+def split_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the state item's part, the roster) of a whole state body."""
+    return ({k: v for k, v in body.items() if k not in ROSTER_FIELDS}, {k: body[k] for k in ROSTER_FIELDS})
+
+
+def joined_body(head: dict[str, Any], roster: dict[str, Any]) -> dict[str, Any]:
+    """The whole state body of a state item's part and its roster ({}: the empty one)."""
+    return {**_EMPTY_ROSTER, **roster, **{k: v for k, v in head.items() if k != ROSTER}}
 
 
 def state_from_body(body: dict[str, Any], version: int) -> RunState:
@@ -177,10 +209,12 @@ def state_from_body(body: dict[str, Any], version: int) -> RunState:
         round_started=float(body["round_started"]),
         rounds_in_epoch=int(body["rounds_in_epoch"]),
         members={
-            p: Member(MemberStatus(m["status"]), float(m["since"]), m["reason"]) for p, m in body["members"].items()
+            p: Member(MemberStatus(m["status"]), float(m["since"]), m["reason"], float(m.get("heard", 0.0)))
+            for p, m in body["members"].items()
         },
         selected=tuple(body["selected"]),
         counted=tuple(body["counted"]),
+        counted_last=tuple(body.get("counted_last", ())),
         excluded=dict(body.get("excluded", {})),
         global_digest=body["global_digest"],
         optimizer_digest=body.get("optimizer_digest", ""),
@@ -190,8 +224,17 @@ def state_from_body(body: dict[str, Any], version: int) -> RunState:
         health_round=int(body.get("health_round", -1)),
         health={k: int(v) for k, v in body.get("health", {}).items()},
         health_quorum=int(body.get("health_quorum", 0)),
+        strikes={k: int(v) for k, v in body.get("strikes", {}).items()},
+        strikes_needed=int(body.get("strikes_needed", 1)),
         pause_requested=bool(body.get("pause_requested", False)),
+        speeds={p: Speed(float(v[0]), float(v[1]), int(v[2])) for p, v in body.get("speeds", {}).items()},
+        plan=tuple(Share(str(p), int(w), int(n)) for p, w, n in body.get("plan", ())),
+        late=tuple(body.get("late", ())),
+        round_units=float(body.get("round_units", 0.0)),
     )
+
+
+_EMPTY_ROSTER = split_body(state_to_body(RunState("empty")))[1]  # a new run's: every roster field empty
 
 
 def participant_view(item: ParticipantItem) -> ParticipantView:
@@ -210,7 +253,17 @@ def participant_record(item: ParticipantItem) -> ParticipantRecord:
         last_sent=float(item.last_sent or 0),
         heard_at=float(item.heard_at or 0),
         samples=int(item.samples or 0),
+        progress=progress_of(item.progress),
+        progress_at=float(item.progress_at or 0),
+        rate=float(item.rate or 0),
     )
+
+
+def progress_of(raw: Any) -> tuple[int, int, int]:
+    """(round, done, total) of a stored progress document; (-1, 0, 0) when there is none."""
+    if not isinstance(raw, dict) or "round" not in raw:
+        return (-1, 0, 0)
+    return (int(raw["round"]), int(raw.get("done", 0)), int(raw.get("total", 0)))
 
 
 def update_view(item: UpdateItem) -> UpdateView:
@@ -224,6 +277,8 @@ def update_view(item: UpdateItem) -> UpdateView:
         metrics={k: float(v) for k, v in (item.metrics or {}).items()},
         version_id=item.version_id,
         norm=float(item.norm),
+        received_at=float(item.received_at),
+        data_offset=int(item.data_offset if item.data_offset is not None else -1),
     )
 
 
@@ -241,6 +296,7 @@ def update_record(item: UpdateItem) -> UpdateRecord:
         version_id=item.version_id,
         norm=float(item.norm),
         received_at=float(item.received_at),
+        data_offset=int(item.data_offset if item.data_offset is not None else -1),
         metrics={k: float(v) for k, v in (item.metrics or {}).items()},
     )
 
@@ -280,6 +336,9 @@ def summary_to_body(s: RoundSummary) -> dict[str, Any]:
         "proofs": s.proofs,
         "quorum": s.quorum,
         "health": dict(s.health),
+        "shares": dict(s.shares),
+        "finished": dict(s.finished),
+        "suspects": dict(s.suspects),
     }
 
 
@@ -303,4 +362,7 @@ def summary_from_body(b: dict[str, Any]) -> RoundSummary:
         proofs=int(b.get("proofs", 0)),
         quorum=int(b.get("quorum", 0)),
         health={k: int(v) for k, v in b.get("health", {}).items()},
+        shares={k: int(v) for k, v in b.get("shares", {}).items()},
+        finished={k: float(v) for k, v in b.get("finished", {}).items()},
+        suspects={str(k): str(v) for k, v in b.get("suspects", {}).items()},
     )

@@ -13,7 +13,7 @@ from pynamodb.exceptions import DeleteError, DoesNotExist, PutError, TransactWri
 from pynamodb.transactions import TransactWrite
 
 from shared.limits import MAX_ID_CHARS, MAX_KEY_CHARS, MAX_REASON_CHARS, bounded
-from shared.state import ParticipantView, RoundSummary, RunState, Snapshot, UpdateView
+from shared.state import ParticipantView, RoundSummary, RunState, Snapshot, UpdateView, heard_through_updates
 from shared.table_keys import (
     PARTICIPANT_COUNT_SK,
     STATE_SK,
@@ -24,23 +24,28 @@ from shared.table_keys import (
     refusal_sk,
     round_sk,
     run_pk,
+    update_count_sk,
     update_sk,
 )
 from shared.witness import Proof
+from store.blobs import Bucket, s3_client
+from store.connection import Connection as ConnectionInfo
 from store.records import (
+    ROSTER,
     Models,
     models,
     participant_record,
     participant_view,
     proof_record,
     refusal_record,
-    state_from_body,
+    split_body,
     state_to_body,
     summary_from_body,
     summary_to_body,
     update_record,
     update_view,
 )
+from store.rosters import Rosters, state_of_item
 from store.views import ParticipantRecord, ProofRecord, RefusalRecord, UpdateRecord
 
 __all__ = [
@@ -60,12 +65,21 @@ class Conflict(Exception):
 
 
 class StateStore:
-    def __init__(self, table: str, run_id: str, endpoint: str | None = None, region: str = "us-east-1") -> None:
+    def __init__(self, table: str, run_id: str, bucket: Bucket, endpoint: str | None = None,
+                 region: str = "us-east-1") -> None:
+        """`bucket`: the run's bucket, where the state's per-member part lives (`store.rosters`)."""
         self.run_id = run_id
         self.pk = run_pk(run_id)
         self.m: Models = models(table, endpoint, region)
+        self.rosters = Rosters(bucket, run_id)
         self._table, self._endpoint, self._region = table, endpoint, region
         self._tx_connection: Connection | None = None
+
+    @classmethod
+    def of(cls, connection: ConnectionInfo, bucket: Bucket | None = None) -> StateStore:
+        """The store of the run a connection names (reading rosters through `bucket`, if the caller has one)."""
+        bucket = bucket or Bucket(connection.bucket, s3_client(connection.endpoint, connection.region))
+        return cls(connection.table, connection.run_id, bucket, connection.endpoint, connection.region)
 
     # --- the coordinator state ---------------------------------------------------------------------
 
@@ -75,13 +89,24 @@ class StateStore:
             item = self.m.run.get(self.pk, STATE_SK, consistent_read=True)
         except DoesNotExist:
             return RunState(self.run_id)
-        return state_from_body(item.body, int(item.version))
+        return state_of_item(item.body, int(item.version), self.rosters)
 
     def load_snapshot(self) -> Snapshot:
         state = self.read_state()
         proofs = self.proofs(state.round) if state.witnesses else {}
         reports = self.health_reports(state.health_round) if state.health else {}
-        return Snapshot(state, self.participants(), self.updates(state.round), proofs, reports)
+        updates = self.updates(state.round)
+        participants = heard_through_updates(self.participants(), updates, state.members)
+        return Snapshot(state, participants, updates, proofs, reports)
+
+    def state_of(self, body: dict[str, Any], version: int) -> RunState:
+        """The state a state item's body names (as read, or as pushed: `store.push`)."""
+        return state_of_item(body, version, self.rosters)
+
+    def item_body(self, state: RunState) -> dict[str, Any]:
+        """The state item's body for `state`: its constant-size part and the digest of its roster (written)."""
+        head, roster = split_body(state_to_body(state))
+        return {**head, ROSTER: self.rosters.write(roster)}
 
     def commit(self, state: RunState, expected_version: int, summaries: tuple[RoundSummary, ...] = ()) -> int:
         """Write `state` if the stored version is still `expected_version`; return the new version."""
@@ -91,7 +116,7 @@ class StateStore:
             phase=state.phase.value,
             round=state.round,
             epoch=state.epoch,
-            body=state_to_body(state),
+            body=self.item_body(state),
         )
         if expected_version:  # without a version, pynamodb's save requires that the item not exist yet
             item.version = expected_version
@@ -145,6 +170,13 @@ class StateStore:
         )
         return {i.pid: participant_view(i) for i in items}
 
+    def participant_records(self) -> dict[str, ParticipantRecord]:
+        """Every participant record, with everything stored (`participants` gives a tick's views)."""
+        items = self.m.participant.query(
+            self.pk, self.m.participant.sk.startswith("P#"), consistent_read=True
+        )
+        return {i.pid: participant_record(i) for i in items}
+
     def participant(self, pid: str) -> ParticipantRecord | None:
         try:
             item = self.m.participant.get(self.pk, participant_sk(pid), consistent_read=True)
@@ -177,6 +209,13 @@ class StateStore:
                 raise
         return "exists" if self.participant(pid) is not None else "full"
 
+    def participant_count(self) -> int:
+        """How many participants have registered (the count `create_participant` keeps)."""
+        try:
+            return int(self.m.counter.get(self.pk, PARTICIPANT_COUNT_SK, consistent_read=True).n)
+        except DoesNotExist:
+            return 0
+
     def touch(self, pid: str, at: float) -> bool:
         """Move last_seen (and heard_at) forward (never back: events arrive out of order); False if pid never joined."""
         p = self.m.participant
@@ -191,7 +230,8 @@ class StateStore:
         return self.participant(pid) is not None
 
     def accept_message(
-        self, pid: str, sent_at: float, at: float, ready_epoch: int | None = None, info: dict[str, Any] | None = None
+        self, pid: str, sent_at: float, at: float, ready_epoch: int | None = None, info: dict[str, Any] | None = None,
+        progress: dict[str, int] | None = None, progress_moved: bool = False, rate: float | None = None,
     ) -> str:
         """Take a join request's or heartbeat's news if it was sent after the last one accepted from `pid`:
         "accepted", "duplicate" (that very message, delivered again), "stale" (an older message: a replay,
@@ -205,6 +245,12 @@ class StateStore:
             actions.append(p.ready_epoch.set(ready_epoch))
         if info is not None:
             actions.append(p.info.set(info))
+        if progress is not None:
+            actions.append(p.progress.set(progress))
+            if progress_moved:
+                actions.append(p.progress_at.set(at))
+        if rate is not None:
+            actions.append(p.rate.set(rate))
         try:
             self.m.participant(self.pk, participant_sk(pid)).update(
                 actions=actions, condition=p.pk.exists() & (p.last_sent.does_not_exist() | (p.last_sent < sent_at))
@@ -246,10 +292,19 @@ class StateStore:
             etag=bounded(rec.etag, MAX_ID_CHARS),
             version_id=rec.version_id,  # read back to aggregate: never cut (S3 version ids are short)
             norm=rec.norm,
+            data_offset=rec.data_offset,
             received_at=rec.received_at,
             metrics=rec.metrics,
         )
         return self._create(item)
+
+    def count_update(self, round_no: int) -> int:
+        """One more update recorded in `round_no` (call once per record created): the round's count so far. One
+        write instead of a read of every record: ingest ticks only when the count reaches the selection."""
+        n = self.m.counter.n
+        item = self.m.counter(self.pk, update_count_sk(round_no))
+        item.update(actions=[n.add(1)])
+        return int(item.n)
 
     def update_record(self, round_no: int, pid: str) -> UpdateRecord | None:
         try:

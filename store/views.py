@@ -27,11 +27,16 @@ class ParticipantRecord:
     last_sent: float = 0.0  # `sent_at` of the last join request or heartbeat accepted
     heard_at: float = 0.0  # last signed message accepted after the join that registered it; 0: none yet
     samples: int = 0  # local data mode: its own data's sample count, registered at join (never changed); 0: none
+    progress: tuple[int, int, int] = (-1, 0, 0)  # (round, done, total) of its latest heartbeat; round -1: none
+    progress_at: float = 0.0  # when that progress last moved (ingest's clock)
+    rate: float = 0.0  # samples per second it measured in its last round (as its heartbeat said)
 
     def view(self) -> ParticipantView:
         """What a tick needs of this record."""
+        r, done, total = self.progress
         return ParticipantView(self.pid, self.joined_at, self.last_seen, self.ready_epoch, self.init_digest,
-                               heard_at=self.heard_at)
+                               heard_at=self.heard_at, samples=self.samples, progress_round=r, progress_done=done,
+                               progress_total=total, progress_at=self.progress_at, rate=self.rate)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class UpdateRecord:
     version_id: str = ""
     norm: float = -1.0
     received_at: float = 0.0
+    data_offset: int = -1  # where its data section starts (the aggregation reads it without a look first)
     metrics: dict[str, float] = field(default_factory=dict)
 
 

@@ -202,6 +202,7 @@ class DispatcherPlan:
     again_rate: float = 0.0
     tick_interval: float = 1.0
     workers: int = 3
+    join_workers: int = 1
     visibility_timeout: int = 15
     max_attempts: int = 3
 

@@ -65,7 +65,7 @@ def main() -> int:
         faults = RandomFaults(random.Random(rng.random()), lambda kind, key: emit(fault=kind, key=key),
                               plan.hold_rate, plan.copies_rate, plan.again_rate)
     dispatcher = Dispatcher(resources, plan.tick_interval, plan.workers, visibility_timeout=plan.visibility_timeout,
-                            max_attempts=plan.max_attempts, faults=faults)
+                            max_attempts=plan.max_attempts, faults=faults, join_workers=plan.join_workers)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     dispatcher.start()

@@ -51,10 +51,14 @@ class Run:
     def state(self) -> RunState:
         return self.store.read_state()
 
-    def start_participants(self, names: list[str], tasks: dict[str, str] | None = None) -> None:
-        """Spawn them (some with another --task); deliver events once all have asked to join, so the first
-        epoch admits them all."""
-        self.procs.spawn(names, {n: ["--task", t] for n, t in (tasks or {}).items()})
+    def start_participants(self, names: list[str], tasks: dict[str, str] | None = None,
+                           extra: dict[str, list[str]] | None = None) -> None:
+        """Spawn them (some with another --task, or other `extra` arguments); deliver events once all have asked to
+        join, so the first epoch admits them all."""
+        args = {n: ["--task", t] for n, t in (tasks or {}).items()}
+        for n, more in (extra or {}).items():
+            args[n] = [*args.get(n, []), *more]
+        self.procs.spawn(names, args)
         await_joins(self.stack, names, self.procs, timeout=90)
         self.stack.release_events()
 

@@ -35,7 +35,16 @@ from botocore.config import Config
 
 from local.resources import LocalResources
 from local.stack import client_environment, function_environment
-from participant.decide import JOIN_RETRY_SECONDS, READY_RETRY_SECONDS, Fetch, Finish, Local, Train
+from participant.decide import (
+    JOIN_RETRY_SECONDS,
+    READY_RETRY_SECONDS,
+    Fetch,
+    Finish,
+    Local,
+    Train,
+    heartbeat_due,
+    next_heartbeat,
+)
 from participant.journal import Journal, JournalKeeper
 from participant.protocol import Outcome, Participant, closed_while_training
 from shared import keys, wire
@@ -45,8 +54,10 @@ from shared.selection import assigned_count
 from shared.signing import Signer
 from shared.state import Phase, RunState
 from shared.table_keys import STATE_SK, participant_sk, run_pk, update_sk
+from store.blobs import Bucket
 from store.connection import Connection
-from store.records import state_from_body
+from store.push import LONG_POLL_SECONDS, Pushed, StateQueue
+from store.rosters import Rosters, state_of_item
 from store.views import ParticipantRecord, UpdateRecord
 from tests.e2e.chaos_support import child_process
 
@@ -81,7 +92,8 @@ class StackProcess:
         assert self.resources.endpoint is not None
         self.endpoint: str = self.resources.endpoint
         self.connection = Connection(self.resources.run_id, self.resources.bucket, self.resources.table,
-                                     self.resources.endpoint, self.resources.region)
+                                     self.resources.endpoint, self.resources.region,
+                                     state_topic=self.resources.state_topic)
 
     def requests(self) -> Counter[tuple[str, str]]:
         """Every request the server has served so far, by (service, operation)."""
@@ -143,6 +155,13 @@ class Clients:
                                               config=config))
         self.ddb = counter.attach(boto3.client("dynamodb", endpoint_url=conn.endpoint, region_name=conn.region,
                                                config=config))
+        # (every participant holds a 20 s long poll open at once: a connection each)
+        listen = Config(retries={"max_attempts": 8, "mode": "standard"}, max_pool_connections=max(pool, 1100),
+                        read_timeout=LONG_POLL_SECONDS + 10)
+        self.sqs = counter.attach(boto3.client("sqs", endpoint_url=conn.endpoint, region_name=conn.region,
+                                               config=listen))
+        self.sns = counter.attach(boto3.client("sns", endpoint_url=conn.endpoint, region_name=conn.region,
+                                               config=config))
 
 
 class SimRemote:
@@ -153,6 +172,7 @@ class SimRemote:
         self.pid, self.conn, self.run_id = pid, conn, conn.run_id
         self.s3, self.ddb = clients.s3, clients.ddb
         self.signer = signer
+        self.rosters = Rosters(Bucket(conn.bucket, clients.s3), conn.run_id)  # its own: each host reads its own
 
     def put(self, key: str, body: bytes) -> None:
         self.s3.put_object(Bucket=self.conn.bucket, Key=key, Body=body, Metadata=self.signer.metadata(key, body))
@@ -172,7 +192,10 @@ class SimRemote:
         item = self._item(STATE_SK)
         if item is None:
             return RunState(self.run_id)
-        return state_from_body(json.loads(item["body"]["S"]), int(item["version"]["N"]))
+        return state_of_item(json.loads(item["body"]["S"]), int(item["version"]["N"]), self.rosters)
+
+    def pushed_state(self, pushed: Pushed) -> RunState:
+        return state_of_item(pushed.body, pushed.version, self.rosters)
 
     def read_config(self) -> RunConfig | None:
         data = self.get(keys.config_key(self.run_id))  # published by the coordinator's first tick
@@ -184,7 +207,8 @@ class SimRemote:
             return None
         return ParticipantRecord(self.pid, joined_at=float(item["joined_at"]["N"]),
                                  last_seen=float(item.get("last_seen", {}).get("N", 0)),
-                                 ready_epoch=int(item.get("ready_epoch", {}).get("N", 0)))
+                                 ready_epoch=int(item.get("ready_epoch", {}).get("N", 0)),
+                                 last_sent=float(item.get("last_sent", {}).get("N", 0)))
 
     def update_record(self, round_no: int) -> UpdateRecord | None:
         item = self._item(update_sk(round_no, self.pid))
@@ -212,10 +236,12 @@ class SimParticipant(Participant):
     def __init__(self, pid: str, conn: Connection, clients: Clients, counter: RequestCounter, dataset_size: int,
                  poll_max: float = 2.0, timeout: float = 600.0, join_retry: float = JOIN_RETRY_SECONDS,
                  ready_retry: float = READY_RETRY_SECONDS, heartbeat_every: float = 0.0,
-                 train_seconds: float = 0.0) -> None:
-        """`heartbeat_every` > 0: heartbeat on a thread of its own every that many seconds, as the daemon does
-        (0: once at start only, which a run with a long liveness timeout needs); `train_seconds`: how long a
-        round's training takes (the numpy stand-in itself is instant)."""
+                 heartbeat_after_update: float = 0.0, train_seconds: float = 0.0, push: bool = True) -> None:
+        """`heartbeat_every` > 0: heartbeat on a thread of its own every that many seconds and not within
+        `heartbeat_after_update` of an update upload, as the daemon does (its run config's figures; 0: once at
+        start only, which a run with a long liveness timeout needs); `train_seconds`: how long a
+        round's training takes (the numpy stand-in itself is instant); `push`: listen on a push queue of its own
+        (as the daemon does where the run has a state topic), else poll the state."""
         self.signer = Signer.generate()
         self.remote = SimRemote(pid, conn, clients, self.signer)
         super().__init__(pid, conn.run_id, self.remote, JournalKeeper(Journal(conn.run_id, pid)), poll_max,
@@ -232,8 +258,11 @@ class SimParticipant(Participant):
         self.finished_digest = ""
         self.actions: Counter[str] = Counter()  # what it sent, by kind (joins and ready reports are re-sent)
         self.heartbeat_every, self.train_seconds = heartbeat_every, train_seconds
+        self.heartbeat_after_update = heartbeat_after_update
         self.ready_epoch = 0  # what its heartbeats say (the last epoch it reported ready for)
         self._beats_stop = threading.Event()
+        self.clients, self.push = clients, push
+        self.update_sent_at = -math.inf  # as the daemon's: no heartbeat within an interval of an update upload
 
     @property
     def uploaded(self) -> dict[int, str]:
@@ -254,7 +283,10 @@ class SimParticipant(Participant):
             self.counter.phase.name = "setup"
             self._join()
             self._wait_for_config()
-            self._beat(0)  # the daemon's heartbeat thread beats once at start (then every liveness_timeout / 4)
+            if self.push:
+                self.feed = StateQueue.open(self.run_id, self.pid, self.conn.state_topic, self.clients.sqs,
+                                            self.clients.sns)
+            self._beat(0)  # the daemon's heartbeat thread beats once at start (then every heartbeat_every)
             if self.heartbeat_every > 0:
                 threading.Thread(target=self._heartbeats, name=f"{self.pid}-heartbeat", daemon=True).start()
             self.deadline = time.monotonic() + self.timeout
@@ -266,11 +298,19 @@ class SimParticipant(Participant):
 
     def _heartbeats(self) -> None:
         """The daemon's heartbeat thread: every `heartbeat_every` seconds (jittered as the daemon's), until done."""
-        while not self._beats_stop.wait(self.heartbeat_every * random.uniform(0.9, 1.0)):
+        last = time.monotonic()  # (run() beat once at start)
+        while True:
+            jitter = random.uniform(0.9, 1.0)
+            due = next_heartbeat(last, self.update_sent_at, self.heartbeat_every * jitter,
+                                 self.heartbeat_after_update * jitter)
+            if self._beats_stop.wait(max(0.0, due - time.monotonic())):
+                return
             try:
-                self._beat(self.ready_epoch)
+                if heartbeat_due(time.monotonic(), self.update_sent_at, self.heartbeat_after_update * 0.9):
+                    self._beat(self.ready_epoch)
+                    last = time.monotonic()
             except Exception:  # as the daemon's: a failed heartbeat never ends the thread
-                continue
+                last = time.monotonic()
 
     # --- the protocol loop's hooks ------------------------------------------------------------------
 
@@ -322,17 +362,20 @@ class SimParticipant(Participant):
         arrays, _ = wire.decode(self.held_data)
         noise = np.random.default_rng(int(hashlib.sha256(f"{a.seed}:{self.pid}".encode()).hexdigest()[:8], 16))
         trained = {k: (v + noise.normal(0, 0.01, v.shape)).astype(v.dtype) for k, v in arrays.items()}
-        samples = assigned_count(self.dataset_size, a.selected, self.pid)
+        samples = assigned_count(self.dataset_size, a.planned, self.pid)
         meta = wire.UpdateMeta(self.run_id, a.round, self.pid, samples, {"loss": float(noise.uniform(0.5, 1.0))})
         data = wire.encode(trained, meta.to_metadata())
         if closed_while_training(self.remote, a, self.pid):  # as the daemon does: is the round still open for us?
             return False
         self.remote.put(keys.update_key(self.run_id, a.round, self.pid), data)
+        self.update_sent_at = time.monotonic()
         self.actions["update"] += 1
         self.kept.uploaded(a.round, {"digest": wire.digest(data), "samples": samples})
         self.sent[a.round] = data
         return True
 
     def _finish(self, action: Finish) -> Outcome:
+        if self.feed is not None:
+            self.feed.close()
         self.finished_digest = action.digest
         return Outcome(True, self.rounds_uploaded)

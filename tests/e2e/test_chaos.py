@@ -99,7 +99,7 @@ def test_the_run_survives_chaos_without_losing_or_double_counting_an_update(tmp_
     try:
         # Given four participants that asked to join, and a dispatcher process that delivers with faults
         spawner.call(lambda: procs.spawn(NAMES))
-        await_joins(stack, NAMES, procs, timeout=120)
+        await_joins(stack, NAMES, procs, timeout=120, heard=False)  # no tick yet: no config, no heartbeats
         dispatchers.start()
 
         def healthy() -> None:

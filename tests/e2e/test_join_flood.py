@@ -126,7 +126,8 @@ def test_a_flood_of_signed_joins_neither_slows_rounds_nor_drops_members_nor_buys
     counter = RequestCounter()
     clients = Clients(conn, counter, pool=32)
     honest = [SimParticipant(pid, conn, clients, counter, config.dataset_size, poll_max=0.5, timeout=RUN_TIMEOUT,
-                             heartbeat_every=config.heartbeat_every, train_seconds=TRAIN_SECONDS)
+                             heartbeat_every=config.heartbeat_every,
+                             heartbeat_after_update=config.heartbeat_after_update, train_seconds=TRAIN_SECONDS)
               for pid in HONEST]
     dispatcher = DispatcherProcess(stack.resources, DispatcherPlan(tick_interval=1.0, visibility_timeout=60),
                                    tmp_path / "dispatcher.log")

@@ -20,7 +20,10 @@ def test_a_poisoned_participant_is_not_attested_not_aggregated_and_dropped(local
     # Given six participants, three witnesses per round, and p6 uploading scaled sign-flipped updates
     config = e2e_config(min_clients=5, min_per_round=5, min_updates=3, total_rounds=6, witness_nodes=3,
                         witness_tolerance=0.3, round_witness_time=10, max_round_train_time=30, liveness_timeout=10,
-                        learning_rate=0.1, local_epochs=2, batch_size=16)
+                        learning_rate=0.1, local_epochs=2, batch_size=32)
+    # (the demo's digits training, whose honest updates benchmarks/witness_errors.py measured: 0 of 60 refused; at
+    # batch 16 an honest update sometimes diverged — mean training loss 0.92 against the others' 0.13-0.20 — and
+    # every witness refused it, rightly, which dropped an honest participant from the test's epoch)
     run = local_run(config)
     names = [f"p{i}" for i in range(1, 7)]
 
@@ -45,10 +48,12 @@ def test_a_poisoned_participant_is_not_attested_not_aggregated_and_dropped(local
     assert p6.status is MemberStatus.DROPPED and p6.reason.startswith("health check: round"), p6.reason
     assert any(r.dropped.get("p6") == p6.reason for r in rounds)
     assert all(state.members[p].status is MemberStatus.ACTIVE for p in names[:5])
-    # And the run reached the clean demo's accuracy bar
+    # And the run learned as an honest one does: a round closes once 3 of the 5 honest updates are in, so how many
+    # samples each round trained varies with timing (measured 0.947-0.97 after 6 rounds); a single scaled
+    # sign-flipped update counted would have thrown the model far below this
     final = run.accuracy(state.round, state.global_digest)
     print(f"final test accuracy {final:.4f} after {state.aggregated} rounds")
-    assert final >= 0.95, final
+    assert final >= 0.93, final
     assert run.procs.wait_exit(30) and all(p.process.returncode == 0 for p in run.procs.procs.values())
 
 
@@ -56,7 +61,8 @@ def test_a_participant_that_stops_working_is_dropped_through_the_health_path(loc
     # Given four participants, three witnesses, and p4 whose training blocks from its second round on (its
     # heartbeats go on, so the liveness check never drops it)
     config = e2e_config(min_clients=3, min_per_round=3, min_updates=2, total_rounds=3, witness_nodes=3,
-                        witness_tolerance=0.5, round_witness_time=4, max_round_train_time=20, liveness_timeout=15)
+                        witness_tolerance=0.5, round_witness_time=4, max_round_train_time=20, liveness_timeout=15,
+                        health_strikes=1)  # (3 rounds of 3 of 4: a second selected round may never come)
     run = local_run(config)
     run.start_participants(["p1", "p2", "p3", "p4"], tasks={"p4": STALLED})
 

@@ -6,7 +6,7 @@ import copy
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,14 +18,16 @@ from botocore.config import Config
 from moto import mock_aws
 from moto.dynamodb.models import DynamoDBBackend
 
+from coordinator.intake import forget_registered
+from coordinator.tick import run_tick
 from functions import ingest, tick
 from functions.settings import Deps, deps_from_env
-from local import moto_ranges
+from local import moto_ranges, moto_sns, moto_sqs
 from local.context import LocalContext
 from local.resources import create_resources
 from shared import keys, wire
 from shared.config import RunConfig
-from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_RUN_ID, ENV_TABLE
+from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_RUN_ID, ENV_STATE_TOPIC, ENV_TABLE
 from shared.selection import assigned_count
 from shared.signing import Signer
 from shared.state import RunState
@@ -51,6 +53,9 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     }.items():
         monkeypatch.setenv(name, value)
     moto_ranges.apply()  # ranged GETs read their range only (shard workers and ingest read 8 MiB ranges)
+    moto_sns.apply()  # a publish reaches every subscription, not the first 100
+    moto_sqs.apply()  # a send costs the same whatever the queue's backlog
+    forget_registered()  # a new AWS: no warm function holds a participant's record from another
     with mock_aws():
         yield
 
@@ -154,7 +159,7 @@ class Harness:
         s = self.state()
         rnd = s.round if round_no is None else round_no
         if samples is None:
-            samples = assigned_count(self.config.dataset_size, s.selected, pid) if s.selected else 1
+            samples = assigned_count(self.config.dataset_size, s.plan or s.selected, pid) if s.selected else 1
         meta = wire.UpdateMeta(self.config.run_id, rnd, pid, samples, metrics or {"loss": 1.0})
         return wire.encode(arrays, meta.to_metadata())
 
@@ -191,6 +196,21 @@ class Harness:
         return wire.decode(body["Body"].read())[0]
 
 
+def assert_round_left_to_lease_holder(h: Harness, close_round: Callable[[], None]) -> None:
+    """Given another invocation holding round 0's aggregation lease, when `close_round` uploads the round's last
+    updates, then the tick does not aggregate it again (the round waits for the holder's commit), and once the lease
+    is given back (or expires) a tick aggregates it."""
+    deps = h.deps
+    assert deps.store.claim("aggregate#0", "another invocation", time.time() + 600, time.time())
+    close_round()
+    result = run_tick(deps)
+    assert not result.committed and any("being aggregated" in n for n in result.notes), result
+    assert h.state().aggregated == 0
+    deps.store.release("aggregate#0", "another invocation")
+    h.scheduled_tick()
+    assert h.state().aggregated == 1
+
+
 def make_config(**overrides: Any) -> RunConfig:
     base: dict[str, Any] = dict(
         run_id=RUN, min_clients=2, min_per_round=2, min_updates=1, total_rounds=3, warmup_time=0,
@@ -210,7 +230,9 @@ def harness_factory(aws: None, atomic_dynamodb: None, monkeypatch: pytest.Monkey
         monkeypatch.setenv(ENV_BUCKET, res_bucket)
         monkeypatch.setenv(ENV_TABLE, f"fed-{config.run_id}-state")
         monkeypatch.setenv(ENV_CONFIG, config.model_dump_json())
-        return Harness(config)
+        harness = Harness(config)
+        monkeypatch.setenv(ENV_STATE_TOPIC, harness.res.state_topic)  # commits that change phase or round publish
+        return harness
 
     return build
 

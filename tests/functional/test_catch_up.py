@@ -98,3 +98,19 @@ def test_a_round_closes_at_its_deadline_without_an_update_never_uploaded(harness
     assert not any("had not delivered" in note for note in result.notes), result.notes
     for name, want in MODEL.items():
         np.testing.assert_allclose(h.global_model(1)[name], want + 1, rtol=1e-6)
+
+
+def test_an_update_the_queue_has_not_delivered_keeps_its_uploader_alive(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = _started(harness_factory, max_round_train_time=600)
+    run_id = h.config.run_id
+    # Given bob's update of the round in the bucket, its event not delivered (an update upload stands in for a
+    # heartbeat, so bob sent none since 20 s ago), carol's heartbeat delivered, and alice silent
+    h.put(keys.update_key(run_id, 0, "bob"), h.update_bytes("bob", {k: v + 1 for k, v in MODEL.items()}, samples=10))
+    h.heartbeat("carol")
+    # When a tick runs once bob's and alice's recorded heartbeats are older than the liveness timeout
+    result = run_tick(h.deps, now=time.time() + LIVENESS - 10)
+    # Then bob's update was taken from the bucket and kept bob; only alice was dropped
+    members = h.state().members
+    assert members["bob"].status is MemberStatus.ACTIVE, result.notes
+    assert members["alice"].status is MemberStatus.DROPPED
+    assert h.deps.store.updates(0)["bob"].accepted

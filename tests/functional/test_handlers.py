@@ -32,9 +32,11 @@ def test_a_round_end_to_end_and_the_global_equals_fedavg_of_accepted_files(harne
     state = harness.start(["alice", "bob"])
     assert state.phase is Phase.TRAIN and set(state.selected) == {"alice", "bob"}
     # When both upload (with different sample counts)
-    harness.upload("alice", scaled(1.0), samples=30)
+    first = harness.upload("alice", scaled(1.0), samples=30)
     result = harness.upload("bob", scaled(3.0), samples=10)
-    # Then the last upload's tick closes the round at once
+    # Then the first is recorded without a tick (it cannot close the round), and the last upload's tick closes the
+    # round at once
+    assert first["accepted"] and "tick" not in first and harness.state().phase is Phase.TRAIN
     assert result["tick"]["fired"][:2] == ["round_closed", "aggregate_next_round"]
     state = harness.state()
     assert state.round == 1 and state.aggregated == 1

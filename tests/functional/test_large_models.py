@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from coordinator.aggregation import write_aggregate
-from coordinator.tick import run_tick
 from coordinator.verify import verify_run
 from shared import keys, wire
 from shared.config import ServerOptimizer, Strategy
 from shared.digest import PIECE_BYTES
 from shared.state import Aggregate, AggregateInput
-from tests.functional.conftest import Harness
+from tests.functional.conftest import Harness, assert_round_left_to_lease_holder
 
 MB = 1024 * 1024
 PIDS = ["alice", "bob", "carol"]
@@ -105,21 +103,15 @@ def test_one_shard_and_three_give_byte_identical_globals(big: Harness, strategy:
 
 
 def test_a_round_another_invocation_is_aggregating_is_left_to_it(big: Harness) -> None:
-    # Given another invocation holds the round's aggregation lease (it is computing the shards)
     big.scheduled_tick()
     for pid in PIDS:
         big.join_alive(pid)
     big.offer(PIDS[0], big_model(0, np.dtype(np.float32), megabytes=24))
-    deps = big.deps
-    assert deps.store.claim("aggregate#0", "another invocation", time.time() + 600, time.time())
-    # When the last update closes the round
-    for i, pid in enumerate(PIDS):
-        assert big.upload(pid, big_model(i + 1, np.dtype(np.float32), megabytes=24), samples=10)["accepted"]
-    # Then this tick does not aggregate it again: the round waits for the holder's commit
-    result = run_tick(deps)
-    assert not result.committed and any("being aggregated" in n for n in result.notes), result
-    assert big.state().aggregated == 0
-    # and once the lease is given back (or expires), a tick aggregates it
-    deps.store.release("aggregate#0", "another invocation")
-    big.scheduled_tick()
-    assert big.state().aggregated == 1
+
+    def close_round() -> None:
+        for i, pid in enumerate(PIDS):
+            assert big.upload(pid, big_model(i + 1, np.dtype(np.float32), megabytes=24), samples=10)["accepted"]
+
+    # Given another invocation holding the round's lease (computing the shards): when the last update closes the
+    # round, the round waits for the holder's commit, and is aggregated once the lease is given back
+    assert_round_left_to_lease_holder(big, close_round)

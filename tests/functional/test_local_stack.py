@@ -22,6 +22,7 @@ from local.dispatcher import Dispatcher
 from local.stack import LocalStack
 from shared import keys, wire
 from shared.config import RunConfig
+from shared.naming import tick_rule_name
 from shared.selection import assigned_count
 from shared.signing import Signer
 from shared.state import Phase
@@ -50,7 +51,7 @@ class Sim:
         c = stack.connection
         self.run_id, self.bucket = c.run_id, c.bucket
         self.s3 = boto3.client("s3", endpoint_url=c.endpoint, region_name=c.region)
-        self.store = StateStore(c.table, c.run_id, c.endpoint, c.region)
+        self.store = StateStore.of(c)
         self.signers: dict[str, Signer] = {}
 
     def put(self, key: str, body: bytes) -> None:
@@ -108,6 +109,14 @@ def test_a_run_finishes_through_queued_events_and_ticks(stack: LocalStack) -> No
     status = collect(stack.connection)
     assert status.phase == "Finished" and status.aggregated == 3
     assert {p.pid: p.state for p in status.participants} == {"alice": "active", "bob": "active"}
+    # And the finished run switched its tick schedule off: nothing fires while it is idle
+    c = stack.connection
+    events = boto3.client("events", endpoint_url=c.endpoint, region_name=c.region)
+    assert events.describe_rule(Name=tick_rule_name(c.run_id))["State"] == "DISABLED"
+    stats = stack.dispatcher.stats
+    ticked = stats.ticks
+    until(lambda: stats.ticks_skipped >= 5)  # five schedule periods
+    assert stats.ticks == ticked
 
 
 def test_a_bad_upload_is_refused_and_shown_in_status(stack: LocalStack) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from rich.console import Console
 
-from fed.status import RefusalLine, describe, render
+from fed.status import RefusalLine, describe, render, render_json
 from shared.config import RunConfig
 from shared.state import Member, MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
 
@@ -75,6 +77,27 @@ def test_a_finished_run_has_no_deadline_or_eta() -> None:
     assert all(p.round_status == "-" for p in status.participants)
 
 
+def test_strikes_toward_a_health_drop_are_shown() -> None:
+    # Given round 5's health: b attested by none of the witnesses, its first strike of the two that drop a member
+    state = RunState(
+        "status-run", version=9, phase=Phase.TRAIN, epoch=1, round=6, aggregated=6, deadline=NOW + 10,
+        members={"a": Member(), "b": Member(), "c": Member()}, selected=("a", "b", "c"), witnesses=("a", "c"),
+        health_round=5, health={"a": 2, "b": 0, "c": 2}, health_quorum=2, strikes={"b": 1}, strikes_needed=2,
+    )
+    # When it is described and rendered
+    status = describe(state, {}, {}, [], [], [], CONFIG.model_copy(update={"witness_nodes": 2}), NOW)
+    console = Console(width=200, record=True)
+    console.print(render(status))
+    text = console.export_text()
+    # Then b's strike shows in its row, and in the summary with how many drop a member
+    w = status.witnessing
+    assert w is not None and w.strikes == {"b": 1} and w.strikes_needed == 2
+    assert {p.pid: p.strikes for p in status.participants} == {"a": 0, "b": 1, "c": 0}
+    assert "0 (strike 1/2)" in text
+    assert "unattested witnessed rounds in a row (a health report drops at 2): b 1 of 2" in text
+    assert json.loads(render_json(status))["witnessing"]["strikes"] == {"b": 1}
+
+
 def test_witnesses_proofs_health_and_drops_are_described() -> None:
     from shared.witness import Proof
 
@@ -122,3 +145,80 @@ def test_refusals_are_shown_bounded_without_control_characters_or_markup() -> No
     # Then the table shows a bounded, printable excerpt, the markup as literal text
     assert "[bold red]owned[/]" in text and "\x1b" not in text and "\r" not in text
     assert len(text) < 10_000 and "more characters" in text
+
+
+def test_the_fleet_view_shows_progress_throughput_share_host_and_who_is_stuck_or_slow() -> None:
+    # Given a round sized by throughput: fast trains, slow missed the last deadline (kept with a smaller share),
+    # stuck heartbeats but its progress has not moved for 90 s, and fast once had an update refused
+    from shared.sizing import Share, Speed
+
+    config = RunConfig(run_id="status-run", min_clients=2, min_per_round=2, total_rounds=10, liveness_timeout=20,
+                       stuck_timeout=60, batch_size=10)
+    members = {p: Member() for p in ("fast", "slow", "stuck")}
+    state = RunState(
+        "status-run", version=9, phase=Phase.TRAIN, epoch=1, round=4, aggregated=4, deadline=NOW + 100,
+        members=members, selected=("fast", "slow", "stuck"), round_started=NOW - 100, late=("slow",),
+        plan=(Share("fast", 1000), Share("slow", 250), Share("stuck", 1000)), round_units=2250.0,
+        speeds={"fast": Speed(100.0, 2.0), "slow": Speed(25.0, 2.0), "stuck": Speed(100.0, 2.0)},
+    )
+    participants = {
+        "fast": ParticipantView("fast", 900.0, NOW - 1, progress_round=4, progress_done=5, progress_total=10,
+                                progress_at=NOW - 1, rate=98.5),
+        "slow": ParticipantView("slow", 900.0, NOW - 2, progress_round=4, progress_done=1, progress_total=4,
+                                progress_at=NOW - 2, rate=24.0),
+        "stuck": ParticipantView("stuck", 900.0, NOW - 1, progress_round=4, progress_done=3, progress_total=10,
+                                 progress_at=NOW - 90),
+    }
+    info = {"fast": {"host": "gpu-1", "device": "cuda:0", "gpu": "NVIDIA H100", "activity": "training round 4 (50%)"},
+            "slow": {"host": "old-box", "device": "cpu", "activity": "training round 4 (25%)"}}
+    refused = [RefusalLine(2, "fast", "runs/status-run/rounds/000002/fast", "non-finite values in w", 950.0)]
+    rounds = [summary(r, 20.0, dropped={"slow": "missed the deadline of round 1"} if r == 1 else {})
+              for r in range(4)]
+
+    # When it is described
+    status = describe(state, participants, {}, refused, [], rounds, config, NOW, info=info)
+
+    # Then every row has the fleet view's fields
+    lines = {p.pid: p for p in status.participants}
+    fast, slow, stuck = lines["fast"], lines["slow"], lines["stuck"]
+    assert (fast.condition, slow.condition, stuck.condition) == ("ok", "slow", "stuck")
+    assert stuck.round_status == "stuck"
+    assert (fast.progress, fast.progress_round, slow.progress, stuck.progress) == (50.0, 4, 25.0, 30.0)
+    assert (fast.samples_per_second, fast.reported_rate, slow.samples_per_second) == (100.0, 98.5, 25.0)
+    assert (fast.share, slow.share) == (round(1000 / 2250, 4), round(250 / 2250, 4))
+    assert fast.predicted_seconds == 2.0 + 1000 / 100 and slow.predicted_seconds == 2.0 + 250 / 25
+    assert (fast.host, fast.device, fast.activity) == ("gpu-1", "cuda:0 (NVIDIA H100)", "training round 4 (50%)")
+    assert slow.drops == ["round 1: missed the deadline of round 1"]
+    assert fast.refusals == ["round 2: non-finite values in w"]
+    # and the ETA comes from the measured throughput: 6 rounds left at the predicted 12 s
+    assert status.predicted_round_seconds == 12.0 and status.eta_seconds == 6 * 12.0
+    assert status.work_sizing == "throughput"
+    # and the JSON has all of it; the tables render it
+    body = status.to_json()
+    row = next(p for p in body["participants"] if p["pid"] == "stuck")
+    assert {"condition", "activity", "progress", "samples_per_second", "share", "host", "device", "drops",
+            "refusals", "health", "last_seen_ago"} <= set(row)
+    console = Console(width=220, record=True)
+    console.print(render(status))
+    text = console.export_text()
+    assert "stuck" in text and "slow" in text and "gpu-1" in text and "predicted 12.0s" in text
+
+
+def test_suspect_witnesses_are_shown_with_why() -> None:
+    # Given a round whose witness b refused an update the two other witnesses attested
+    config = CONFIG.model_copy(update={"witness_nodes": 3})
+    state = RunState("status-run", version=9, phase=Phase.TRAIN, epoch=1, round=4, aggregated=4, deadline=NOW + 10,
+                     members={"a": Member(), "b": Member(), "c": Member()}, selected=("a", "b", "c"))
+    why = "refused the update of a, which 2 other witness(es) attested"
+    rounds = [summary(3, 2.0, selected=("a", "b", "c"), witnesses=("a", "b", "c"), proofs=3, quorum=2,
+                      suspects={"b": why})]
+
+    # When it is described and rendered
+    status = describe(state, {}, {}, [], [], rounds, config, NOW)
+    console = Console(width=200, record=True)
+    console.print(render(status))
+
+    # Then the suspect and why are there
+    assert [(s.round, s.pid, s.reason) for s in status.suspects] == [(3, "b", why)]
+    text = console.export_text()
+    assert "suspect witnesses" in text and why in text

@@ -8,6 +8,7 @@ import pytest
 
 from coordinator.operations import OperationError, restore, set_paused
 from local.resources import create_resources
+from shared.naming import tick_rule_name
 from shared.state import Phase
 from tests.functional.conftest import MODEL, Harness
 
@@ -26,9 +27,14 @@ def test_pause_and_resume(harness: Harness) -> None:
     assert harness.deps.store.rounds()[0].aggregated is False
     refused = harness.upload("bob", model(2), round_no=0)
     assert refused["accepted"] is False
-    # When the operator resumes, the live participants start a new epoch at the next round
+    # And the paused run switched its tick schedule off (an idle run is billed nothing)
+    events = boto3.client("events", region_name="us-east-1")
+    rule = tick_rule_name(harness.config.run_id)
+    assert events.describe_rule(Name=rule)["State"] == "DISABLED"
+    # When the operator resumes, the live participants start a new epoch at the next round, the schedule on again
     result = set_paused(harness.deps, False)
     assert result.state.phase is Phase.TRAIN and result.state.round == 1 and result.state.epoch == 2
+    assert events.describe_rule(Name=rule)["State"] == "ENABLED"
     harness.upload("alice", model(1))
     harness.upload("bob", model(3))
     assert harness.state().aggregated == 1

@@ -1,6 +1,6 @@
-"""Participant daemons (threads, in-process moto) training a run whose updates are int8-compressed deltas, with
-witnesses: every update is accepted and attested, the model learns as with weights, `fed verify` recomputes
-every global, and the bytes sent are about a quarter of the weights'."""
+"""Participant daemons (threads, in-process moto) training a run whose updates and downloads are int8-compressed
+deltas, with witnesses: every update is accepted and attested, the model learns as with weights, `fed verify`
+recomputes every global, and the bytes sent and received are about a quarter of the weights'."""
 
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ from tests.functional.conftest import Harness
 from tests.functional.test_participant_daemon import Participant, run  # noqa: F401 (the `run` fixture)
 
 
-def test_int8_updates_with_witnesses_train_the_run_and_verify(run: Callable[..., Harness], tmp_path: Path) -> None:  # noqa: F811
-    # Given a run of int8-compressed updates, three participants and two witnesses a round
+def test_int8_updates_and_downloads_with_witnesses_train_the_run_and_verify(  # noqa: F811
+    run: Callable[..., Harness], tmp_path: Path  # noqa: F811
+) -> None:
+    # Given a run of int8-compressed updates and downloads, three participants and two witnesses a round
     harness = run(total_rounds=3, min_clients=3, min_per_round=3, min_updates=3, witness_nodes=2,
-                  round_witness_time=60, witness_tolerance=0.3, update_encoding="int8", quant_block=64)
+                  round_witness_time=60, witness_tolerance=0.3, update_encoding="int8", quant_block=64,
+                  download_encoding="int8")
     names = ["alice", "bob", "carol"]
     people = {pid: Participant(harness, pid, tmp_path / pid) for pid in names}
     # When the run goes to the end
@@ -41,6 +44,13 @@ def test_int8_updates_with_witnesses_train_the_run_and_verify(run: Callable[...,
         assert rec.size < 0.35 * weights, (rec.size, weights)
     # And each participant keeps what quantization lost for its next round
     assert all((tmp_path / pid / "residual.safetensors").exists() for pid in names)
+    # And each downloaded the first global model whole, then rebuilt rounds 1-3's from their int8 deltas (codes
+    # are a quarter of the weights' bytes; on a 19 KB model the header each delta carries weighs too)
+    for round_no in (1, 2, 3):
+        assert harness.s3.head_object(Bucket=harness.res.bucket,
+                                      Key=keys.delta_key(run_id, round_no, harness.global_digest(round_no)))
+    for pid, person in people.items():
+        assert weights < person.daemon.training.downloaded < weights * (1 + 3 * 0.5), pid
     # And anyone recomputes every global model from the bucket
     checks = verify_run(harness.deps)
     assert [(c.round, c.ok) for c in checks] == [(0, True), (1, True), (2, True)], checks

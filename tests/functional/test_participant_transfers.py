@@ -25,7 +25,7 @@ from participant.journal import Journal, JournalKeeper
 from participant.remote import PART_BYTES, Remote, Retrier, Stopped
 from participant.tasks.digits import task as digits
 from participant.tensors import load_into, save_model, save_model_file, specs_of, to_bytes
-from participant.training import Training, Workload
+from participant.training import Training, Workload, round_work
 from participant.ui import Reporter, TransferLog
 from participant.witness import PeerUpdate, RoundWitness
 from shared import keys, wire
@@ -263,11 +263,13 @@ def test_an_update_is_trained_from_the_cached_file_and_written_as_safetensors_la
     duty, work = training(make_remote(server), tmp_path)
     held = save_model(digits.build_model(1), duty.cache_dir / "global.safetensors")
     action = Train(round=0, epoch=1, seed="5eed", selected=("alice", "bob"), digest=digest_file(held))
-    indices = assignment(action.seed, work.dataset_size, action.selected, "alice")
+    mine = round_work(work, action, "alice")
+    assert (mine.indices == assignment(action.seed, work.dataset_size, action.selected, "alice")).all()
+    duty.round_check = float("inf")  # no run state to ask whether the round is still open
     # When alice trains her assignment from each
-    from_file, metrics = duty._fit(work, action, held, indices)
+    from_file, metrics = duty._fit(work, action, held, mine)
     kept = from_file.rename(tmp_path / "from-file.safetensors")
-    from_bytes_, _ = duty._fit(work, action, held.read_bytes(), indices)
+    from_bytes_, _ = duty._fit(work, action, held.read_bytes(), mine)
     # Then both updates hold the same tensors, in the layout the coordinator expects (safetensors' own, its
     # metadata the round's), and the file is in the outbox, not the cache
     arrays, header = wire.decode(kept.read_bytes())
@@ -277,6 +279,7 @@ def test_an_update_is_trained_from_the_cached_file_and_written_as_safetensors_la
     assert kept.read_bytes()[header.data_offset:] == to_bytes(load_into(digits.build_model(0), kept).state_dict(),
                                                               header.metadata)[header.data_offset:]
     assert from_bytes_.parent == duty.outbox and metrics["loss"] > 0
+    assert mine.units == len(mine.indices) and metrics["train_seconds"] > 0 and duty.rate
 
 
 def test_a_witness_refuses_a_file_whose_digest_is_not_the_recorded_one(tmp_path: Path) -> None:

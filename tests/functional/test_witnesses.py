@@ -22,7 +22,8 @@ def model(k: float) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def witnessed(harness_factory) -> Harness:  # type: ignore[no-untyped-def]
-    h = harness_factory(min_clients=3, min_per_round=3, min_updates=2, witness_nodes=3, round_witness_time=600)
+    h = harness_factory(min_clients=3, min_per_round=3, min_updates=2, witness_nodes=3, round_witness_time=600,
+                        health_strikes=1)
     h.start(PIDS)
     return h
 
@@ -71,13 +72,12 @@ def test_poisoned_update_not_attested_is_not_aggregated_and_health_report_drops_
     witnesses = h.state().witnesses
     for w in witnesses[:2]:
         assert send_proof(h, w, honest)["accepted"]
-    # two of three proofs are a quorum and everything is checked: the round moved to RoundWitness
-    assert h.state().phase is Phase.WITNESS
-    assert send_proof(h, witnesses[2], honest)["accepted"]
+    # two of three proofs are a quorum, and they attest every counted update (dave's is a norm outlier): the
+    # third could change nothing, so the round closes at once
     s = h.state()
     assert s.round == 1 and s.health["dave"] == 0 and s.health_quorum == 2
     summary = h.deps.store.rounds()[0]
-    assert "dave" not in summary.counted and summary.proofs == 3
+    assert "dave" not in summary.counted and summary.proofs == 2
     expected = np.mean([model(1.0 + i)["dense.bias"] for i in range(3)], axis=0)
     np.testing.assert_allclose(h.global_model(1)["dense.bias"], expected, rtol=1e-6)
     # When a member reports dave (and, wrongly, alice) as unhealthy

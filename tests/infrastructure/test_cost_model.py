@@ -15,6 +15,7 @@ from infra.cost_model import (
     Prices,
     aggregation_cost,
     aggregation_table,
+    idle_cost,
     round_cost,
     table,
 )
@@ -26,24 +27,40 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_requests_per_participant_follow_the_stated_assumptions() -> None:
-    # Given the stated assumptions (120 s rounds, heartbeats every 15 s, polls every 2 s)
+    # Given the stated assumptions (60 s rounds, a liveness timeout of three rounds, 20 s idle on the push queue)
     a = Assumptions()
     cost = round_cost(10, a)
-    # Then a participant makes 1 update PUT and 8 heartbeat PUTs, each one event and one ingest invocation
-    assert cost.s3_puts == cost.events == cost.invocations == 1 + 120 / 15
-    # And polls the run item 60 times; the S3 GETs are its global model plus each object ingest reads (the ranged
-    # reads of aggregation and of ingest's distance check grow with the model: they are in aggregation_cost)
-    assert a.polls == 60
-    assert cost.s3_gets == 1 + cost.s3_puts
+    # Then a member uploading every round heartbeats never: one update PUT, one event and one ingest invocation,
+    # and it shares the coordinator's 4 roster PUTs with the other 9
+    assert a.heartbeats == 0
+    assert cost.events == cost.invocations == 1
+    assert cost.s3_puts == pytest.approx(1 + 4 / 10)
+    # And it GETs the global model and the pushed roster; ingest and the aggregation GET its update once each
+    assert cost.s3_gets == 1 + 1 + 1 + 1
+    # And its queue: the receive that wakes it, one idle long poll, and SNS's delivery
+    assert cost.sqs_requests == 3
+    # And heartbeats come back when rounds are longer than an update covers (two intervals), one an interval beyond
+    assert Assumptions(round_seconds=40, liveness_timeout=60).heartbeats == 0
+    assert Assumptions(round_seconds=120, liveness_timeout=60).heartbeats == 1 + (120 - 40) / 20
 
 
-def test_cost_per_participant_grows_with_the_run_item() -> None:
-    # When there are more participants, the run item and the participant query grow
+def test_a_participant_costs_the_same_whatever_the_membership() -> None:
+    # When there are more participants, the run item stays the same size, and a round's few ticks (not one per
+    # upload) read every participant item: shared by all, that is a constant per participant
+    a = Assumptions()
     small, large = round_cost(10), round_cost(1000)
-    # Then requests per participant stay the same but read units and dollars per participant grow
-    assert small.s3_puts == large.s3_puts
-    assert large.read_units > 10 * small.read_units
-    assert large.usd_per_participant > small.usd_per_participant
+    # Then requests per participant stay the same and read units do not grow
+    assert small.events == large.events and small.s3_gets == large.s3_gets
+    assert math.ceil(a.state_item_kb / 4) == 1
+    assert large.read_units == pytest.approx(small.read_units, abs=1.0)
+    assert large.usd_per_participant <= small.usd_per_participant
+    # And a 1,000-participant round costs at most two cents of requests
+    assert large.usd_per_round <= 0.02
+
+
+def test_an_idle_month_requests_nothing() -> None:
+    assert idle_cost().requests_usd == 0.0
+    assert "| idle, per month | 0 | 0 | 0 | 0 | 0 | 0 | 0 |" in table()
 
 
 def test_docs_show_the_models_tables() -> None:
@@ -73,17 +90,18 @@ def test_a_1_gib_model_with_8_updates_takes_two_shard_workers() -> None:
     assert aggregation_cost(GIB, 8, AggregationAssumptions(shard_bytes=64 * 1024**2)).worker_gb_seconds == (
         pytest.approx(c.worker_gb_seconds)
     )
-    # And S3 sees one ranged GET per update per piece (plus a few header reads per worker and the tick's
-    # authentication of the base global), one UploadPart per piece and Create, Complete and Copy once
-    assert c.s3_gets == 128 * 8 + 2 * (2 + 8) + 3
-    assert c.s3_puts == 128 + 3
+    # And S3 sees one ranged GET per update per piece (plus a few header reads per worker, the tick's
+    # authentication of the base global and its looks for the two outcomes), one UploadPart per piece, Create,
+    # Complete and Copy once, and the two outcomes
+    assert c.s3_gets == 128 * 8 + 2 * (2 + 8) + 3 + 2 * (5 + math.ceil(c.shard_seconds))
+    assert c.s3_puts == 128 + 3 + 2
     # And ingest read the global once per 8 MiB of each update
     assert c.ingest_gets == 128 * 8
     # And the dollars are what those figures cost at the assumed prices
     p = Prices()
     assert c.usd_compute == pytest.approx((c.worker_gb_seconds + c.tick_gb_seconds) * p.lambda_gb_second)
     assert c.usd_requests == pytest.approx(c.s3_gets * p.s3_get_per_1k / 1e3 + c.s3_puts * p.s3_put_per_1k / 1e3
-                                           + 2 * p.lambda_per_m / 1e6)  # fmt: skip
+                                           + 2 * p.lambda_per_m / 1e6 + 6 * p.sqs_per_m / 1e6)  # fmt: skip
 
 
 def test_shards_follow_shard_bytes_and_a_one_piece_model_needs_no_worker() -> None:

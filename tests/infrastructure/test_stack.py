@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from functions.observability import metrics as function_metrics
 from infra.app import build_app
 from infra.observability import METRICS_SERVICE, SHARD_DURATION_ALARM_SHARE
-from infra.participants import FORBIDDEN_IN_ID
+from infra.participants import FORBIDDEN_IN_ID, QUEUE_ACTIONS
 from shared import keys
 from shared.keys import RESERVED_IDS
 from shared.naming import (
@@ -24,6 +24,8 @@ from shared.naming import (
     ENV_CONFIG,
     ENV_RUN_ID,
     ENV_SHARD_RUNNER,
+    ENV_SHARD_WAIT,
+    ENV_STATE_TOPIC,
     ENV_TABLE,
     METRIC_AGGREGATION_SECONDS,
     METRIC_PHASE_CHANGES,
@@ -35,16 +37,22 @@ from shared.naming import (
     OUTPUT_BUCKET,
     OUTPUT_PARTICIPANT_ROLE,
     OUTPUT_RUN_ID,
+    OUTPUT_STATE_TOPIC,
     OUTPUT_TABLE,
     PARTICIPANT_TAG,
     TABLE_HASH_KEY,
     TABLE_RANGE_KEY,
     TICK_SCHEDULE_MINUTES,
+    ingest_queue_name,
     ingest_rule_name,
+    join_queue_name,
     join_request_pattern,
     join_rule_name,
     object_created_pattern,
+    participant_queue_name,
+    state_topic_name,
     table_name,
+    tick_rule_name,
 )
 from shared.table_keys import run_pk
 from tests.infrastructure.conftest import cdk_json_context
@@ -188,7 +196,10 @@ def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> N
     bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
     table = f"<{synth.logical_id(synth.stack.state.table)}.Arn>"
     dlq = f"<{synth.logical_id(synth.stack.coordinator.dead_letters)}.Arn>"
-    shard = f"<{function_id(synth, 'functions.shard.handler')}.Arn>"
+    shard_queue = f"<{synth.logical_id(synth.stack.coordinator.shard_queue)}.Arn>"
+    tick_rule = (f"arn:<AWS::Partition>:events:<AWS::Region>:<AWS::AccountId>:rule/"
+                 f"{tick_rule_name(synth.config.run_id)}")
+    topic = f"<{synth.logical_id(synth.stack.notifications.topic)}>"
     run = f"{bucket}/runs/{synth.config.run_id}/"
     roles = {function_role(synth, n) for n in ("tick", "ingest", "join", "shard")}
     assert len(roles) == 4, "each function has its own role"
@@ -198,7 +209,8 @@ def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> N
         allowed = grants(role_statements(synth, role_id))
         # Then it may do exactly this, on exactly these resources: read the run's objects (the staged aggregate
         # too: the source of its copy), write the coordinator's objects and the staged aggregate (and abort it),
-        # invoke the shard worker and nothing else
+        # send shard tasks to the shard queue (and failed events to the dead letters), publish state changes to
+        # the run's state topic, switch this run's tick schedule on and off, and nothing else
         assert allowed == {
             "logs:CreateLogStream": {f"<{log_group}.Arn>"},
             "logs:PutLogEvents": {f"<{log_group}.Arn>"},
@@ -208,19 +220,23 @@ def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> N
             "s3:PutObject": {
                 f"{run}rounds/*/global/*",
                 f"{run}rounds/*/optimizer/*",
+                f"{run}rounds/*/delta/*",
+                f"{run}roster/*",
                 f"{run}manifest.json",
                 f"{run}config.json",
                 f"{run}checkpoints/*",
                 f"{run}rounds/*/staging/*",
             },
             "s3:AbortMultipartUpload": {f"{run}rounds/*/staging/*"},
-            "lambda:InvokeFunction": {shard},
             "dynamodb:GetItem": {table},
             "dynamodb:Query": {table},
             "dynamodb:PutItem": {table},
             "dynamodb:UpdateItem": {table},
             "dynamodb:ConditionCheckItem": {table},
-            "sqs:SendMessage": {dlq},
+            "sqs:SendMessage": {dlq, shard_queue},
+            "sns:Publish": {topic},
+            "events:EnableRule": {tick_rule},
+            "events:DisableRule": {tick_rule},
         }
         # And listing is limited to the run's prefix
         (listing,) = [s for s in role_statements(synth, role_id) if s["Action"] == "s3:ListBucket"]
@@ -243,9 +259,12 @@ def test_functions_run_the_configured_sizes_with_the_run_config(synth: Synth) ->
         assert env[ENV_BUCKET] == {"Ref": synth.logical_id(synth.stack.storage.bucket)}
         assert env[ENV_TABLE] == {"Ref": synth.logical_id(synth.stack.state.table)}
         assert env["POWERTOOLS_METRICS_NAMESPACE"] == METRICS_NAMESPACE
-        # And it hands an aggregation's shards to the shard-worker function, by name
-        shard = function_id(synth, "functions.shard.handler")
-        assert env[ENV_SHARD_RUNNER] == {"Fn::Join": ["", ["lambda:", {"Ref": shard}]]}
+        # And it hands an aggregation's shards to the shard queue, and waits for them a little less than it may run
+        queue = synth.logical_id(synth.stack.coordinator.shard_queue)
+        assert env[ENV_SHARD_RUNNER] == {"Fn::Join": ["", ["queue:", {"Ref": queue}]]}
+        assert env[ENV_SHARD_WAIT] == str(max(30, fn_settings.timeout_seconds - 30))
+        # And it publishes the state changes it commits to the run's state topic
+        assert env[ENV_STATE_TOPIC] == {"Ref": synth.logical_id(synth.stack.notifications.topic)}
         # And failed async events go to the dead-letter queue, logs are kept for the configured days
         dlq = synth.logical_id(synth.stack.coordinator.dead_letters)
         assert render(fn["DeadLetterConfig"]["TargetArn"]) == f"<{dlq}.Arn>"
@@ -291,17 +310,21 @@ def test_participant_policy_writes_only_keys_carrying_its_own_id(synth: Synth) -
     bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
     run = f"{bucket}/runs/{synth.config.run_id}/"
     table = f"<{synth.logical_id(synth.stack.state.table)}.Arn>"
+    queue = own_queue(synth)
+    topic = f"<{synth.logical_id(synth.stack.notifications.topic)}>"
     # Then it may write only its own join, init, heartbeat and update keys, read global models, manifest,
     # the published config and its own updates, read the run's items of the table and this stack's
-    # outputs, and nothing else
+    # outputs, use its own push queue and subscribe it to the run-state topic, and nothing else
     assert grants(statements) == {
         "s3:PutObject": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}", f"{run}rounds/*/{SELF}"},
         "s3:AbortMultipartUpload": {f"{run}join/{SELF}", f"{run}init/{SELF}", f"{run}heartbeat/{SELF}",
                                     f"{run}rounds/*/{SELF}"},
-        "s3:GetObject": {f"{run}rounds/*/global/*", f"{run}manifest.json", f"{run}config.json",
-                         f"{run}rounds/*/{SELF}"},
+        "s3:GetObject": {f"{run}rounds/*/global/*", f"{run}rounds/*/delta/*", f"{run}roster/*",
+                         f"{run}manifest.json", f"{run}config.json", f"{run}rounds/*/{SELF}"},
         "dynamodb:GetItem": {table},
         "cloudformation:DescribeStacks": {"<AWS::StackId>"},
+        **{action: {queue} for action in QUEUE_ACTIONS},
+        "sns:Subscribe": {topic},
     }  # fmt: skip
     # And the writes hold only for a session tagged with a usable id
     (write,) = [s for s in statements if "s3:PutObject" in as_list(s["Action"])]
@@ -365,10 +388,10 @@ def test_join_requests_have_their_own_rule_and_queue_drained_at_a_bounded_concur
     assert queue["VisibilityTimeout"] >= 6 * synth.settings.join.timeout_seconds
     # And only the join function drains it, at most join_concurrency invocations at once, reporting failures
     # record by record
-    (mapping,) = synth.of_type("AWS::Lambda::EventSourceMapping").values()
+    (mapping,) = [m for m in synth.of_type("AWS::Lambda::EventSourceMapping").values()
+                  if m["Properties"]["FunctionName"] == {"Ref": join_fn}]
     props = mapping["Properties"]
     assert props["EventSourceArn"] == {"Fn::GetAtt": [queue_id, "Arn"]}
-    assert props["FunctionName"] == {"Ref": join_fn}
     assert props["ScalingConfig"] == {"MaximumConcurrency": synth.settings.join_concurrency}
     assert synth.settings.join_concurrency == 2
     assert props["BatchSize"] == synth.settings.join_batch_size
@@ -412,7 +435,7 @@ def test_the_join_function_reads_only_join_requests_and_heartbeats_and_writes_on
     }
 
 
-def test_the_shard_worker_runs_the_configured_size_and_is_invoked_only_by_the_ticks(synth: Synth) -> None:
+def test_the_shard_worker_runs_the_configured_size_and_is_fed_only_by_the_ticks_queue(synth: Synth) -> None:
     # Given the shard-worker function
     shard = function_id(synth, "functions.shard.handler")
     fn = synth.resources[shard]["Properties"]
@@ -427,7 +450,8 @@ def test_the_shard_worker_runs_the_configured_size_and_is_invoked_only_by_the_ti
     assert json.loads(env[ENV_CONFIG]) == json.loads(synth.config.model_dump_json())
     assert env[ENV_RUN_ID] == synth.config.run_id
     assert ENV_SHARD_RUNNER not in env
-    # And it is invoked synchronously, never asynchronously: no dead-letter queue, no async settings, no trigger
+    # And it is fed by the shard queue alone: no asynchronous invocation (no dead-letter config of its own, no async
+    # settings), no EventBridge trigger, and no role may invoke it directly
     assert "DeadLetterConfig" not in fn
     configs = synth.of_type("AWS::Lambda::EventInvokeConfig").values()
     assert all(c["Properties"]["FunctionName"] != {"Ref": shard} for c in configs)
@@ -435,22 +459,34 @@ def test_the_shard_worker_runs_the_configured_size_and_is_invoked_only_by_the_ti
     assert all(shard not in json.dumps(p["Properties"]["FunctionName"]) for p in permissions)
     assert all(shard not in json.dumps(r["Properties"].get("Targets", []))
                for r in synth.of_type("AWS::Events::Rule").values())  # fmt: skip
-    # And exactly the tick and ingest roles may invoke a function, and only the shard worker
-    invokers = {role_id: grants(role_statements(synth, role_id)).get("lambda:InvokeFunction")
-                for role_id in synth.of_type("AWS::IAM::Role")}  # fmt: skip
-    assert {r: v for r, v in invokers.items() if v} == {
-        function_role(synth, "tick"): {f"<{shard}.Arn>"},
-        function_role(synth, "ingest"): {f"<{shard}.Arn>"},
-    }
-    # And the ticks' statements never grant any other lambda: action
-    for name in ("tick", "ingest"):
-        actions = grants(role_statements(synth, function_role(synth, name)))
-        assert [a for a in actions if a.startswith("lambda:")] == ["lambda:InvokeFunction"]
+    assert not [r for r in synth.of_type("AWS::IAM::Role")
+                if "lambda:InvokeFunction" in grants(role_statements(synth, r))]
+    # And the queue is encrypted, TLS only, hides a running task for the worker's timeout, and moves a task whose
+    # worker keeps dying to the dead-letter queue (alarmed)
+    queue_id = synth.logical_id(synth.stack.coordinator.shard_queue)
+    dlq = synth.logical_id(synth.stack.coordinator.dead_letters)
+    queue = synth.resources[queue_id]["Properties"]
+    assert queue["SqsManagedSseEnabled"] is True
+    assert queue["RedrivePolicy"] == {"deadLetterTargetArn": {"Fn::GetAtt": [dlq, "Arn"]},
+                                      "maxReceiveCount": synth.settings.shard_max_receives}
+    assert queue["VisibilityTimeout"] >= synth.settings.shard.timeout_seconds
+    # And the shard worker drains it one task an invocation, at most shard_concurrency at once
+    (mapping,) = [m for m in synth.of_type("AWS::Lambda::EventSourceMapping").values()
+                  if m["Properties"]["FunctionName"] == {"Ref": shard}]
+    props = mapping["Properties"]
+    assert props["EventSourceArn"] == {"Fn::GetAtt": [queue_id, "Arn"]}
+    assert props["BatchSize"] == 1
+    assert props["ScalingConfig"] == {"MaximumConcurrency": synth.settings.shard_concurrency}
+    # And exactly the tick and ingest roles may send to it
+    senders = {role_id for role_id in synth.of_type("AWS::IAM::Role")
+               if f"<{queue_id}.Arn>" in grants(role_statements(synth, role_id)).get("sqs:SendMessage", set())}
+    assert senders == {function_role(synth, "tick"), function_role(synth, "ingest")}
 
 
 def test_the_shard_worker_reads_round_objects_writes_only_staged_parts_and_never_the_table(synth: Synth) -> None:
     # Given the shard worker's role
     bucket = f"<{synth.logical_id(synth.stack.storage.bucket)}.Arn>"
+    queue = f"<{synth.logical_id(synth.stack.coordinator.shard_queue)}.Arn>"
     run = f"{bucket}/runs/{synth.config.run_id}/"
     role_id = function_role(synth, "shard")
     log_group = own_log_group(synth, role_id)
@@ -458,15 +494,17 @@ def test_the_shard_worker_reads_round_objects_writes_only_staged_parts_and_never
     statements = role_statements(synth, role_id)
     allowed = grants(statements)
     # Then it may read the run's round objects (updates and globals, by version), list under the rounds, upload
-    # parts of staged aggregates and the pieces of the optimizer state, write its logs: nothing else (no table,
-    # no queue, no other object)
+    # parts of staged aggregates (and its shard's outcome beside them), the pieces of the optimizer state and
+    # download delta, drain the shard queue, write its logs: nothing else (no table, no other queue or object)
     assert allowed == {
         "logs:CreateLogStream": {f"<{log_group}.Arn>"},
         "logs:PutLogEvents": {f"<{log_group}.Arn>"},
         "s3:GetObject": {f"{run}rounds/*"},
         "s3:GetObjectVersion": {f"{run}rounds/*"},
         "s3:ListBucket": {bucket},
-        "s3:PutObject": {f"{run}rounds/*/staging/*", f"{run}rounds/*/optimizer/*"},
+        "s3:PutObject": {f"{run}rounds/*/staging/*", f"{run}rounds/*/optimizer/*", f"{run}rounds/*/delta/*"},
+        **{f"sqs:{action}": {queue} for action in ("ReceiveMessage", "ChangeMessageVisibility", "GetQueueUrl",
+                                                   "DeleteMessage", "GetQueueAttributes")},
     }
     assert not [a for a in allowed if a.startswith("dynamodb:")]
     (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket"]
@@ -475,8 +513,9 @@ def test_the_shard_worker_reads_round_objects_writes_only_staged_parts_and_never
 
 def layout_keys(run: str, round_no: int, pid: str, digest: str) -> list[str]:
     """Every kind of object of the layout but what a shard worker writes (the staged aggregate, the optimizer
-    state's pieces), for a participant, a round and a digest."""
-    written = {keys.staging_key(run, round_no, digest), keys.optimizer_key(run, round_no, digest)}
+    state's and download delta's pieces), for a participant, a round and a digest."""
+    written = {keys.staging_key(run, round_no, digest), keys.optimizer_key(run, round_no, digest),
+               keys.delta_key(run, round_no, digest)}
     return [keys.join_key(run, pid), keys.init_key(run, pid), keys.heartbeat_key(run, pid),
             keys.update_key(run, round_no, pid), keys.witness_key(run, round_no, pid),
             keys.health_key(run, round_no, pid),
@@ -496,6 +535,8 @@ def test_the_shard_worker_may_write_staged_aggregates_and_nothing_else_of_the_la
     # Then the shard worker may upload parts of the round's staged aggregate and its optimizer state's pieces
     assert iam_allows(allowed["s3:PutObject"], bucket, keys.staging_key(run, round_no, digest), pid)
     assert iam_allows(allowed["s3:PutObject"], bucket, keys.optimizer_key(run, round_no, digest), pid)
+    assert iam_allows(allowed["s3:PutObject"], bucket, keys.delta_key(run, round_no, digest), pid)
+    assert iam_allows(allowed["s3:PutObject"], bucket, keys.shard_result_key(run, round_no, digest, 7), pid)
     # And no other object: no update, report, join request, heartbeat, global model, manifest or checkpoint
     for key in layout_keys(run, round_no, pid, digest):
         assert not iam_allows(allowed["s3:PutObject"], bucket, key, pid), key
@@ -532,6 +573,8 @@ def test_outputs_name_what_a_participant_host_needs(synth: Synth) -> None:
     assert outputs[OUTPUT_PARTICIPANT_ROLE]["Value"] == {
         "Fn::GetAtt": [synth.logical_id(synth.stack.participants.role), "Arn"]
     }
+    # And the run-state topic its push queue subscribes to
+    assert outputs[OUTPUT_STATE_TOPIC]["Value"] == {"Ref": synth.logical_id(synth.stack.notifications.topic)}
 
 
 def test_dashboard_and_alarms_watch_the_run(synth: Synth) -> None:
@@ -619,14 +662,15 @@ def test_participant_write_patterns_admit_exactly_its_own_keys_of_the_layout(syn
                 found.append(getattr(keys, name)(run, 3, pid))
         return found
 
-    coordinators = [keys.global_key(run, 3, "ab" * 32), keys.manifest_key(run), keys.config_key(run)]
+    coordinators = [keys.global_key(run, 3, "ab" * 32), keys.delta_key(run, 3, "cd" * 32), keys.manifest_key(run),
+                    keys.config_key(run), keys.roster_key(run, "ef" * 32)]
     # When alice's session asks to write them
     # Then it may write each of its own keys, none of bob's and none of the coordinator's
     assert all(iam_allows(allowed["s3:PutObject"], bucket, k, "alice") for k in own("alice"))
     assert not any(
         iam_allows(allowed["s3:PutObject"], bucket, k, "alice") for k in own("bob") + own("xalice") + coordinators
     )
-    # And it may read global models, manifest, config and its own update, but not bob's update
+    # And it may read global models, download deltas, rosters, manifest, config and its own update, but not bob's
     readable = [*coordinators, keys.update_key(run, 3, "alice")]
     assert all(iam_allows(allowed["s3:GetObject"], bucket, k, "alice") for k in readable)
     assert not iam_allows(allowed["s3:GetObject"], bucket, keys.update_key(run, 3, "bob"), "alice")
@@ -637,8 +681,9 @@ def coordinator_keys(run: str, round_no: int, digest: str) -> list[str]:
     """Every object only the coordinator writes, and reads back (the staged aggregate too: its job id is a digest)."""
     return [keys.global_key(run, round_no, digest), keys.staging_key(run, round_no, digest), keys.manifest_key(run),
             keys.optimizer_key(run, round_no, digest), keys.checkpoint_optimizer_key(run, round_no, digest),
-            keys.config_key(run), keys.checkpoint_global_key(run, round_no), keys.checkpoint_state_key(run, round_no),
-            keys.latest_checkpoint_key(run)]  # fmt: skip
+            keys.delta_key(run, round_no, digest), keys.roster_key(run, digest), keys.config_key(run),
+            keys.checkpoint_global_key(run, round_no),
+            keys.checkpoint_state_key(run, round_no), keys.latest_checkpoint_key(run)]  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -673,7 +718,7 @@ def test_no_participant_tag_the_trust_policy_admits_may_write_a_staged_aggregate
     # reserved name), so no session the role can be assumed with carries it
     assert not keys.PARTICIPANT_ID_PATTERN.fullmatch(job)
     assert any(fnmatch.fnmatchcase(job, pattern) for pattern in FORBIDDEN_IN_ID)
-    assert "staging" in RESERVED_IDS and "optimizer" in RESERVED_IDS
+    assert "staging" in RESERVED_IDS and "optimizer" in RESERVED_IDS and "delta" in RESERVED_IDS
 
 
 def test_with_witnessing_participants_may_read_the_rounds_updates(tmp_path: Path) -> None:
@@ -693,3 +738,140 @@ def test_with_witnessing_participants_may_read_the_rounds_updates(tmp_path: Path
     # and read them by version id: witnesses fetch exactly the version the coordinator accepted
     versions = next(s for s in statements if s["Action"] == "s3:GetObjectVersion")
     assert all("runs/infra-witness/rounds/*" in json.dumps(r) for r in as_list(versions["Resource"]))
+
+
+def test_the_tick_schedule_is_named_for_the_run_and_only_the_ticks_may_switch_it(synth: Synth) -> None:
+    # Given the tick schedule
+    rule = synth.resources[synth.logical_id(synth.stack.coordinator.schedule)]["Properties"]
+    run = synth.config.run_id
+    # Then it is named for the run (what the tick, `fed run` and the local stack switch), and starts enabled
+    assert rule["Name"] == tick_rule_name(run) and rule["State"] == "ENABLED"
+    minutes = TICK_SCHEDULE_MINUTES
+    assert rule["ScheduleExpression"] == f"rate({minutes} minute{'s' if minutes > 1 else ''})"
+    # And exactly the tick and ingest roles may enable and disable it, and no other rule
+    arn = f"arn:<AWS::Partition>:events:<AWS::Region>:<AWS::AccountId>:rule/{tick_rule_name(run)}"
+    switchers = {r: grants(role_statements(synth, r)).get("events:DisableRule")
+                 for r in synth.of_type("AWS::IAM::Role")}
+    assert {r: v for r, v in switchers.items() if v} == {function_role(synth, "tick"): {arn},
+                                                         function_role(synth, "ingest"): {arn}}
+
+
+def topic_policy(synth: Synth) -> list[dict[str, Any]]:
+    """The statements of the run-state topic's policy."""
+    topic = {"Ref": synth.logical_id(synth.stack.notifications.topic)}
+    (policy,) = [p["Properties"] for p in synth.of_type("AWS::SNS::TopicPolicy").values() if p["Properties"]["Topics"]
+                 == [topic]]  # fmt: skip
+    statements: list[dict[str, Any]] = policy["PolicyDocument"]["Statement"]
+    assert all(s["Resource"] == topic for s in statements), "the policy is about this topic only"
+    return statements
+
+
+def own_queue(synth: Synth) -> str:
+    """The participant's own queue's ARN as IAM sees it: the session tag is substituted for the policy variable."""
+    return f"arn:<AWS::Partition>:sqs:<AWS::Region>:<AWS::AccountId>:fed-{synth.config.run_id}-p-{SELF}"
+
+
+def test_the_state_topic_is_named_for_the_run_encrypted_and_takes_only_tls(synth: Synth) -> None:
+    # Given the run-state topic
+    topic_id = synth.logical_id(synth.stack.notifications.topic)
+    props = synth.resources[topic_id]["Properties"]
+    # Then it has the name the functions and participants expect, is a standard topic (SQS subscribers), and is
+    # encrypted with the AWS-managed SNS key (SNS decrypts on delivery: the participant queues need no key of it)
+    assert props["TopicName"] == state_topic_name(synth.config.run_id)
+    assert "FifoTopic" not in props
+    assert props["KmsMasterKeyId"] == "alias/aws/sns"
+    # And a publish without TLS is refused
+    statements = topic_policy(synth)
+    assert {"Effect": "Deny", "Principal": "*", "Action": "sns:Publish",
+            "Condition": {"Bool": {"aws:SecureTransport": "false"}}}.items() <= next(
+        s for s in statements if s.get("Condition", {}).get("Bool")).items()  # fmt: skip
+
+
+def test_only_the_functions_that_commit_the_state_may_publish_it(synth: Synth) -> None:
+    # Given the run-state topic, every role of the stack and every function
+    topic = f"<{synth.logical_id(synth.stack.notifications.topic)}>"
+    committers = {function_role(synth, "tick"), function_role(synth, "ingest")}
+    # When we gather who may publish, by their own policies
+    publishers = {r: grants(role_statements(synth, r)).get("sns:Publish", set())
+                  for r in synth.of_type("AWS::IAM::Role")}
+    # Then exactly tick and ingest (the functions that commit the run state) may, and only to this topic
+    assert {r: v for r, v in publishers.items() if v and topic in v} == {r: {topic} for r in committers}
+    # And the topic policy allows them and refuses every other principal, whatever its own policies say
+    statements = topic_policy(synth)
+    role_arns = [{"Fn::GetAtt": [r, "Arn"]} for r in sorted(committers)]
+    (allow,) = [s for s in statements if s["Effect"] == "Allow" and s["Action"] == "sns:Publish"]
+    assert sorted(allow["Principal"]["AWS"], key=json.dumps) == role_arns
+    (deny,) = [s for s in statements if s["Effect"] == "Deny" and "ArnNotEquals" in s.get("Condition", {})]
+    assert deny["Action"] == "sns:Publish" and deny["Principal"] == {"AWS": "*"}
+    assert sorted(deny["Condition"]["ArnNotEquals"]["aws:PrincipalArn"], key=json.dumps) == role_arns
+    # And only tick and ingest are told where to publish: join and the shard workers commit no state
+    for name in ("tick", "ingest", "join", "shard"):
+        env = synth.resources[function_id(synth, f"functions.{name}.handler")]["Properties"]["Environment"]
+        assert (ENV_STATE_TOPIC in env["Variables"]) is (name in ("tick", "ingest")), name
+
+
+def test_a_participant_may_use_exactly_its_own_queue_and_no_other(synth: Synth) -> None:
+    # Given the participant role's statements
+    statements = role_statements(synth, synth.logical_id(synth.stack.participants.role))
+    allowed = grants(statements)
+    # Then its SQS actions are exactly those a push queue needs, each on exactly its own queue's ARN: the session
+    # tag in the policy variable, no wildcard (so no coordinator queue, no other participant's, no other run's)
+    sqs_actions = {a for a in allowed if a.startswith("sqs:")}
+    assert sqs_actions == set(QUEUE_ACTIONS) == {
+        "sqs:CreateQueue", "sqs:GetQueueUrl", "sqs:GetQueueAttributes", "sqs:SetQueueAttributes",
+        "sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:DeleteQueue", "sqs:ChangeMessageVisibility"}
+    assert all(allowed[a] == {own_queue(synth)} for a in sqs_actions)
+    assert "*" not in own_queue(synth) and "?" not in own_queue(synth)
+    assert not [a for a in allowed if a == "sqs:SendMessage" or a.endswith(":*")]
+    # And only over TLS, only for a session whose tag is a usable participant id
+    (queue_statement,) = [s for s in statements if "sqs:CreateQueue" in as_list(s["Action"])]
+    condition = queue_statement["Condition"]
+    assert condition["Bool"] == {"aws:SecureTransport": "true"}
+    assert condition["Null"] == {f"aws:PrincipalTag/{PARTICIPANT_TAG}": "false"}
+    assert "StringNotEqualsIgnoreCase" in condition and "StringNotLike" in condition
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(me=st.from_regex(keys.PARTICIPANT_ID_PATTERN, fullmatch=True),
+       other=st.from_regex(keys.PARTICIPANT_ID_PATTERN, fullmatch=True))
+def test_no_participant_session_reaches_a_coordinator_queue_or_another_participants(
+    synth: Synth, me: str, other: str
+) -> None:
+    # Given any two participant ids, and the queue names of the run
+    assume(me != other)
+    run = synth.config.run_id
+    allowed = grants(role_statements(synth, synth.logical_id(synth.stack.participants.role)))
+    prefix = "arn:<AWS::Partition>:sqs:<AWS::Region>:<AWS::AccountId>:"
+
+    def reaches(session: str, queue: str | None) -> bool:
+        return queue is not None and any(fnmatch.fnmatchcase(prefix + queue, p.replace(SELF, session))
+                                         for p in allowed["sqs:ReceiveMessage"])
+
+    # Then a session reaches its own queue (where its name fits SQS's 80 characters) ...
+    mine = participant_queue_name(run, me)
+    assert mine is None or reaches(me, mine)
+    # ... and neither the other participant's, nor the coordinator's ingest or join queue
+    for queue in (participant_queue_name(run, other), ingest_queue_name(run), join_queue_name(run)):
+        assert not reaches(me, queue), queue
+
+
+def test_a_participant_may_subscribe_only_its_own_queue_over_sqs(synth: Synth) -> None:
+    # Given the participant role's Subscribe statement and the topic policy's
+    topic = {"Ref": synth.logical_id(synth.stack.notifications.topic)}
+    role_id = synth.logical_id(synth.stack.participants.role)
+    statements = role_statements(synth, role_id)
+    (subscribe,) = [s for s in statements if "sns:Subscribe" in as_list(s["Action"])]
+    # Then it may subscribe to the run-state topic only, only over SQS, only its own queue, only over TLS
+    assert as_list(subscribe["Action"]) == ["sns:Subscribe"] and subscribe["Resource"] == topic
+    equals = subscribe["Condition"]["StringEquals"]
+    assert equals["sns:Protocol"] == "sqs"
+    assert render(equals["sns:Endpoint"]) == own_queue(synth)
+    assert subscribe["Condition"]["Bool"] == {"aws:SecureTransport": "true"}
+    assert subscribe["Condition"]["Null"] == {f"aws:PrincipalTag/{PARTICIPANT_TAG}": "false"}
+    # And no other SNS action (no publishing, no unsubscribing others, no reading the topic's attributes)
+    assert {a for a in grants(statements) if a.startswith("sns:")} == {"sns:Subscribe"}
+    # And the topic policy admits the participant role on the same two conditions
+    (admitted,) = [s for s in topic_policy(synth) if s["Action"] == "sns:Subscribe"]
+    assert admitted["Effect"] == "Allow" and admitted["Principal"] == {"AWS": {"Fn::GetAtt": [role_id, "Arn"]}}
+    assert admitted["Condition"]["StringEquals"]["sns:Protocol"] == "sqs"
+    assert render(admitted["Condition"]["StringEquals"]["sns:Endpoint"]) == own_queue(synth)

@@ -47,7 +47,8 @@ def test_any_key_parses_or_is_refused_never_crashes(key: str) -> None:
 
 _KEY_PARTS = st.sampled_from(["runs", "r1x", "rounds", "000003", "000000", "global", "witness", "health", "join",
                               "heartbeat", "init", "checkpoints", "latest.json", "state.json", "manifest.json",
-                              "config.json", "alice", "ab" * 32, "", "\n", "alice\n", "000003\n", "٠٠٠٠٠٣", "ａlice"])
+                              "config.json", "roster", "alice", "ab" * 32, "", "\n", "alice\n", "000003\n", "٠٠٠٠٠٣",
+                              "ａlice"])
 
 
 @given(st.one_of(st.text(max_size=120), st.lists(st.one_of(_KEY_PARTS, st.text(max_size=8)), max_size=6).map("/".join)))
@@ -71,6 +72,8 @@ def test_every_key_the_parser_accepts_formats_back_to_itself(key: str) -> None:
     "runs/R1X/join/alice",  # not a run id
     "runs/r1x/checkpoints/anything",
     "runs/r1x/rounds/000003/global/not-a-digest",
+    "runs/r1x/roster/not-a-digest",
+    "runs/r1x/roster/" + "ab" * 32 + "/x",
     "runs/r1x/join/" + "a" * 2000,
 ])
 def test_near_miss_keys_are_refused(key: str) -> None:
@@ -82,7 +85,9 @@ def test_every_layout_key_round_trips() -> None:
     made = [keys.join_key("r1x", "a"), keys.init_key("r1x", "a"), keys.heartbeat_key("r1x", "a"),
             keys.global_key("r1x", 2, "ab" * 32), keys.update_key("r1x", 2, "a"), keys.witness_key("r1x", 2, "a"),
             keys.health_key("r1x", 2, "a"), keys.checkpoint_global_key("r1x", 1), keys.checkpoint_state_key("r1x", 1),
-            keys.latest_checkpoint_key("r1x"), keys.manifest_key("r1x"), keys.config_key("r1x")]
+            keys.latest_checkpoint_key("r1x"), keys.manifest_key("r1x"), keys.config_key("r1x"),
+            keys.roster_key("r1x", "ab" * 32), keys.delta_key("r1x", 2, "ab" * 32),
+            keys.optimizer_key("r1x", 2, "ab" * 32), keys.shard_result_key("r1x", 2, "ab" * 32, 5)]
     for key in made:
         assert keys.format_key(keys.parse_key(key)) == key
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.config import RunConfig
-from shared.machine import TRANSITIONS, tick, transition_table
+from shared.machine import TRANSITIONS, count_strikes, tick, transition_table
 from shared.state import (
     AdoptInitialModel,
     Aggregate,
@@ -238,10 +238,11 @@ def test_deadline_drops_the_missing_and_freezes_the_count() -> None:
     )
     cfg = CFG.model_copy(update={"min_clients": 1, "min_per_round": 1})
     d = tick(snap, cfg, T0)
-    assert d.fired[0] == "round_closed"
+    assert d.fired[0] == "round_closed"  # and, without witnesses, the round is decided at once
     assert d.state.members["b"].status is MemberStatus.DROPPED
     assert "deadline" in d.state.members["b"].reason
-    assert d.state.counted == ("a",)
+    (rec,) = [e for e in d.effects if isinstance(e, RecordRound)]
+    assert rec.summary.counted == ("a",) and "b" in rec.summary.dropped
     assert "b" not in d.state.selected
 
 
@@ -327,16 +328,62 @@ def test_without_witnesses_missing_uploaders_are_not_dropped_at_the_deadline_but
     # Given the round closed with d unattested, a health report naming d (and a healthy a) arrives
     after = Snapshot(
         state(Phase.TRAIN, members=members(*"abcd"), selected=tuple("abcd"), witnesses=("a", "b", "c"),
-              health_round=0, health={"a": 3, "b": 3, "c": 3, "d": 0}, health_quorum=2, round=1),
+              health_round=0, health={"a": 3, "b": 3, "c": 3, "d": 0}, health_quorum=2, round=1,
+              strikes={"d": 2}, strikes_needed=2),
         {p: pv(p) for p in "abcd"},
         health_reports={"b": ("d", "a")},
     )
     d = tick(after, CFG_W, T0)
     assert d.state.members["d"].status is MemberStatus.DROPPED and "health check" in d.state.members["d"].reason
+    assert "2 witnessed rounds in a row" in d.state.members["d"].reason
     assert d.state.members["a"].status is MemberStatus.ACTIVE, "a report the records contradict drops nobody"
     # A report from a non-member changes nothing
     outsider = Snapshot(after.state, after.participants, health_reports={"zed": ("d",)})
     assert not tick(outsider, CFG_W, T0).changed
+
+
+def test_a_health_report_drops_only_on_the_configured_strikes_in_a_row() -> None:
+    # Given a round that closes with d unattested by every witness (one strike; two are needed by default)
+    honest = {p: f"d-{p}" for p in "abc"}
+    closing = witness_round({w: honest for w in "abc"}, phase=Phase.WITNESS, counted=tuple("abcd"))
+    closed = tick(closing, CFG_W, T0).state
+    assert closed.strikes == {"d": 1} and closed.strikes_needed == CFG_W.health_strikes == 2
+    assert closed.unhealthy() == ()
+
+    def reported(s: RunState, cfg: RunConfig = CFG_W) -> RunState:
+        return tick(Snapshot(s, {p: pv(p) for p in "abcd"}, health_reports={"b": ("d",)}), cfg, T0).state
+
+    # Then a report naming d drops nobody after one unlucky round
+    assert reported(closed).members["d"].status is MemberStatus.ACTIVE
+    # But a second witnessed round in a row unattested does; a good round in between clears the count
+    again = closed.evolve(strikes={"d": 2})
+    assert again.unhealthy() == ("d",) and reported(again).members["d"].status is MemberStatus.DROPPED
+    assert count_strikes({"d": 1}, {"a": 3, "d": 3}, 2) == {}
+    assert count_strikes({"d": 1, "c": 1}, {"a": 3, "d": 0}, 2) == {"d": 2, "c": 1}, "c was not scored: kept"
+    # And with health_strikes = 1 the first unattested round is enough
+    strict = CFG_W.model_copy(update={"health_strikes": 1})
+    first = tick(closing, strict, T0).state
+    assert first.unhealthy() == ("d",) and reported(first, strict).members["d"].status is MemberStatus.DROPPED
+
+
+def test_a_tick_that_read_the_clock_before_the_round_began_dates_its_drop_inside_the_round() -> None:
+    # Given round 1 began at T0 + 5 (another invocation committed it), and a tick whose clock reads T0 (it read the
+    # clock before that commit, or its host's clock is behind) applies a health report naming d
+    began = T0 + 5
+    during = Snapshot(
+        state(Phase.TRAIN, members=members(*"abcd"), selected=tuple("abcd"), witnesses=("a", "b", "c"), round=1,
+              phase_started=began, round_started=began, health_round=0, health={"a": 3, "b": 3, "c": 3, "d": 0},
+              health_quorum=2, strikes={"d": 2}, strikes_needed=2),
+        {p: pv(p) for p in "abcd"}, health_reports={"b": ("d",)},
+    )
+    d = tick(during, CFG_W, T0)
+    # Then the drop is dated after the round began, not before it
+    assert d.state.members["d"].status is MemberStatus.DROPPED and d.state.members["d"].since > began
+    # And the round's record names it when the round closes
+    closing = Snapshot(d.state.evolve(phase=Phase.WITNESS, counted=tuple("abc"), deadline=began + 1),
+                       {p: pv(p, seen=began + 2) for p in "abcd"}, {p: upd(p, 1) for p in "abc"})
+    (rec,) = [e for e in tick(closing, CFG_W, began + 2).effects if isinstance(e, RecordRound)]
+    assert rec.summary.dropped == {"d": d.state.members["d"].reason}
 
 
 def test_witnesses_are_elected_at_round_start() -> None:
@@ -439,3 +486,44 @@ def test_a_flood_of_joiners_adds_at_most_the_bound_however_many_prove_liveness()
 def test_the_bound_cannot_be_below_min_clients() -> None:
     with pytest.raises(ValueError, match="max_admissions_per_epoch"):
         RunConfig(run_id="unit-run", min_clients=5, min_per_round=5, max_admissions_per_epoch=4)
+
+
+def test_a_recorded_update_keeps_its_sender_alive_without_a_write_to_its_participant_record() -> None:
+    from shared.state import heard_through_updates
+
+    # Given a and b last heard from 30 s ago (liveness timeout 20 s), and a's update of the round recorded 5 s ago
+    views = {p: pv(p, seen=T0 - 30) for p in "ab"}
+    seen = heard_through_updates(views, {"a": UpdateView("a", 0, True, received_at=T0 - 5)})
+    # Then a counts as heard from when it uploaded, b does not; and the tick drops only b
+    assert seen["a"].last_seen == T0 - 5 and seen["a"].heard_at == T0 - 5 and seen["b"] == views["b"]
+    seen["c"] = pv("c")  # (a third, heard from now: the epoch keeps its minimum of two members)
+    snap = Snapshot(state(Phase.TRAIN, members=members("a", "b", "c"), selected=("a", "b", "c")), seen)
+    d = tick(snap, CFG, T0)
+    assert d.state.members["a"].status is MemberStatus.ACTIVE and d.state.members["b"].status is MemberStatus.DROPPED
+
+
+def test_an_update_of_an_earlier_round_keeps_its_sender_alive_once_that_round_closed() -> None:
+    from shared.state import heard_through_updates
+
+    # Given a round in which a and b both uploaded (5 s ago), their heartbeats last recorded 30 s ago (timeout 20 s:
+    # a participant does not heartbeat within an interval of an update upload)
+    old = {p: pv(p, seen=T0 - 30) for p in "ab"}
+    updates = {p: UpdateView(p, 0, True, samples=10, digest=f"d-{p}", received_at=T0 - 5) for p in "ab"}
+    snap = Snapshot(state(Phase.TRAIN, members=members("a", "b"), selected=("a", "b")),
+                    heard_through_updates(old, updates), updates)
+    # When the round closes and the next one starts
+    d = tick(snap, CFG, T0)
+    assert d.state.round == 1 and d.state.phase is Phase.TRAIN
+    # Then the members remember when their updates were uploaded, and a tick of the new round (no update of it yet,
+    # no heartbeat since) sees both alive and drops no one
+    assert {p: m.heard for p, m in d.state.members.items()} == {"a": T0 - 5, "b": T0 - 5}
+    later = Snapshot(d.state, heard_through_updates(old, {}, d.state.members))
+    assert all(m.status is MemberStatus.ACTIVE for m in tick(later, CFG, T0 + 10).state.members.values())
+    # while without that memory they would have been dropped as silent
+    forgetful = Snapshot(d.state, heard_through_updates(old, {}))
+    assert all(m.status is MemberStatus.DROPPED for m in tick(forgetful, CFG, T0 + 10).state.members.values())
+
+
+def test_an_epoch_admits_its_members_with_the_time_they_were_last_heard_from() -> None:
+    d = tick(SCENARIOS["epoch_start"][0], CFG, T0)
+    assert {p: m.heard for p, m in d.state.members.items()} == {"a": T0, "b": T0}

@@ -39,6 +39,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.participants: dict[str, ParticipantView] = {}
         self.updates: dict[tuple[int, str], UpdateView] = {}
         self.proofs: dict[tuple[int, str], Proof] = {}
+        self.vouched: dict[int, set[str]] = {}  # round -> participants whose update some witness attested
         self.reports: dict[tuple[int, str], tuple[str, ...]] = {}
         self.counted: set[tuple[int, str]] = set()
         self.recorded_rounds: set[int] = set()
@@ -133,6 +134,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
             if isinstance(effect, RecordRound):
                 assert effect.summary.round not in self.recorded_rounds, "a round was closed twice"
                 self.recorded_rounds.add(effect.summary.round)
+                if effect.summary.round == s.round:  # updates some witness attested: no health drop may follow
+                    self.vouched[s.round] = {pid for pid, u in current.items()
+                                             if any(p.attests(pid, u.digest) for p in proofs.values())}
             if isinstance(effect, Aggregate):
                 assert len(effect.inputs) >= self.config.min_updates, "aggregated with too few updates"
                 if s.witnesses:
@@ -147,6 +151,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     self.counted.add(slot)
                 decision = resolve(decision, f"g{effect.round + 1}")
         assert decision.state.round >= s.round, "round number decreased"
+        for pid, m in decision.state.members.items():
+            was = s.members.get(pid)
+            if m.status is MemberStatus.DROPPED and was is not None and was.status is MemberStatus.ACTIVE \
+                    and m.reason.startswith("health check"):
+                assert pid not in self.vouched.get(s.health_round, set()), "dropped a member a witness attested"
         if self.finished:
             assert decision.state.phase is Phase.FINISHED
         self.state = decision.state.evolve(version=self.state.version + (1 if decision.changed else 0))

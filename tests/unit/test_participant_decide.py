@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,7 @@ from participant.decide import (
     Train,
     Wait,
     decide,
+    heartbeat_due,
     unhealthy,
 )
 from shared.state import Member, MemberStatus, Phase, RunState
@@ -122,6 +124,16 @@ class TestWarmup:
             assert isinstance(decide(s, kept), Wait), sends
             assert decide(s, replace(kept, ready_age=wait)) == ReportReady(2), sends
 
+    def test_a_ready_report_still_queued_is_not_sent_again_until_the_cap(self) -> None:
+        # Given a ready report not recorded, and no message of ours accepted since it: it waits in the queue
+        s = state(phase=Phase.WARMUP, selected=(), epoch=2)
+        queued = local(reported_ready=2, ready_recorded=1, ready_in_flight=True, ready_age=4 * READY_RETRY_SECONDS)
+        # Then it is not sent again (that would queue behind it), unless it waited the longest re-send interval
+        assert isinstance(decide(s, queued), Wait)
+        assert decide(s, replace(queued, ready_age=READY_RETRY_MAX_SECONDS)) == ReportReady(2)
+        # and one the coordinator passed over (a later message of ours accepted) is sent again on the usual schedule
+        assert decide(s, replace(queued, ready_in_flight=False)) == ReportReady(2)
+
     def test_non_member_in_warmup_waits(self) -> None:
         s = state(phase=Phase.WARMUP, members=("bob",), selected=())
         assert isinstance(decide(s, local(held="", reported_ready=0)), Wait)
@@ -206,12 +218,14 @@ class TestWitnessDuty:
 class TestHealthReports:
     def scored(self, **kw: object) -> RunState:
         s = state(members=(ME, "bob", "carol", "dave"), selected=(ME, "bob"), health_round=2,
-                  health={ME: 2, "bob": 2, "carol": 0, "dave": 1}, health_quorum=2)
+                  health={ME: 2, "bob": 2, "carol": 0, "dave": 1}, health_quorum=2, strikes={"carol": 2, "dave": 3},
+                  strikes_needed=2)
         return s.evolve(**kw)
 
-    def test_names_active_members_below_the_quorum_except_itself(self) -> None:
-        s = self.scored(health={ME: 0, "bob": 2, "carol": 0, "dave": 1})
+    def test_names_active_members_below_the_quorum_in_enough_rounds_in_a_row_except_itself(self) -> None:
+        s = self.scored(health={ME: 0, "bob": 2, "carol": 0, "dave": 1}, strikes={ME: 2, "carol": 2, "dave": 2})
         assert unhealthy(s, ME) == ("carol", "dave")
+        assert unhealthy(s.evolve(strikes={"carol": 1, "dave": 2}), ME) == ("dave",), "one round is not enough"
 
     def test_a_confirmed_round_is_reported_once_before_anything_else(self) -> None:
         assert decide(self.scored(), local(health_confirmed=True)) == ReportHealth(2, ("carol", "dave"))
@@ -230,3 +244,32 @@ class TestHealthReports:
         s = self.scored()
         s = s.evolve(members={p: m for p, m in s.members.items() if p != ME})
         assert isinstance(decide(s, local(health_confirmed=True)), Wait)
+
+
+def test_a_heartbeat_due_soon_after_an_update_upload_is_skipped() -> None:
+    # Given an update uploaded at t = 100 that stands in for a heartbeat for 40 s
+    # Then a beat due 5 s later is skipped (the update shows us alive), one due 40 s after it is sent
+    assert not heartbeat_due(105.0, 100.0, 40.0)
+    assert heartbeat_due(140.0, 100.0, 40.0) and heartbeat_due(145.0, 100.0, 40.0)
+    # and without any update yet, every beat is sent
+    assert heartbeat_due(1.0, -math.inf, 40.0)
+
+
+def test_the_next_heartbeat_is_one_interval_after_a_heartbeat_and_longer_after_an_update() -> None:
+    from participant.decide import next_heartbeat
+
+    # heartbeats every 3 s, an update standing in for 6 s: after a heartbeat at 10 and an update at 12, at 18
+    assert next_heartbeat(10.0, 12.0, 3.0, 6.0) == 18.0
+    # no update since long before the last heartbeat: one interval after it
+    assert next_heartbeat(10.0, float("-inf"), 3.0, 6.0) == 13.0
+    assert next_heartbeat(10.0, 1.0, 3.0, 6.0) == 13.0
+
+
+def test_an_update_stands_in_for_a_heartbeat_for_two_intervals_leaving_one_before_the_liveness_timeout() -> None:
+    from shared.config import RunConfig
+
+    # by default heartbeats every third of the liveness timeout: an update covers two of them
+    assert RunConfig(run_id="run", liveness_timeout=180).heartbeat_after_update == 120
+    # an interval set longer: the update covers what leaves one interval before the timeout, and never less than one
+    assert RunConfig(run_id="run", liveness_timeout=180, heartbeat_interval=80).heartbeat_after_update == 100
+    assert RunConfig(run_id="run", liveness_timeout=180, heartbeat_interval=100).heartbeat_after_update == 100

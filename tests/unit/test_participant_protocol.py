@@ -2,31 +2,45 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from participant.decide import Fetch, Finish, Train, still_open
 from participant.journal import Journal, JournalKeeper
 from participant.protocol import POLL_FIRST, POLL_GROWTH, Outcome, Participant
 from shared.config import RunConfig
 from shared.state import Member, Phase, RunState
+from store.push import Pushed
 from store.views import ParticipantRecord, UpdateRecord
 
 G = "a" * 64
 
 
 class Script:
-    """Reads that hand out the given states in turn (the last one from then on)."""
+    """Reads that hand out the given states in turn (the last one from then on); our participant record from the
+    `recorded_at`-th read of it on (before: none, our join is not recorded yet)."""
 
-    def __init__(self, *states: RunState) -> None:
+    def __init__(self, *states: RunState, recorded_at: int = 1) -> None:
         self.states = list(states)
-        self.record_reads = 0
+        self.record_reads = self.state_reads = 0
+        self.recorded_at = recorded_at
+        self.pushed: dict[int, RunState] = {}
 
     def read_state(self) -> RunState:
+        self.state_reads += 1
         return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def pushed_state(self, pushed: Pushed) -> RunState:
+        return self.pushed[pushed.version]
 
     def read_config(self) -> RunConfig | None:
         return RunConfig(run_id="r-run")
 
     def participant_record(self) -> ParticipantRecord | None:
         self.record_reads += 1
+        if self.record_reads < self.recorded_at:
+            return None
         return ParticipantRecord("alice", joined_at=100.0, last_seen=100.0)
 
     def update_record(self, round_no: int) -> UpdateRecord | None:
@@ -102,6 +116,76 @@ def test_waiting_backs_off_up_to_poll_max() -> None:
     assert len(p.pauses) == 30
     assert all(b <= a * POLL_GROWTH * 1.25 / 0.75 for a, b in zip(p.pauses, p.pauses[1:], strict=False))
     assert max(p.pauses) <= 1.0 * 1.25 and p.pauses[-1] >= 1.0 * 0.75
+
+
+def test_until_its_join_is_recorded_it_polls_its_record_not_the_state() -> None:
+    # Given a run waiting for members, and alice's join request recorded only at her tenth look at her record
+    script = Script(run_state(Phase.WAITING, digest="", version=1), run_state(Phase.TRAIN, version=2),
+                    run_state(Phase.TRAIN, version=2), run_state(Phase.FINISHED, round_no=1, version=3),
+                    recorded_at=10)
+    p = Recorder(script)
+    p._join()
+    # When she runs
+    assert p._loop() == Outcome(True, 1)
+    # Then she read the state once while waiting for her join (nine record reads, nine pauses), then again as soon as
+    # it was recorded: she decided on the current state (trained in round 0), not on the one she kept
+    assert script.record_reads >= 10 and len(p.pauses) == 9
+    assert p.did == ["join", "fetch 0", "train 0", "finish"]
+    assert script.state_reads == 4
+
+
+class Feed:
+    """A push queue that delivers `pushes` (state versions) in turn, one per listen, then nothing."""
+
+    def __init__(self, script: Script, *pushes: RunState) -> None:
+        self.script, self.pushes, self.listens = script, list(pushes), 0
+
+    def wait(self, seconds: float) -> Pushed | None:
+        self.listens += 1
+        if self.listens > 50:
+            raise TimeoutError("listening forever")
+        if not self.pushes:
+            return None
+        state = self.pushes.pop(0)
+        self.script.pushed[state.version] = state
+        return Pushed(state.version, {})
+
+    def close(self) -> None:
+        pass
+
+
+def test_with_a_push_queue_a_joiner_listens_instead_of_polling() -> None:
+    # Given a run with a model waiting for members, alice's join request recorded only at her third look at her
+    # record, and her push queue, which delivers nothing for two long polls, then the epoch's start (round 0
+    # training), then the end
+    waiting = replace(run_state(Phase.WAITING, version=1), members={}, selected=())
+    finished = run_state(Phase.FINISHED, round_no=1, version=3)
+    script = Script(waiting, finished, recorded_at=3)
+    p = Recorder(script)
+    feed = Feed(script, waiting, waiting, run_state(Phase.TRAIN, version=2), finished)
+    p.feed = feed
+    p._join()
+    # When she runs
+    p._loop()
+    # Then she never paused to poll: she looked at her record before listening and once per wake-up until it showed
+    # her join (three reads), read the state item only at the start and at the end, and trained in the round the push
+    # announced
+    assert p.pauses == [] and feed.listens >= 4
+    assert script.record_reads == 3 and script.state_reads == 2
+    assert p.did == ["join", "fetch 0", "train 0", "finish"]
+
+
+def test_without_a_model_a_joiner_polls_its_record_to_offer_one() -> None:
+    # Given a run without a model, alice's join recorded at her third look, and her push queue (nothing comes)
+    script = Script(run_state(Phase.WAITING, digest="", version=1), recorded_at=3)
+    p = Recorder(script)
+    p.feed = Feed(script)
+    p._join()
+    # When she runs (until the test's limit of pauses)
+    with pytest.raises(TimeoutError):
+        p._loop()
+    # Then she polled (paused, not listened) until her join was recorded, and offered her model at once
+    assert p.did[:2] == ["join", "offer"] and p.feed.listens > 0 and len(p.pauses) >= 2
 
 
 def test_still_open() -> None:

@@ -1,0 +1,51 @@
+"""moto's SQS computes every attribute of a queue, three of them by scanning all its messages, to read one value:
+content-based deduplication on each message sent, and the retention period for each message a receive looks at.
+A send thus costs time in proportion to the queue's backlog, and a receive its square. With a backlog of
+thousands of events (1,000 participants joining) the S3 uploads that emit them (each sends one through
+EventBridge) and the dispatcher's receives slowed the local server until it spent most of its time there, the
+backlog grew, and the run never caught up. `apply()` makes both read the one value they need, as SQS's cost does
+not grow with the queue. Everything else is served by moto unchanged. Idempotent; used by the local stack and the
+functional tests."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_state = threading.local()
+_applied = False
+
+
+def apply() -> None:
+    global _applied
+    if _applied:
+        return
+    from moto.core.utils import unix_time
+    from moto.sqs import models
+
+    every_attribute: Any = vars(models.Queue)["attributes"].fget
+    send = models.SQSBackend.send_message
+
+    def attributes(self: Any) -> dict[str, Any]:
+        if not getattr(_state, "sending", False):
+            return dict(every_attribute(self))
+        if not self.fifo_queue:  # the one attribute a send reads: only a FIFO queue has it
+            return {}
+        return {"ContentBasedDeduplication": str(bool(getattr(self, "content_based_deduplication", False))).lower()}
+
+    def send_message(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _state.sending = True
+        try:
+            return send(self, *args, **kwargs)
+        finally:
+            _state.sending = False
+
+    def is_message_valid_based_on_retention_period(self: Any, queue_name: str, message: Any) -> bool:
+        retention = int(self.get_queue(queue_name).message_retention_period)
+        return bool(retention + message.sent_timestamp / 1000 > unix_time())
+
+    models.Queue.attributes = property(attributes)  # type: ignore[method-assign,assignment]
+    models.SQSBackend.send_message = send_message  # type: ignore[method-assign]
+    models.SQSBackend.is_message_valid_based_on_retention_period = (  # type: ignore[method-assign]
+        is_message_valid_based_on_retention_period)
+    _applied = True

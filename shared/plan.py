@@ -1,0 +1,139 @@
+"""The layout of a model file as the aggregation writes it: a canonical header, then the data section, cut
+into the content digest's pieces (`shared.digest.PIECE_BYTES`), and where each tensor's elements fall in a
+piece. Pure: no I/O.
+
+Piece `i` is bytes [i * PIECE_BYTES, (i + 1) * PIECE_BYTES) of the file; it may hold part of the header and
+a range of the data section. Within that range, the elements of float tensors, taken in data order, are the
+piece's *float elements*: the optimizer state (`shared.server_opt`) and the download delta (`shared.delta`)
+are flat arrays over them, so any piece can be computed, stored and rebuilt on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.digest import PIECE_BYTES
+from shared.wire import DTYPES, FLOAT_TAGS, Manifest, TensorSpec, encode_header, tensor_view
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of one tensor inside a byte range of the data section."""
+
+    name: str
+    spec: TensorSpec
+    begin: int  # data-section offsets
+    end: int
+
+    @property
+    def count(self) -> int:
+        return (self.end - self.begin) // DTYPES[self.spec.dtype][1]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The layout of one output file: its header bytes, then its data section, cut into pieces."""
+
+    manifest: Manifest
+    header: bytes
+
+    @classmethod
+    def of(cls, manifest: Manifest, metadata: dict[str, str]) -> Plan:
+        return cls(manifest, encode_header(manifest.tensors, metadata))
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.manifest.nbytes
+
+    @property
+    def pieces(self) -> int:
+        return max(1, -(-self.size // PIECE_BYTES))
+
+    def piece_span(self, index: int) -> tuple[int, int]:
+        """Piece `index`'s byte range in the file."""
+        return index * PIECE_BYTES, min((index + 1) * PIECE_BYTES, self.size)
+
+    def shards(self, shard_bytes: int) -> list[range]:
+        """The pieces cut into contiguous shards of about `shard_bytes` (at least one piece each)."""
+        per = max(1, shard_bytes // PIECE_BYTES)
+        return [range(i, min(i + per, self.pieces)) for i in range(0, self.pieces, per)]
+
+    def segments(self, begin: int, end: int) -> Iterator[Segment]:
+        """The tensors' parts in data-section range [begin, end) (8-aligned ends cut no element)."""
+        for name, (a, b) in self.manifest.layout().items():
+            lo, hi = max(a, begin), min(b, end)
+            if lo < hi:
+                yield Segment(name, self.manifest.tensors[name], lo, hi)
+
+    def layout(self, index: int) -> PieceLayout:
+        return PieceLayout.of(self, index)
+
+
+@dataclass(frozen=True)
+class PieceLayout:
+    """Where piece `index`'s bytes come from: `in_header` bytes of the header, then data-section range
+    [data_begin, data_end), whose segments are float (`floats`) or not (`others`). Offsets in `floats` and
+    `others` are relative to the piece's data (byte 0 = data_begin)."""
+
+    index: int
+    in_header: int
+    data_begin: int
+    data_end: int
+    floats: tuple[tuple[int, TensorSpec, int], ...]  # (offset, flat spec, index of its first float element)
+    others: tuple[tuple[int, int], ...]  # byte spans of the segments that are not floats
+    count: int  # float elements in the piece
+
+    @classmethod
+    def of(cls, plan: Plan, index: int) -> PieceLayout:
+        start, stop = plan.piece_span(index)
+        head = len(plan.header)
+        in_header = max(0, min(stop, head) - start)
+        begin = max(start, head) - head
+        end = max(begin, stop - head)
+        floats, others, count = [], [], 0
+        for seg in plan.segments(begin, end):
+            if seg.spec.dtype in FLOAT_TAGS:
+                floats.append((seg.begin - begin, TensorSpec(seg.spec.dtype, (seg.count,)), count))
+                count += seg.count
+            else:
+                others.append((seg.begin - begin, seg.end - begin))
+        return cls(index, in_header, begin, end, tuple(floats), tuple(others), count)
+
+    @property
+    def data_bytes(self) -> int:
+        return self.data_end - self.data_begin
+
+    def gather_floats(self, data: bytes | bytearray | memoryview) -> np.ndarray:
+        """The piece's float elements, in data order, as float32 (`data`: the piece's data bytes)."""
+        out = np.empty(self.count, np.float32)
+        for offset, spec, first in self.floats:
+            out[first : first + spec.numel] = tensor_view(data, offset, spec)
+        return out
+
+    def scatter_floats(self, data: memoryview, values: np.ndarray) -> None:
+        """Store float32 `values` (one per float element) into the piece's data bytes, each in its dtype."""
+        for offset, spec, first in self.floats:
+            store(data, offset, spec, values[first : first + spec.numel])
+
+    def gather_others(self, data: bytes | bytearray | memoryview) -> bytes:
+        return b"".join(bytes(data[a:b]) for a, b in self.others)
+
+    def scatter_others(self, data: memoryview, raw: bytes | memoryview) -> None:
+        at = 0
+        for a, b in self.others:
+            data[a:b] = raw[at : at + b - a]
+            at += b - a
+
+    @property
+    def others_bytes(self) -> int:
+        return sum(b - a for a, b in self.others)
+
+
+def store(out: memoryview, offset: int, spec: TensorSpec, values: np.ndarray) -> None:
+    """Write `values` into `out` at `offset` in the dtype of `spec` (little-endian)."""
+    dtype = DTYPES[spec.dtype][0].newbyteorder("<")
+    target = np.frombuffer(out, dtype=dtype, count=spec.numel, offset=offset)
+    np.copyto(target, values, casting="unsafe")

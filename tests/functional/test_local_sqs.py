@@ -1,0 +1,65 @@
+"""local.moto_sqs: a send or a receive no longer reads every attribute of its queue (three scans of its messages),
+and SQS behaves as before: counts, deduplication on a FIFO queue, delivery, retention."""
+
+from __future__ import annotations
+
+import boto3
+import pytest
+
+from local import moto_sqs
+
+
+def counts(sqs: object, url: str) -> tuple[int, int]:
+    attrs = sqs.get_queue_attributes(  # type: ignore[attr-defined]
+        QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
+    )["Attributes"]
+    return int(attrs["ApproximateNumberOfMessages"]), int(attrs["ApproximateNumberOfMessagesNotVisible"])
+
+
+def test_a_send_or_a_receive_reads_one_value_not_every_attribute(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a queue with a backlog, and moto's count of queued messages watched
+    from moto.sqs import models
+
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    url = sqs.create_queue(QueueName="backlog")["QueueUrl"]
+    for i in range(50):
+        sqs.send_message(QueueUrl=url, MessageBody=f"m{i}")
+    scans = []
+    counted = models.Queue.approximate_number_of_messages.fget
+    monkeypatch.setattr(models.Queue, "approximate_number_of_messages",
+                        property(lambda q: scans.append(q.name) or counted(q)))
+    # When one more message is sent, and ten are received
+    sqs.send_message(QueueUrl=url, MessageBody="one more")
+    received = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10)["Messages"]
+    # Then neither counted the queue's messages, while the queue's attributes still count every message
+    assert scans == [] and len(received) == 10
+    assert counts(sqs, url) == (41, 10)
+    assert scans  # (the attributes read the count)
+
+
+def test_a_message_past_the_retention_period_is_not_received(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a queue keeping messages 60 s, and a message sent 61 s ago
+    from moto.sqs import models
+
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    url = sqs.create_queue(QueueName="short", Attributes={"MessageRetentionPeriod": "60"})["QueueUrl"]
+    sqs.send_message(QueueUrl=url, MessageBody="old")
+    sent = models.sqs_backends["123456789012"]["us-east-1"].get_queue("short")._messages[0]
+    monkeypatch.setattr(sent, "sent_timestamp", sent.sent_timestamp - 61_000)
+    # When the queue is read
+    response = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10)
+    # Then the message does not come
+    assert "Messages" not in response
+
+
+def test_a_fifo_queue_still_deduplicates_by_content(aws: None) -> None:
+    # Given a FIFO queue with content-based deduplication
+    moto_sqs.apply()
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    url = sqs.create_queue(QueueName="dedup.fifo",
+                           Attributes={"FifoQueue": "true", "ContentBasedDeduplication": "true"})["QueueUrl"]
+    # When the same body is sent twice, and another once
+    for body in ("same", "same", "other"):
+        sqs.send_message(QueueUrl=url, MessageBody=body, MessageGroupId="g")
+    # Then the queue holds two messages
+    assert counts(sqs, url) == (2, 0)

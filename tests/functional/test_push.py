@@ -1,0 +1,108 @@
+"""The push of state changes (`store.push`) on moto: a commit that changes the run's phase or round publishes
+the committed state item to the run's topic; a participant's own subscribed queue receives it and reads it as
+the state item; other commits publish nothing; what is not a state change of this run is ignored."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import boto3
+import numpy as np
+
+from shared.messages import StateChange
+from shared.naming import participant_queue_name
+from shared.state import Phase
+from store.push import StateQueue
+from tests.functional.conftest import MODEL, Harness
+
+
+def _queue(h: Harness, pid: str) -> tuple[StateQueue, Any]:
+    sqs, sns = boto3.client("sqs", region_name="us-east-1"), boto3.client("sns", region_name="us-east-1")
+    queue = StateQueue.open(h.config.run_id, pid, h.res.state_topic, sqs, sns)
+    assert queue is not None
+    return queue, sqs
+
+
+def _drain(queue: StateQueue) -> None:
+    while queue.wait(0) is not None:
+        pass
+
+
+def test_a_new_round_is_pushed_as_the_committed_state_item(harness: Harness) -> None:
+    # Given alice's queue subscribed before the run starts
+    queue, _ = _queue(harness, "alice")
+
+    # When the run starts round 0
+    harness.start(["alice", "bob"])
+
+    # Then the newest message is the committed state, read exactly as the state item reads
+    pushed = queue.wait(0)
+    state = harness.state()
+    assert state.phase is Phase.TRAIN and pushed is not None and pushed.version == state.version
+    assert harness.deps.store.state_of(pushed.body, pushed.version) == state
+    assert queue.wait(0) is None, "a message is received once (it stays invisible until it expires)"
+
+
+def test_only_commits_that_change_phase_round_or_model_are_pushed(harness: Harness) -> None:
+    harness.start(["alice", "bob"])
+    queue, _ = _queue(harness, "alice")
+    _drain(queue)
+    more = {k: v + 1 for k, v in MODEL.items()}
+
+    # When the first of two updates is recorded (no tick), then a scheduled tick that changes nothing
+    assert harness.upload("alice", more)["accepted"]
+    harness.scheduled_tick()
+    # Then nothing was pushed
+    assert queue.wait(0) is None
+
+    # When the round's last update closes it and the next round begins
+    assert harness.upload("bob", more)["accepted"]
+    # Then that commit is pushed: round 1, training
+    pushed = queue.wait(0)
+    assert pushed is not None
+    state = harness.deps.store.state_of(pushed.body, pushed.version)
+    assert (state.round, state.phase) == (1, Phase.TRAIN) and state == harness.state()
+    assert np.allclose(harness.global_model(1)["dense.bias"], 1.0)
+
+
+def test_what_is_not_a_state_change_of_this_run_is_ignored_and_the_newest_wins(harness: Harness) -> None:
+    queue, sqs = _queue(harness, "alice")
+    body = {"phase": "train", "round": 3}
+
+    def send(text: str) -> None:
+        sqs.send_message(QueueUrl=queue.url, MessageBody=text)
+
+    send(StateChange(run_id=harness.config.run_id, version=7, state=body).model_dump_json(by_alias=True))
+    send(StateChange(run_id=harness.config.run_id, version=5, state={}).model_dump_json(by_alias=True))
+    send(StateChange(run_id="another-run", version=99, state={}).model_dump_json(by_alias=True))
+    send(json.dumps({"version": 100, "state": {}, "run_id": harness.config.run_id, "extra": 1}))  # not the schema
+    send("x" * 20_000)  # over the size a state change can have
+    got, seen = [], 0
+    while (pushed := queue.wait(0)) is not None or seen < 1:
+        seen += 1
+        if pushed is not None:
+            got.append(pushed)
+    assert max(p.version for p in got) == 7 and all(p.version in (5, 7) for p in got)
+    assert next(p for p in got if p.version == 7).body == body
+
+
+def test_no_queue_without_a_topic_or_for_an_id_too_long_for_a_queue_name(harness: Harness) -> None:
+    sqs, sns = boto3.client("sqs", region_name="us-east-1"), boto3.client("sns", region_name="us-east-1")
+    assert StateQueue.open(harness.config.run_id, "alice", "", sqs, sns) is None
+    assert participant_queue_name(harness.config.run_id, "p" * 63) == f"fed-{harness.config.run_id}-p-{'p' * 63}"
+    assert participant_queue_name("r" * 40, "p" * 63) is None  # 107 characters: that participant polls
+
+
+def test_a_closed_queue_is_gone(harness: Harness) -> None:
+    queue, sqs = _queue(harness, "alice")
+    queue.close()
+    assert all(not url.endswith("-p-alice") for url in sqs.list_queues().get("QueueUrls", []))
+
+
+def test_a_change_reaches_every_participant_queue_past_a_hundred(harness: Harness) -> None:
+    # (moto alone delivers a publish to a topic's first 100 subscriptions: local.moto_sns)
+    queues = [_queue(harness, f"p{i:03d}")[0] for i in range(120)]
+    harness.start(["alice", "bob"])
+    version = harness.state().version
+    assert all((p := q.wait(0)) is not None and p.version == version for q in queues)

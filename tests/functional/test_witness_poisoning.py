@@ -1,0 +1,87 @@
+"""A witness's semantic check on real digits updates: a poisoned update (the honest change sign-flipped and scaled,
+under the norm bound) is refused, honest ones attested (the measured error rates: benchmarks/witness_errors.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fed.demo import DEMO_TASKS
+from participant.splits import partition
+from participant.tasks import digits_meta
+from participant.tasks.digits import Digits
+from participant.tensors import save_model_file
+from participant.witness import Check, RoundWitness
+from shared.config import RunConfig
+
+CPU = torch.device("cpu")
+TRAINING = {k: v for k, v in DEMO_TASKS["digits"].settings.items() if not k.startswith("witness_")}  # the demo's
+PARTICIPANTS = 5
+
+
+def honest_round(task: Digits, cfg: RunConfig, base: dict[str, torch.Tensor], alpha: float | None, r: int
+                 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
+    parts = partition(task._data[1].numpy(), PARTICIPANTS, alpha, seed=digits_meta.SPLIT_SEED)
+    out = {}
+    for i, part in enumerate(parts):
+        local = task.build_model(cfg.seed)
+        local.load_state_dict(base)
+        task.train(local, part.tolist(), cfg, CPU, seed=1000 * r + i)
+        out[f"p{i}"] = {n: t.detach().clone() for n, t in local.state_dict().items()}
+    return out, {f"p{i}": len(part) for i, part in enumerate(parts)}
+
+
+def judge(task: Digits, cfg: RunConfig, tmp: Path, base: dict[str, torch.Tensor],
+          updates: dict[str, dict[str, torch.Tensor]], samples: dict[str, int]) -> RoundWitness:
+    w = RoundWitness(0, "", tmp)
+    for pid, tensors in updates.items():
+        w.checks[pid] = Check(pid, pid, samples[pid], "", save_model_file(tensors, tmp / f"{pid}.safetensors"))
+    model = task.build_model(0)
+    model.load_state_dict(base)
+    w.evaluate(task, CPU, cfg.seed, save_model_file(base, tmp / "global.safetensors"),
+               task.evaluate(model, CPU)["test_loss"], cfg.witness_tolerance, sorted(updates),
+               min_cosine=cfg.witness_min_cosine)
+    return w
+
+
+def flipped(base: dict[str, torch.Tensor], update: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    return {n: base[n] - scale * (t - base[n]) if t.is_floating_point() else t for n, t in update.items()}
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0, 5.0])
+def test_a_sign_flipped_update_is_refused_even_at_a_loose_tolerance(tmp_path: Path, scale: float) -> None:
+    # Given five participants' first-round digits updates (IID), one of them sign-flipped and scaled (under the
+    # coordinator's norm bound of 10x the median), and a witness at the tolerance the demo used to run with
+    task = Digits()
+    cfg = RunConfig(run_id="poison", **TRAINING, witness_tolerance=0.3)
+    base = task.build_model(cfg.seed).state_dict()
+    updates, samples = honest_round(task, cfg, base, None, 0)
+    updates["p0"] = flipped(base, updates["p0"], scale)
+    # When it judges the round
+    w = judge(task, cfg, tmp_path, base, updates, samples)
+    # Then the poisoned update is refused, with its reason, and every honest one attested
+    assert not w.verdicts["p0"].attested and "points away" in w.verdicts["p0"].reason
+    assert all(w.verdicts[p].attested for p in updates if p != "p0"), {p: v.reason for p, v in w.verdicts.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alpha", [None, 0.5], ids=["iid", "dirichlet0.5"])
+def test_honest_updates_are_attested_over_a_whole_run_at_the_defaults(tmp_path: Path, alpha: float | None) -> None:
+    # Given five participants training digits for 20 rounds on their own data (IID or Dirichlet 0.5), and a witness
+    # at the default tolerance and direction bound
+    task = Digits()
+    cfg = RunConfig(run_id="honest", **TRAINING)
+    model = task.build_model(cfg.seed)
+    refused: list[str] = []
+    for r in range(20):
+        base = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        updates, samples = honest_round(task, cfg, base, alpha, r)
+        w = judge(task, cfg, tmp_path / f"{r}", base, updates, samples)
+        refused += [f"round {r} {p}: {v.reason}" for p, v in w.verdicts.items() if not v.attested]
+        total = sum(samples.values())
+        model.load_state_dict({n: sum(updates[p][n] * (samples[p] / total) for p in updates) for n in base})
+    # Then no honest update was ever refused, and the model learned
+    assert refused == []
+    assert task.evaluate(model, CPU)["test_accuracy"] > 0.9
