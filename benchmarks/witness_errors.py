@@ -10,7 +10,7 @@ cosine and leave-one-out loss ratio distributions of honest and poisoned updates
 configured thresholds. Not a test: nothing here asserts.
 
     .venv/bin/python benchmarks/witness_errors.py [--rounds 20] [--participants 5] [--scales 1,2,5]
-        [--local-epochs N] [--learning-rate LR]
+        [--local-epochs N] [--learning-rate LR] [--victim-share 0.1]
 """
 
 from __future__ import annotations
@@ -100,11 +100,18 @@ def run_setting(split: str, args: argparse.Namespace, out: dict[str, Any]) -> No
                 ratio = w.aggregate_loss / v.loss_without if v.loss_without else float("nan")
                 honest_stats.append((w.cosines.get(pid, float("nan")), ratio, relative(w).get(pid, float("nan"))))
             victim = pids[r % len(pids)]
+            honest_change, poisoned_samples = trained[victim], dict(samples)
+            if args.victim_share < 1:  # as a throughput-sized plan gives a host that reports itself slow
+                few = parts[pids.index(victim)][: max(1, int(args.victim_share * samples[victim]))].tolist()
+                local = task.build_model(cfg.seed)
+                local.load_state_dict(base)
+                task.train(local, few, cfg, torch.device("cpu"), seed=1000 * r + 999)
+                honest_change, poisoned_samples[victim] = local.state_dict(), len(few)
             for scale in args.scales:
                 flipped = {n: base[n] - scale * (t - base[n]) if t.is_floating_point() else t
-                           for n, t in trained[victim].items()}
+                           for n, t in honest_change.items()}
                 p = judge(task, cfg, Path(tmp) / f"p{r}-{scale}", base, base_path, {**trained, victim: flipped},
-                          samples)
+                          poisoned_samples)
                 v = p.verdicts[victim]
                 detected[scale] += not v.attested
                 ratio = p.aggregate_loss / v.loss_without if v.loss_without else float("nan")
@@ -142,6 +149,9 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=defaults.witness_tolerance)
     parser.add_argument("--min-cosine", type=float, default=defaults.witness_min_cosine)
     parser.add_argument("--only", choices=sorted(SPLITS))
+    parser.add_argument("--victim-share", type=float, default=1.0,
+                        help="the poisoned participant trains and reports this fraction of its samples (a small "
+                             "throughput-sized share, e.g. 0.1)")
     parser.add_argument("--local-epochs", type=int, help="instead of the demo's (e.g. 20: fed demo --mixed-speeds)")
     parser.add_argument("--learning-rate", type=float, help="instead of the demo's")
     args = parser.parse_args()

@@ -17,10 +17,13 @@ verified update, as FedAvg would make it) and, for each update `i`, the aggregat
 
     cos(i - G, median_{j != i}(j - G)) >= witness_min_cosine     (with at least two other updates)
     loss(A) <= loss(A - i) * (1 + witness_tolerance)
+    loss(A - i + i at the median weight) <= loss(A - i) * (1 + witness_tolerance)   (below the median weight)
 
 that is, if its change does not point away from the round's robust direction (the coordinate-wise median of
 the other updates' changes from the global model G: `directions`), and applying it to the rest of the round
-does not make the model clearly worse. The direction test catches a sign-flipped update early in a run, where
+does not make the model clearly worse, at its own weight nor at the round's median weight (with shares sized by
+throughput a host that reports itself slow trains a small share, and a flipped update of a few steps passed
+both of the other tests at its 4 % weight). The direction test catches a sign-flipped update early in a run, where
 its loss effect can hide inside a loose tolerance; late in a run honest changes are nearly orthogonal to each
 other (cosines about 0, -0.52 at worst measured), and the loss test decides (docs/protocol.md, *Witnesses under
 attack*; benchmarks/witness_errors.py).
@@ -46,6 +49,7 @@ from __future__ import annotations
 import math
 import mmap
 import shutil
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -160,8 +164,10 @@ class RoundWitness:
                  tolerance: float, selected: Iterable[str], stopping: Callable[[], bool] = lambda: False,
                  min_cosine: float = -1.0) -> None:
         """Decide every verified update of `selected`: its direction against the others' (`directions`; with at
-        least two others) and leave-one-out against the round's aggregate. Updates are read from their files one
-        tensor at a time; memory: the global model, the float64 sums, and one tensor of every update."""
+        least two others) and leave-one-out against the round's aggregate, at its own weight and, below the round's
+        median weight, at that (a small share must not hide a harmful change: sized by throughput, a host reporting
+        itself slow gets one). Updates are read from their files one tensor at a time; memory: the global model,
+        the float64 sums, and one tensor of every update."""
         from participant.tensors import open_tensors
 
         started = time.perf_counter()
@@ -191,14 +197,19 @@ class RoundWitness:
 
         self.aggregate_loss = loss_of({n: s / total for n, s in sums.items()})
         self.cosines = directions(base, {c.pid: path for c, path in good}) if len(good) >= 3 else {}
+        median = statistics.median(weights.values())
         for c, path in good:  # pass 2: each update left out in turn
+            raised = math.nan  # the aggregate's loss with it weighted as the median update (below the median only)
+            own, rest = weights[c.pid], total - weights[c.pid]
             if len(good) == 1:
                 without = global_loss
             else:
-                rest = total - weights[c.pid]
                 with open_tensors(path) as update:
-                    rests = {n: (s - weights[c.pid] * update.tensor(n).double()) / rest for n, s in sums.items()}
-                without = loss_of(rests)
+                    rests = {n: s - own * update.tensor(n).double() for n, s in sums.items()}
+                    if own < median:
+                        raised = loss_of({n: (r + median * update.tensor(n).double()) / (rest + median)
+                                          for n, r in rests.items()})
+                without = loss_of({n: r / rest for n, r in rests.items()})
             bound = without * (1 + tolerance)
             cosine = self.cosines.get(c.pid)
             if not math.isfinite(self.aggregate_loss) or not math.isfinite(without):
@@ -210,6 +221,10 @@ class RoundWitness:
             elif self.aggregate_loss > bound:
                 why = (f"the round's aggregate has loss {self.aggregate_loss:.4f} with it, {without:.4f} without "
                        f"(tolerance x{1 + tolerance:g})")
+                self.verdicts[c.pid] = Verdict(c.pid, c.digest, False, without, why)
+            elif raised > bound:  # NaN (not computed) compares false
+                why = (f"weighted as the round's median update it gives the aggregate loss {raised:.4f}, {without:.4f} "
+                       f"without it (tolerance x{1 + tolerance:g}; its own weight is {own / median:.0%} of the median)")
                 self.verdicts[c.pid] = Verdict(c.pid, c.digest, False, without, why)
             else:
                 self.verdicts[c.pid] = Verdict(c.pid, c.digest, True, without, "")

@@ -35,7 +35,7 @@ ATTACKER = "p5"
 def config(run_id: str) -> RunConfig:
     return e2e_config(run_id=run_id, min_clients=4, min_per_round=4, min_updates=3, total_rounds=8, witness_nodes=3,
                       round_witness_time=8, max_round_train_time=30, liveness_timeout=10, learning_rate=0.1,
-                      local_epochs=2, batch_size=32)
+                      local_epochs=2, batch_size=32, work_sizing="equal")  # equal: as tests/e2e/test_witnesses.py
 
 
 class ScriptedWitness:

@@ -20,10 +20,12 @@ def test_a_poisoned_participant_is_not_attested_not_aggregated_and_dropped(local
     # Given six participants, three witnesses per round, and p6 uploading scaled sign-flipped updates
     config = e2e_config(min_clients=5, min_per_round=5, min_updates=3, total_rounds=6, witness_nodes=3,
                         witness_tolerance=0.3, round_witness_time=10, max_round_train_time=30, liveness_timeout=10,
-                        learning_rate=0.1, local_epochs=2, batch_size=32)
-    # (the demo's digits training, whose honest updates benchmarks/witness_errors.py measured: 0 of 60 refused; at
-    # batch 16 an honest update sometimes diverged — mean training loss 0.92 against the others' 0.13-0.20 — and
-    # every witness refused it, rightly, which dropped an honest participant from the test's epoch)
+                        learning_rate=0.1, local_epochs=2, batch_size=32, work_sizing="equal")
+    # (equal shares: a p6 that a busy machine made slow would get a small throughput-sized share, behind which a
+    # witness catches its flipped update in about 3 rounds of 4: benchmarks/witness_errors.py --victim-share. The
+    # demo's digits training, whose honest updates benchmarks/witness_errors.py measured: 0 of 60 refused; at batch
+    # 16 an honest update sometimes diverged — mean training loss 0.92 against the others' 0.13-0.20 — and every
+    # witness refused it, rightly, which dropped an honest participant from the test's epoch)
     run = local_run(config)
     names = [f"p{i}" for i in range(1, 7)]
 

@@ -18,12 +18,11 @@ POISONED = "participant.tasks.poisoned:task"
 def test_witnesses_refuse_a_poisoned_update_and_a_health_report_drops_it(
     run: Callable[..., Harness], tmp_path: Path  # noqa: F811
 ) -> None:
-    # Given four participants, three elected witnesses per round, and carol uploading poisoned updates; equal shares:
-    # sized by throughput, a carol slowed by a busy machine trained ~50 of 1437 samples in round 1, and her flipped
-    # update was attested (its weight too small to hurt the aggregate's loss, its few steps too unlike the others'
-    # for the cosine test): what this test is about is the witnesses and the health path, not the sizing
+    # Given four participants, three elected witnesses per round, and carol uploading poisoned updates (shares sized
+    # by throughput: on a busy machine carol measured slow and trained ~50 of 1437 samples in round 1, which her
+    # flipped update once passed, before witnesses weighed a small share as the median update)
     harness = run(total_rounds=3, min_clients=3, min_per_round=3, min_updates=2, witness_nodes=3,
-                  round_witness_time=60, witness_tolerance=0.3, work_sizing="equal")
+                  round_witness_time=60, witness_tolerance=0.3)
     names = ["alice", "bob", "carol", "dave"]
     people = {pid: Participant(harness, pid, tmp_path / pid, task=POISONED if pid == "carol" else None)
               for pid in names}

@@ -85,3 +85,28 @@ def test_honest_updates_are_attested_over_a_whole_run_at_the_defaults(tmp_path: 
     # Then no honest update was ever refused, and the model learned
     assert refused == []
     assert task.evaluate(model, CPU)["test_accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("scale", [5.0, 9.0])
+def test_a_flipped_update_behind_a_small_share_is_refused(tmp_path: Path, scale: float) -> None:
+    # Given a run one round in, and p0, which a throughput-sized plan gave a small share (it reported itself slow),
+    # uploading its few steps sign-flipped and scaled: at its own weight it barely moves the aggregate; and the
+    # direction test set aside (a flipped change of a few steps measured cosines from -0.72 here to above -0.7 in a
+    # four-participant run, where it was attested)
+    task = Digits()
+    cfg = RunConfig(run_id="poison", **TRAINING, witness_tolerance=0.3, witness_min_cosine=-1.0)
+    model = task.build_model(cfg.seed)
+    first, samples = honest_round(task, cfg, model.state_dict(), None, 0)
+    total = sum(samples.values())
+    base = {n: sum(first[p][n] * (samples[p] / total) for p in first) for n in first["p0"]}
+    updates, samples = honest_round(task, cfg, base, None, 1)
+    few = partition(task._data[1].numpy(), PARTICIPANTS, None, seed=digits_meta.SPLIT_SEED)[0][:52].tolist()
+    small = task.build_model(cfg.seed)
+    small.load_state_dict(base)
+    task.train(small, few, cfg, CPU, seed=7)
+    updates["p0"], samples["p0"] = flipped(base, small.state_dict(), scale), len(few)
+    # When a witness judges the round
+    w = judge(task, cfg, tmp_path, base, updates, samples)
+    # Then weighted as the round's median update it is seen for what it does: refused, every honest update attested
+    assert not w.verdicts["p0"].attested and "median update" in w.verdicts["p0"].reason, w.verdicts["p0"]
+    assert all(w.verdicts[p].attested for p in updates if p != "p0"), {p: v.reason for p, v in w.verdicts.items()}
