@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from coordinator.deps import Deps
@@ -67,16 +68,23 @@ class GlobalModel:
         if self.size > SMALL_MODEL_BYTES:
             return ObjectRange(deps.bucket, self.key, self.version_id, self.data_offset)
         held = _HELD.get((self.key, self.version_id))
-        if held is None:
-            data = deps.bucket.get(self.key, max_bytes=SMALL_MODEL_BYTES, version_id=self.version_id).data
-            if len(_HELD) >= 4:
-                _HELD.clear()
-            held = _HELD[(self.key, self.version_id)] = HeldRange(data[self.data_offset:])
-        return held
+        if held is not None:
+            return held
+        with _READING:  # the round's first updates arrive together: one of them reads it, the others wait for it
+            held = _HELD.get((self.key, self.version_id))
+            if held is None:
+                data = deps.bucket.get(self.key, max_bytes=SMALL_MODEL_BYTES, version_id=self.version_id).data
+                if len(_HELD) >= 4:
+                    _HELD.clear()
+                held = _HELD[(self.key, self.version_id)] = HeldRange(data[self.data_offset:])
+            return held
 
 
 SMALL_MODEL_BYTES = 1 << 20  # a global model this small is held in memory by a warm function once read
 _HELD: dict[tuple[str, str], HeldRange] = {}  # (key, version) -> its data section (a few at most)
+# Taken to fill either cache: concurrent invocations in one process (the local stack's functions are threads; a
+# round's updates are ingested together) authenticate and read a global model once, not once each.
+_READING = threading.RLock()
 
 
 class HeldRange:
@@ -104,13 +112,17 @@ def read_global(deps: Deps, round_no: int, want: str, in_bucket: bool = False) -
     (one HEAD less per update ingested) unless `in_bucket` (the caller uses the version itself: a copy)."""
     key = keys.global_key(deps.config.run_id, round_no, want)
     known = _VERIFIED.get((deps.bucket.name, key))
-    if known is not None and ((known.held and not in_bucket) or deps.bucket.has_version(key, known.version_id)):
+    if known is not None and known.held and not in_bucket:
         return known
-    model = _authenticate(deps, round_no, want, key)
-    if len(_VERIFIED) >= 4:
-        _VERIFIED.clear()
-    _VERIFIED[(deps.bucket.name, key)] = model
-    return model
+    with _READING:
+        known = _VERIFIED.get((deps.bucket.name, key))
+        if known is not None and ((known.held and not in_bucket) or deps.bucket.has_version(key, known.version_id)):
+            return known
+        model = _authenticate(deps, round_no, want, key)
+        if len(_VERIFIED) >= 4:
+            _VERIFIED.clear()
+        _VERIFIED[(deps.bucket.name, key)] = model
+        return model
 
 
 def _authenticate(deps: Deps, round_no: int, want: str, key: str) -> GlobalModel:

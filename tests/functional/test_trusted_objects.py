@@ -7,8 +7,13 @@ the key now: a forged object can neither make valid updates be refused nor chang
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+import threading
 
+import numpy as np
+import pytest
+
+from coordinator import models
 from coordinator.verify import verify_run
 from shared import keys, wire
 from tests.functional.conftest import MODEL, Harness
@@ -43,3 +48,40 @@ def test_a_global_model_overwritten_at_its_key_is_not_what_the_round_trains_from
     assert state.round == 1
     np.testing.assert_allclose(harness.global_model(1)["dense.bias"], 2.0)
     assert all(check.ok for check in verify_run(harness.deps)), [c for c in verify_run(harness.deps) if not c.ok]
+
+
+def test_updates_ingested_together_authenticate_the_global_model_once(harness: Harness,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a run training round 0, whose global model no function of this process has read yet, and a bucket that
+    # holds each authentication of it until four have begun (or half a second has passed)
+    harness.start(["alice", "bob"])
+    state = harness.state()
+    models._VERIFIED.clear()
+    models._HELD.clear()
+    together = threading.Barrier(4, timeout=0.5)
+    calls: list[str] = []
+    verified_version = harness.deps.bucket.verified_version
+
+    def held_back(key: str, want: str) -> tuple[str, int]:
+        calls.append(key)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            together.wait()
+        return verified_version(key, want)
+
+    monkeypatch.setattr(harness.deps.bucket, "verified_version", held_back)
+    # When four ingests read it at once, as a round's updates arriving together are
+    read: list[models.GlobalModel] = []
+
+    def ingest() -> None:
+        model = models.read_global(harness.deps, state.round, state.global_digest)
+        model.source(harness.deps)
+        read.append(model)
+
+    threads = [threading.Thread(target=ingest) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Then one of them authenticated it (hashing it, reading its header) and the others used what it found
+    assert len(read) == 4 and len({id(m) for m in read}) == 1
+    assert calls == [harness.global_key(0)]
