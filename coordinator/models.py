@@ -111,17 +111,18 @@ def read_global(deps: Deps, round_no: int, want: str, in_bucket: bool = False) -
     this function holds needs nothing more from the bucket, so whether its version is still there is not asked
     (one HEAD less per update ingested) unless `in_bucket` (the caller uses the version itself: a copy)."""
     key = keys.global_key(deps.config.run_id, round_no, want)
-    known = _VERIFIED.get((deps.bucket.name, key))
-    if known is not None and known.held and not in_bucket:
+    cached = (deps.bucket.name, key)
+    known = _VERIFIED.get(cached)
+    if known is not None and ((known.held and not in_bucket) or deps.bucket.has_version(key, known.version_id)):
         return known
     with _READING:
-        known = _VERIFIED.get((deps.bucket.name, key))
-        if known is not None and ((known.held and not in_bucket) or deps.bucket.has_version(key, known.version_id)):
-            return known
+        fresh = _VERIFIED.get(cached)
+        if fresh is not None and fresh is not known:  # authenticated meanwhile, by the invocation we waited for
+            return fresh
         model = _authenticate(deps, round_no, want, key)
         if len(_VERIFIED) >= 4:
             _VERIFIED.clear()
-        _VERIFIED[(deps.bucket.name, key)] = model
+        _VERIFIED[cached] = model
         return model
 
 
