@@ -62,10 +62,13 @@ task = InterruptibleDigits()
 
 
 class Pump:
-    """Deliver queued S3 events to ingest and tick every `every` seconds, on a thread."""
+    """Deliver queued S3 events to ingest and tick every `every` seconds, on a thread. With `start_with`, after
+    the run's first commit no tick runs (scheduled, or after an ingest) until that many participants have joined
+    and proven live, as if the whole fleet had started before the coordinator looked again: the first epoch then
+    admits them all, not the first `min_clients` whose heartbeats the pump happened to ingest."""
 
-    def __init__(self, harness: Harness, every: float = 0.3) -> None:
-        self.harness, self.every = harness, every
+    def __init__(self, harness: Harness, every: float = 0.3, start_with: int = 0) -> None:
+        self.harness, self.every, self.start_with = harness, every, start_with
         self.sqs = boto3.client("sqs", region_name="us-east-1")
         self.done = threading.Event()
         self.errors: list[BaseException] = []
@@ -84,7 +87,7 @@ class Pump:
                         ingest.handler(json.loads(m["Body"]), LocalContext())
                         self.sqs.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
                     messages += batch
-                if time.monotonic() - last >= self.every:
+                if time.monotonic() - last >= self.every and self.gathered():
                     tick.handler({}, LocalContext())
                     last = time.monotonic()
                 if not messages:
@@ -92,19 +95,35 @@ class Pump:
         except BaseException as exc:  # surfaced by the test
             self.errors.append(exc)
 
+    def gathered(self) -> bool:
+        """Whether ticks may run: always once `start_with` participants were proven live, and before the run's
+        first commit (it publishes the run's configuration, which participants wait for before their first
+        heartbeat: nobody can be proven before it)."""
+        if self.start_with:
+            snap = self.harness.deps.store.load_snapshot()
+            if snap.state.version > 0 and sum(p.proven for p in snap.participants.values()) < self.start_with:
+                return False
+            self.start_with = 0 if snap.state.version > 0 else self.start_with
+        return True
+
 
 @pytest.fixture
-def run(harness_factory: Callable[..., Harness], tmp_path: Path) -> Iterator[Callable[..., Harness]]:
+def run(harness_factory: Callable[..., Harness], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> Iterator[Callable[..., Harness]]:
     pumps: list[Pump] = []
 
-    def start(**overrides: Any) -> Harness:
+    def start(start_with: int = 0, **overrides: Any) -> Harness:
         settings: dict[str, Any] = dict(
             dataset_size=0, max_update_bytes=1 << 20, warmup_time=300, max_round_train_time=300,
             liveness_timeout=300, total_rounds=3, learning_rate=0.1, local_epochs=2, batch_size=16, task=TASK,
         )
         settings.update(overrides)
         harness = harness_factory(**settings)
-        pump = Pump(harness)
+        pump = Pump(harness, start_with=start_with)
+        if start_with:  # the tick an ingest makes waits for the fleet too
+            after_ingest = ingest.tick_and_publish
+            monkeypatch.setattr(ingest, "tick_and_publish",
+                                lambda deps: after_ingest(deps) if pump.gathered() else {"deferred": "gathering"})
         pump.thread.start()
         pumps.append(pump)
         return harness

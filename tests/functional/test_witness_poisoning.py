@@ -110,3 +110,21 @@ def test_a_flipped_update_behind_a_small_share_is_refused(tmp_path: Path, scale:
     # Then weighted as the round's median update it is seen for what it does: refused, every honest update attested
     assert not w.verdicts["p0"].attested and "median update" in w.verdicts["p0"].reason, w.verdicts["p0"]
     assert all(w.verdicts[p].attested for p in updates if p != "p0"), {p: v.reason for p, v in w.verdicts.items()}
+
+
+def test_with_three_updates_a_flipped_one_does_not_turn_the_honest_ones_away(tmp_path: Path) -> None:
+    # Given a first round of only three updates (an epoch that started with three members), one of them flipped
+    # and scaled x5: the median of an honest update's two others would be their mean, half of it the flip
+    task = Digits()
+    cfg = RunConfig(run_id="poison", **TRAINING, witness_tolerance=0.3)
+    base = task.build_model(cfg.seed).state_dict()
+    updates, samples = honest_round(task, cfg, base, None, 0)
+    updates = {p: updates[p] for p in ("p0", "p1", "p2")}
+    updates["p0"] = flipped(base, updates["p0"], 5.0)
+    # When a witness judges the round
+    w = judge(task, cfg, tmp_path, base, updates, samples)
+    # Then the round's direction is the median of all three: the flipped update points away from it, the honest
+    # ones do not
+    assert not w.verdicts["p0"].attested and "points away" in w.verdicts["p0"].reason, w.verdicts["p0"]
+    assert all(w.verdicts[p].attested for p in ("p1", "p2")), {p: v.reason for p, v in w.verdicts.items()}
+    assert w.cosines["p0"] < -0.7 < 0 < min(w.cosines["p1"], w.cosines["p2"]), w.cosines
