@@ -111,7 +111,8 @@ class RunConfig(BaseModel):
     )
     witness_min_cosine: float = Field(
         -0.7, ge=-1, le=1, description="A witness attests update i only if the cosine between its change and the "
-        "coordinate-wise median of the round's other changes is at least this (with two others or more); -1: off."
+        "coordinate-wise median of the round's other changes is at least this (with two others or more; with two, "
+        "the median of all three); -1: off."
     )
     norm_outlier_factor: float = Field(
         10.0, ge=0, description="Refuse an update whose distance from the global is this x the round's median; 0: off."
@@ -130,6 +131,12 @@ class RunConfig(BaseModel):
         "clocks, after) it arrives; older copies are refused as replays."
     )
     max_participants: int = Field(1000, ge=1, description="Participants that may join the run at most.")
+    start_grace: float = Field(
+        10.0, ge=0, description="Seconds the run, waiting for members, holds an epoch's start for live joiners not "
+        "yet heard from since their join, counted from when the min_clients-th participant it would admit joined: "
+        "a fleet launched together starts together, not with whoever's first heartbeat was ingested first. It "
+        "starts at once when every live joiner was heard from. 0: start as soon as min_clients were."
+    )
     max_admissions_per_epoch: int = Field(
         100, ge=1, description="New members an epoch admits at most (members of the epoch before it are not "
         "counted): live joiners heard from since their join, earliest joined first, ties by id. At least "

@@ -115,7 +115,23 @@ def _too_few_members(c: Ctx) -> bool:
 def _can_start_epoch(c: Ctx) -> bool:
     eligible = c.eligible()
     has_model = c.state.has_model or any(p.init_digest for p in eligible)
-    return len(eligible) >= c.config.min_clients and has_model
+    return len(eligible) >= c.config.min_clients and has_model and not _joiners_awaited(c, eligible)
+
+
+def _joiners_awaited(c: Ctx, eligible: list[ParticipantView]) -> bool:
+    """While the run waits for members, within `start_grace` seconds of the join of the min_clients-th participant
+    the epoch would admit: is a live joiner not yet heard from since its join (and room for it among the epoch's
+    admissions)? Its heartbeat may be queued behind the others' (ingest runs behind the uploads), or on its way.
+    Counted from a join time, not from when news was ingested, so no stream of new joins can hold it longer."""
+    grace = c.config.start_grace
+    if grace <= 0 or c.state.phase is not Phase.WAITING:
+        return False
+    if c.now >= sorted(p.joined_at for p in eligible)[c.config.min_clients - 1] + grace:
+        return False
+    if sum(p.pid not in c.state.members for p in eligible) >= c.config.max_admissions_per_epoch:
+        return False
+    timeout = c.config.liveness_timeout
+    return any(not p.proven and p.alive(c.now, timeout) for p in c.snap.participants.values())
 
 
 def _warmup_over(c: Ctx) -> bool:
@@ -584,8 +600,8 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(W, F, "finish_waiting", _run_complete, _finish,
                "total_rounds aggregated before the epoch could cool down (members left, or a pause)"),
     Transition(W, WU, "epoch_start", _can_start_epoch, _start_epoch,
-               "min_clients live participants heard from since joining (and a model or an offer of one): admit "
-               "them, at most max_admissions_per_epoch"),
+               "min_clients live participants heard from since joining (and a model or an offer of one), and no "
+               "live joiner still awaited within start_grace: admit them, at most max_admissions_per_epoch"),
     Transition(WU, W, "warmup_too_few", _too_few_members, _back_to_waiting,
                "members dropped below min_clients during warmup"),
     Transition(WU, T, "warmup_done", _warmup_over, _begin_round,

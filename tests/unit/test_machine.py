@@ -527,3 +527,51 @@ def test_an_update_of_an_earlier_round_keeps_its_sender_alive_once_that_round_cl
 def test_an_epoch_admits_its_members_with_the_time_they_were_last_heard_from() -> None:
     d = tick(SCENARIOS["epoch_start"][0], CFG, T0)
     assert {p: m.heard for p, m in d.state.members.items()} == {"a": T0, "b": T0}
+
+
+def test_the_first_epoch_waits_for_a_live_joiner_not_yet_heard_from_within_the_start_grace() -> None:
+    # Given a and b heard from, and c, who joined at the same time, whose heartbeat has not been ingested yet
+    joined = T0 - 4
+    fleet = {"a": pv("a", init="i", joined=joined), "b": pv("b", joined=joined),
+             "c": pv("c", seen=joined, joined=joined, heard=0)}
+    # When a tick looks within the start grace (10 s) of the join that made min_clients
+    # Then no epoch starts: c is awaited
+    assert not tick(Snapshot(RunState("unit-run"), fleet), CFG, T0).changed
+    # And once c is heard from, the epoch starts with all three
+    heard = {**fleet, "c": pv("c", joined=joined)}
+    d = tick(Snapshot(RunState("unit-run"), heard), CFG, T0)
+    assert d.fired[0] == "epoch_start" and admitted(d) == {"a", "b", "c"}
+    # And without news from c, it starts with a and b once the grace has passed
+    d = tick(Snapshot(RunState("unit-run"), fleet), CFG, joined + CFG.start_grace)
+    assert d.fired[0] == "epoch_start" and admitted(d) == {"a", "b"}
+    # And with start_grace 0 it starts with them at once
+    d = tick(Snapshot(RunState("unit-run"), fleet), CFG.model_copy(update={"start_grace": 0.0}), T0)
+    assert d.fired[0] == "epoch_start" and admitted(d) == {"a", "b"}
+
+
+def test_the_start_grace_counts_from_the_quorums_join_and_awaits_only_live_joiners_with_room() -> None:
+    # Given a and b, who joined long ago and were heard from, and c, a joiner of a moment ago not heard from since
+    old = {"a": pv("a", init="i"), "b": pv("b"), "c": pv("c", joined=T0 - 1, seen=T0 - 1, heard=0)}
+    # When a tick looks: the grace counts from the join that made min_clients (50 s ago), not from c's
+    # Then the epoch starts without waiting for c
+    d = tick(Snapshot(RunState("unit-run"), old), CFG, T0)
+    assert d.fired[0] == "epoch_start" and admitted(d) == {"a", "b"}
+    # And a joiner gone silent past the liveness timeout holds nothing, nor one the admissions bound leaves no
+    # room for
+    recent = T0 - 2
+    fleet = {"a": pv("a", init="i", joined=recent), "b": pv("b", joined=recent)}
+    gone = T0 - CFG.liveness_timeout - 1
+    silent = {**fleet, "c": pv("c", joined=gone, seen=gone, heard=0)}
+    assert tick(Snapshot(RunState("unit-run"), silent), CFG, T0).fired[0] == "epoch_start"
+    waiting = {**fleet, "c": pv("c", joined=recent, seen=recent, heard=0)}
+    full = CFG.model_copy(update={"max_admissions_per_epoch": 2})
+    assert tick(Snapshot(RunState("unit-run"), waiting), full, T0).fired[0] == "epoch_start"
+
+
+def test_the_next_epoch_after_a_cooldown_does_not_wait_for_joiners() -> None:
+    # Given a cooldown over, its members live, and a joiner of a moment ago not heard from since
+    parts = {"a": pv("a"), "b": pv("b"), "c": pv("c", joined=T0 - 1, seen=T0 - 1, heard=0)}
+    snap = Snapshot(state(Phase.COOLDOWN, deadline=T0 - 1, members=members("a", "b"), aggregated=1), parts)
+    # When a tick runs: Then the next epoch starts with its members
+    d = tick(snap, CFG, T0)
+    assert d.fired[0] == "next_epoch" and admitted(d) == {"a", "b"}
