@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from shared.compress import Encoding
 from shared.keys import RUN_ID_PATTERN
+from shared.naming import PARTICIPANT_QUEUE_MARK
 
 
 class ConfigError(ValueError):
@@ -80,7 +81,8 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    run_id: str = Field(description="Lower-case letters, digits and '-', 3-40 characters; part of every name.")
+    run_id: str = Field(description="Lower-case letters, digits and '-', 3-40 characters, without '-p-' and not "
+                        "ending in '-p' (participant queues are fed-<run>-p-<id>); part of every name.")
     min_clients: int = Field(2, ge=1, description="Participants needed to start an epoch.")
     fraction_per_round: float = Field(1.0, gt=0.0, le=1.0, description="Share of members trained per round.")
     min_per_round: int = Field(1, ge=1, description="Participants selected per round at least.")
@@ -212,6 +214,11 @@ class RunConfig(BaseModel):
     def _run_id_shape(cls, value: str) -> str:
         if not RUN_ID_PATTERN.fullmatch(value):
             raise ValueError("must be 3-40 characters of a-z, 0-9 and '-', starting and ending alphanumeric")
+        if PARTICIPANT_QUEUE_MARK in f"{value}-":
+            raise ValueError(f"must not contain '{PARTICIPANT_QUEUE_MARK}' or end with '-p': "
+                             f"participant queues are named fed-<run>{PARTICIPANT_QUEUE_MARK}<participant>, and "
+                             "such a run's queues could be another run's participant queues (whose participants "
+                             "may create and delete them)")
         return value
 
     @model_validator(mode="after")

@@ -54,9 +54,14 @@ def participant_queue_name(run_id: str, pid: str) -> str | None:
     return name if len(name) <= MAX_QUEUE_NAME else None
 
 
+PARTICIPANT_QUEUE_MARK = "-p-"  # no run id holds it in "<run id>-" (`RunConfig`): the first one ends the run id
+
+
 def participant_queue_prefix(run_id: str) -> str:
-    """What every participant queue's name of the run starts with (no coordinator queue's does: `-p-`)."""
-    return f"fed-{run_id}-p-"
+    """What every participant queue's name of the run starts with. No other name starts so (no coordinator name
+    holds the mark, and a run id may not: `RunConfig`), so a participant's rights over fed-<run>-p-* reach no
+    other run's queue and no coordinator queue."""
+    return f"fed-{run_id}{PARTICIPANT_QUEUE_MARK}"
 
 
 # Two lanes for the run's uploads, so that heartbeats and updates never wait behind join requests: the join
