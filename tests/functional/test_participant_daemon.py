@@ -101,9 +101,11 @@ class Pump:
         heartbeat: nobody can be proven before it)."""
         if self.start_with:
             snap = self.harness.deps.store.load_snapshot()
-            if snap.state.version > 0 and sum(p.proven for p in snap.participants.values()) < self.start_with:
+            if snap.state.version == 0:
+                return True
+            if sum(p.proven for p in snap.participants.values()) < self.start_with:
                 return False
-            self.start_with = 0 if snap.state.version > 0 else self.start_with
+            self.start_with = 0
         return True
 
 
