@@ -181,6 +181,11 @@ def is_resend(action: Action, local: Local) -> bool:
     return isinstance(action, Join) or (isinstance(action, ReportReady) and local.reported_ready >= action.epoch)
 
 
+def join_resend_due(sends: int) -> float:
+    """Seconds after sending a join request (`sends` times so far) not yet recorded that it is sent again."""
+    return retry_after(JOIN_RETRY_SECONDS, sends, JOIN_RETRY_MAX_SECONDS)
+
+
 def still_open(state: RunState, train: Train, pid: str) -> bool:
     """The round of `train` is still open for our update (asked again after training, before uploading)."""
     return state.round == train.round and state.phase is Phase.TRAIN and pid in state.selected
@@ -193,13 +198,14 @@ def decide(state: RunState, local: Local) -> Action:
             return Fetch(state.round, state.global_digest)
         return Finish(state.round, state.global_digest)
     if not local.joined:
-        if local.join_age >= retry_after(JOIN_RETRY_SECONDS, local.join_sends, JOIN_RETRY_MAX_SECONDS):
+        if local.join_age >= join_resend_due(local.join_sends):
             return Join()
-        # Announced once the run has a model: with a push queue we listen on it rather than poll our record (each
-        # wake-up, a change pushed or a long poll's end, looks at the record once); what admits us, an epoch's start,
-        # is pushed. (A thousand joiners polling their records from 0.2 s on outnumbered everything the join lane
-        # served.) A run without a model waits for an offer, which only a recorded joiner sends: poll for that.
-        return Wait("waiting for the join request to be recorded", state.has_model)
+        if not state.has_model and not local.offered:  # taken when the join is registered, if it comes first
+            return OfferModel()
+        # Announced: with a push queue we listen on it rather than poll our record (which is looked at when a change
+        # is pushed and before a re-send); what admits us, an epoch's start, is pushed. (A thousand joiners polling
+        # their records from 0.2 s on outnumbered everything the join lane served.)
+        return Wait("waiting for the join request to be recorded", True)
     if not state.has_model:
         if not local.offered:
             return OfferModel()

@@ -35,6 +35,7 @@ from participant.decide import (
     Wait,
     decide,
     is_resend,
+    join_resend_due,
     still_open,
 )
 from participant.journal import Journal, JournalKeeper
@@ -135,6 +136,7 @@ class Participant(ABC):
         self.rng = rng or random.Random()  # the polls' jitter
         self.joined_at: float | None = None  # our join time as the coordinator recorded it
         self.join_sent, self.join_sends = 0.0, 0
+        self.record_looked_at: int | None = None  # the state's version when we last looked for our join's record
         self.offered = False
         self.held = ""  # digest of the global model we hold
         self.held_model: bytes | Path = b""  # its file (the daemon), or its bytes (the load test's simulation)
@@ -343,7 +345,8 @@ class Participant(ABC):
         ready_recorded, ready_in_flight = self.reported_ready, False
         if self.joined_at is not None and self.pid not in state.members:
             self._check_still_registered()
-        if self.joined_at is None:
+        if self.joined_at is None and self._join_may_show(state):
+            self.record_looked_at = state.version
             record = self.reads.participant_record()
             if record is not None:
                 self._adopt_incarnation(float(record.joined_at))
@@ -366,6 +369,16 @@ class Participant(ABC):
                      recorded=recorded,
                      witnessed=frozenset(self.journal.witnessed),
                      health_reported=frozenset(self.journal.health_reported))
+
+    def _join_may_show(self, state: RunState) -> bool:
+        """Whether to look at our record for our join now. Polling, on every poll. Listening on the push queue, only
+        when a change was pushed (an epoch that admits us starts), before a re-send of the join (if it is recorded
+        by then, none is needed), and once at first: a thousand joiners queued for minutes would otherwise read
+        their records on every wake-up."""
+        if self.feed is None or self.record_looked_at is None or state.version != self.record_looked_at:
+            return True
+        age = time.monotonic() - self.join_sent
+        return age >= join_resend_due(self.join_sends)
 
     def _done(self) -> frozenset[int]:
         return self.journal.uploaded_rounds | self.skipped

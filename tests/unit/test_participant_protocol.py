@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from participant.decide import Fetch, Finish, Train, still_open
+from participant.decide import JOIN_RETRY_SECONDS, Fetch, Finish, Train, still_open
 from participant.journal import Journal, JournalKeeper
 from participant.protocol import POLL_FIRST, POLL_GROWTH, Outcome, Participant
 from shared.config import RunConfig
@@ -119,19 +119,21 @@ def test_waiting_backs_off_up_to_poll_max() -> None:
 
 
 def test_until_its_join_is_recorded_it_polls_its_record_not_the_state() -> None:
-    # Given a run waiting for members, and alice's join request recorded only at her tenth look at her record
-    script = Script(run_state(Phase.WAITING, digest="", version=1), run_state(Phase.TRAIN, version=2),
-                    run_state(Phase.TRAIN, version=2), run_state(Phase.FINISHED, round_no=1, version=3),
-                    recorded_at=10)
+    # Given a run without a model waiting for members, and alice's join request recorded only at her tenth look at her
+    # record (no push queue: she polls)
+    waiting = run_state(Phase.WAITING, digest="", version=1)
+    script = Script(waiting, waiting, run_state(Phase.TRAIN, version=2), run_state(Phase.TRAIN, version=2),
+                    run_state(Phase.FINISHED, round_no=1, version=3), recorded_at=10)
     p = Recorder(script)
     p._join()
     # When she runs
     assert p._loop() == Outcome(True, 1)
-    # Then she read the state once while waiting for her join (nine record reads, nine pauses), then again as soon as
+    # Then she offered her model with her join request (it is taken when the join is registered), read the state once
+    # more after that and not again while waiting for her join (ten record reads, eight pauses), then again as soon as
     # it was recorded: she decided on the current state (trained in round 0), not on the one she kept
-    assert script.record_reads >= 10 and len(p.pauses) == 9
-    assert p.did == ["join", "fetch 0", "train 0", "finish"]
-    assert script.state_reads == 4
+    assert script.record_reads == 10 and len(p.pauses) == 8
+    assert p.did == ["join", "offer", "fetch 0", "train 0", "finish"]
+    assert script.state_reads == 5
 
 
 class Feed:
@@ -155,37 +157,58 @@ class Feed:
 
 
 def test_with_a_push_queue_a_joiner_listens_instead_of_polling() -> None:
-    # Given a run with a model waiting for members, alice's join request recorded only at her third look at her
-    # record, and her push queue, which delivers nothing for two long polls, then the epoch's start (round 0
-    # training), then the end
+    # Given a run with a model waiting for members, alice's join request recorded by her second look at her record,
+    # and her push queue, which delivers nothing for two long polls, then the epoch's start (round 0 training), then
+    # the end
     waiting = replace(run_state(Phase.WAITING, version=1), members={}, selected=())
     finished = run_state(Phase.FINISHED, round_no=1, version=3)
-    script = Script(waiting, finished, recorded_at=3)
+    script = Script(waiting, finished, recorded_at=2)
     p = Recorder(script)
     feed = Feed(script, waiting, waiting, run_state(Phase.TRAIN, version=2), finished)
     p.feed = feed
     p._join()
     # When she runs
     p._loop()
-    # Then she never paused to poll: she looked at her record before listening and once per wake-up until it showed
-    # her join (three reads), read the state item only at the start and at the end, and trained in the round the push
-    # announced
+    # Then she never paused to poll: she looked at her record before listening and again only when a change was
+    # pushed (two reads: the long polls that brought nothing new did not look), read the state item only at the start
+    # and at the end, and trained in the round the push announced
     assert p.pauses == [] and feed.listens >= 4
-    assert script.record_reads == 3 and script.state_reads == 2
+    assert script.record_reads == 2 and script.state_reads == 2
     assert p.did == ["join", "fetch 0", "train 0", "finish"]
 
 
-def test_without_a_model_a_joiner_polls_its_record_to_offer_one() -> None:
-    # Given a run without a model, alice's join recorded at her third look, and her push queue (nothing comes)
-    script = Script(run_state(Phase.WAITING, digest="", version=1), recorded_at=3)
+class LongWait(Feed):
+    """Nothing is pushed; from the third long poll on, the join request was sent long enough ago to be re-sent."""
+
+    def __init__(self, script: Script, p: Participant) -> None:
+        super().__init__(script)
+        self.p = p
+
+    def wait(self, seconds: float) -> Pushed | None:
+        if self.listens == 2:
+            self.p.join_sent -= JOIN_RETRY_SECONDS
+        return super().wait(seconds)
+
+
+@pytest.mark.parametrize("recorded_at", [2, 3])
+def test_without_a_model_a_joiner_offers_at_once_and_looks_at_its_record_only_before_a_re_send(
+        recorded_at: int) -> None:
+    # Given a run without a model, alice's join recorded at her second (or third) look at her record, and her push
+    # queue, which brings nothing
+    script = Script(run_state(Phase.WAITING, digest="", version=1), recorded_at=recorded_at)
     p = Recorder(script)
-    p.feed = Feed(script)
+    p.feed = LongWait(script, p)
     p._join()
-    # When she runs (until the test's limit of pauses)
+    # When she runs (until the test's limit of long polls)
     with pytest.raises(TimeoutError):
         p._loop()
-    # Then she polled (paused, not listened) until her join was recorded, and offered her model at once
-    assert p.did[:2] == ["join", "offer"] and p.feed.listens > 0 and len(p.pauses) >= 2
+    # Then she offered her model with her join request and listened, never polling: she looked at her record once at
+    # first and again when a re-send was due, and re-sent her join request only if it was still not recorded then
+    assert p.pauses == [] and p.feed.listens > 10
+    if recorded_at == 2:
+        assert p.did == ["join", "offer"] and script.record_reads == 2
+    else:  # the re-send waits twice as long as the first: no third look within the test's long polls
+        assert p.did == ["join", "offer", "join"] and script.record_reads == 2
 
 
 def test_still_open() -> None:
