@@ -1,0 +1,82 @@
+"""moto's DynamoDB backs up, before every TransactWriteItems, each table the transaction names by deep-copying the
+whole table, so that it can roll back when an operation fails: a transaction costs time in proportion to the
+table. The run registers each participant in a transaction (the record and the run's participant count), so with a
+thousand joiners registration slowed as the table grew — in a profile of the local server at 1,000 participants a
+third of its time went to those copies, and the join lane fell behind. `apply()` backs up only the items the
+transaction names, and puts those back when it fails, as DynamoDB's cost does not grow with the table. What a
+transaction does, and refuses, is moto's unchanged. Idempotent; used by the local stack and the functional tests."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+_state = threading.local()
+_applied = False
+
+
+def apply() -> None:
+    global _applied
+    if _applied:
+        return
+    from moto.dynamodb.models import DynamoDBBackend
+    from moto.dynamodb.models.dynamo_type import DynamoType
+    from moto.dynamodb.models.table import Table
+
+    transact = DynamoDBBackend.transact_write_items
+
+    def table_copy(self: Any, memo: dict[int, Any]) -> Any:
+        """The whole table, as deepcopy makes it; within a transaction, the table itself (its items are backed up)."""
+        if getattr(_state, "transacting", False):
+            return self
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        return new
+
+    def touched(backend: Any, transact_items: list[dict[str, Any]]) -> list[tuple[Any, Any, Any, Any]]:
+        """(table, hash key, range key, a copy of the item or None) for each item the transaction names."""
+        saved = []
+        for entry in transact_items:
+            for op in entry.values():
+                table = backend.tables.get(op.get("TableName")) if isinstance(op, dict) else None
+                if table is None:
+                    continue
+                key = op.get("Key") or op.get("Item") or {}
+                try:
+                    hash_key = DynamoType(key[table.hash_key_attr])
+                    range_key = DynamoType(key[table.range_key_attr]) if table.range_key_attr else None
+                    item = table.get_item(hash_key, range_key)
+                except Exception:  # a malformed key: moto refuses the transaction before writing anything
+                    continue
+                saved.append((table, hash_key, range_key, copy.deepcopy(item)))
+        return saved
+
+    def restore(saved: list[tuple[Any, Any, Any, Any]]) -> None:
+        for table, hash_key, range_key, item in reversed(saved):
+            if range_key is None:
+                if item is None:
+                    table.items.pop(hash_key, None)
+                else:
+                    table.items[hash_key] = item
+            elif item is None:
+                table.items.get(hash_key, {}).pop(range_key, None)
+            else:
+                table.items[hash_key][range_key] = item
+
+    def transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> None:
+        saved = touched(self, transact_items)
+        _state.transacting = True
+        try:
+            transact(self, transact_items)
+        except Exception:
+            restore(saved)  # moto's own rollback put back the table object it "copied": the table itself
+            raise
+        finally:
+            _state.transacting = False
+
+    Table.__deepcopy__ = table_copy  # type: ignore[attr-defined]
+    DynamoDBBackend.transact_write_items = transact_write_items  # type: ignore[method-assign]
+    _applied = True

@@ -1,0 +1,75 @@
+"""local.moto_dynamodb: a TransactWriteItems copies the items it names, not its whole table, and DynamoDB behaves as
+before: a transaction writes all of its items or, when one of its conditions fails, none."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import boto3
+import pytest
+
+from local import moto_dynamodb
+
+
+def table() -> Any:
+    ddb = boto3.client("dynamodb", region_name="us-east-1")
+    ddb.create_table(TableName="t", BillingMode="PAY_PER_REQUEST",
+                     KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"},
+                                {"AttributeName": "sk", "KeyType": "RANGE"}],
+                     AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"},
+                                           {"AttributeName": "sk", "AttributeType": "S"}])
+    return ddb
+
+
+def put(sk: str, **extra: Any) -> dict[str, Any]:
+    op: dict[str, Any] = {"TableName": "t", "Item": {"pk": {"S": "run"}, "sk": {"S": sk}, "n": {"N": "1"}}}
+    return {"Put": op | extra}
+
+
+def counter_up(condition: str = "attribute_exists(pk)") -> dict[str, Any]:
+    return {"Update": {"TableName": "t", "Key": {"pk": {"S": "run"}, "sk": {"S": "count"}},
+                       "UpdateExpression": "ADD n :one", "ConditionExpression": condition,
+                       "ExpressionAttributeValues": {":one": {"N": "1"}}}}
+
+
+def item(ddb: Any, sk: str) -> dict[str, Any] | None:
+    return ddb.get_item(TableName="t", Key={"pk": {"S": "run"}, "sk": {"S": sk}}).get("Item")
+
+
+def test_a_transaction_copies_the_items_it_names_not_the_table(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a table of 300 items, and moto's item copies counted
+    moto_dynamodb.apply()
+    from moto.dynamodb.models.dynamo_type import Item
+
+    ddb = table()
+    for i in range(300):
+        ddb.put_item(TableName="t", Item={"pk": {"S": "run"}, "sk": {"S": f"p#{i:03d}"}})
+    ddb.put_item(TableName="t", Item={"pk": {"S": "run"}, "sk": {"S": "count"}, "n": {"N": "300"}})
+    copies = []
+    copied = Item.__deepcopy__
+    monkeypatch.setattr(Item, "__deepcopy__", lambda self, memo: copies.append(1) or copied(self, memo))
+    # When a participant is registered: its record and the count, in one transaction
+    ddb.transact_write_items(TransactItems=[put("p#new", ConditionExpression="attribute_not_exists(pk)"),
+                                            counter_up()])
+    # Then only the two items it names were copied (moto copied all 301), and both were written
+    assert len(copies) <= 2
+    assert item(ddb, "p#new") is not None and item(ddb, "count")["n"] == {"N": "301"}
+
+
+@pytest.mark.parametrize("failing", ["condition", "validation"])
+def test_a_transaction_that_fails_writes_none_of_its_items(aws: None, failing: str) -> None:
+    # Given a table with a count, and a transaction whose first operation would write a new record and whose second
+    # fails (its condition, or it names the first's item again)
+    moto_dynamodb.apply()
+    ddb = table()
+    ddb.put_item(TableName="t", Item={"pk": {"S": "run"}, "sk": {"S": "count"}, "n": {"N": "5"}})
+    ddb.put_item(TableName="t", Item={"pk": {"S": "run"}, "sk": {"S": "p#old"}, "n": {"N": "7"}})
+    second = counter_up("n < :one") if failing == "condition" else put("p#new")
+    items = [put("p#new"), {"Delete": {"TableName": "t", "Key": {"pk": {"S": "run"}, "sk": {"S": "p#old"}}}}, second]
+    # When it is sent
+    with pytest.raises(ddb.exceptions.ClientError):
+        ddb.transact_write_items(TransactItems=items)
+    # Then nothing it named changed: no new record, the deleted one is back, the count as it was
+    assert item(ddb, "p#new") is None
+    assert item(ddb, "p#old") == {"pk": {"S": "run"}, "sk": {"S": "p#old"}, "n": {"N": "7"}}
+    assert item(ddb, "count")["n"] == {"N": "5"}
