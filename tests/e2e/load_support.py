@@ -32,6 +32,7 @@ from typing import Any
 import boto3
 import numpy as np
 from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
 
 from local.resources import LocalResources
 from local.stack import client_environment, function_environment
@@ -291,8 +292,9 @@ class SimParticipant(Participant):
                 threading.Thread(target=self._heartbeats, name=f"{self.pid}-heartbeat", daemon=True).start()
             self.deadline = time.monotonic() + self.timeout
             self._loop()
-        except BaseException as exc:  # reported by the test
+        except BaseException as exc:  # reported by the test (and at once: a long run shows its first failure early)
             self.error = exc
+            print(f"  {self.pid} failed: {type(exc).__name__}: {exc}", flush=True)
         finally:
             self._beats_stop.set()
 
@@ -313,6 +315,16 @@ class SimParticipant(Participant):
                 last = time.monotonic()
 
     # --- the protocol loop's hooks ------------------------------------------------------------------
+
+    def _listen(self, seconds: float) -> Pushed | None:
+        """As the daemon's: a long poll that fails (the server too busy to answer within the read timeout) costs a
+        read of the state item, not the participant."""
+        try:
+            return super()._listen(seconds)
+        except (ClientError, BotoCoreError):
+            self.read_at = self.known_at = -math.inf  # read the state item next
+            self._pause(1.0)
+            return None
 
     def _check_stop(self) -> None:
         if time.monotonic() >= self.deadline:

@@ -36,8 +36,6 @@ from shared.state import Phase
 from tests.e2e.chaos_support import DispatcherPlan, DispatcherProcess
 from tests.e2e.load_support import Clients, RequestCounter, SimParticipant, StackProcess, stack_process
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
-
 N = int(os.environ.get("LOAD_PARTICIPANTS", "200"))
 POLL_MAX = float(os.environ.get("LOAD_POLL_MAX", "15.0"))  # --poll-max of every participant
 STAGGER = float(os.environ.get("LOAD_STAGGER", "30.0"))  # seconds over which the participants start
@@ -52,12 +50,17 @@ READY_RETRY = float(os.environ.get("LOAD_READY_RETRY", str(READY_RETRY_SECONDS))
 # queue deleted, once per run): the rounds between are the steady state.
 ROUNDS = int(os.environ.get("LOAD_ROUNDS", "3"))
 TRAIN_SECONDS = float(os.environ.get("LOAD_TRAIN_SECONDS", "48"))  # each participant's training: ~60 s rounds here
-LIVENESS = 180.0  # a run of 60 s rounds: heartbeats every 60 s, none within 120 s of an update upload
+# A run of 60 s rounds: heartbeats every LIVENESS / 3 seconds, none within 2 / 3 of it of an update upload. At 200,
+# 180 s; a thousand members heartbeating every 60 s would be ~100 requests a second on their own (each heartbeat is an
+# upload, its event and an ingest), more than the local server serves besides the joins.
+LIVENESS = float(os.environ.get("LOAD_LIVENESS", "180"))
 # Functions running at once (Lambda's concurrency; locally the dispatcher's threads): the coordinator's requests
 # compete with a thousand participants' for one local server, which serves the requests in flight in turn.
 WORKERS, JOIN_WORKERS = int(os.environ.get("LOAD_WORKERS", "8")), int(os.environ.get("LOAD_JOIN_WORKERS", "4"))
 TICK_INTERVAL = 5.0  # the schedule is a safety net; the events drive the run
-RUN_TIMEOUT = 900.0
+RUN_TIMEOUT = float(os.environ.get("LOAD_RUN_TIMEOUT", "900"))
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(RUN_TIMEOUT + 300)]
 
 
 def load_config() -> RunConfig:
