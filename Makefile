@@ -4,7 +4,7 @@ STAMP := $(VENV)/.installed
 PARTICIPANTS ?= 4
 DEMO_ARGS ?=  # e.g. make demo DEMO_ARGS=--mixed-speeds
 
-.PHONY: venv demo test test-slow bench bench-big bench-learning bench-rounds synth lint clean
+.PHONY: venv demo test test-slow bench bench-big bench-learning bench-lm-outer bench-rounds synth lint clean
 
 venv: $(STAMP)
 
@@ -36,11 +36,16 @@ synth: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/aggregation.py
 
-# The whole loop with a ~1 GB update (fp32, then the same parameters in bf16), K = 1 and 2 shards: per-round
-# transfer, ingest and aggregation times, the data-movement limit measured beside them, peak memory per process.
+# Server optimizers, data modes and compressed updates, each row a real `fed demo` run: one table (digits and the LM).
 bench-learning: $(STAMP)
 	$(PY) benchmarks/learning.py
 
+# The LM task's rounds simulated in process (no stack): FedAvg vs DiLoCo's outer rule over a grid of settings.
+bench-lm-outer: $(STAMP)
+	$(PY) benchmarks/lm_outer.py
+
+# The whole loop with a ~1 GB update (fp32, then the same parameters in bf16), K = 1 and 2 shards: per-round
+# transfer, ingest and aggregation times, the data-movement limit measured beside them, peak memory per process.
 bench-big: $(STAMP)
 	$(PY) benchmarks/big_loop.py
 

@@ -132,6 +132,12 @@ def main() -> None:
     parser.add_argument("--lm-rounds", type=int, default=4)
     parser.add_argument("--lm-participants", type=int, default=4)
     parser.add_argument("--lm-steps", type=int, default=0, help="H inner steps a round (0: one pass, the demo's)")
+    parser.add_argument("--lm-lr", type=float, default=0.0015, help="LM: inner AdamW learning rate (every row; the "
+                        "best of benchmarks/lm_outer.py's grid for FedAvg and DiLoCo alike, where the demo's 0.003 "
+                        "is too high for both)")
+    parser.add_argument("--diloco", default="1.0:0.5", help="LM: DiLoCo's outer learning rate and Nesterov momentum, "
+                        "LR:MOMENTUM (the paper's 0.7:0.9 is for hundreds of rounds of H = 500 steps; over 4 rounds "
+                        "of one pass its momentum overshoots: benchmarks/lm_outer.py)")
     parser.add_argument("--only", choices=["digits", "lm"])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning")
     args = parser.parse_args()
@@ -154,13 +160,16 @@ def main() -> None:
                        download_encoding="int8"))
     if args.only in (None, "lm"):
         # DiLoCo's setting: H inner AdamW steps a round, outer Nesterov momentum; FedAvg takes the same steps
-        for optimizer, label in [(ServerOptimizer.NONE, "FedAvg"), (ServerOptimizer.DILOCO, "DiLoCo")]:
-            done(federated("lm", "assigned", optimizer, label, args, args.out, local_steps=args.lm_steps))
+        lm: dict[str, Any] = {"local_steps": args.lm_steps, "learning_rate": args.lm_lr}
+        outer_lr, momentum = (float(v) for v in args.diloco.split(":"))
+        done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, **lm))
+        done(federated("lm", "assigned", ServerOptimizer.DILOCO, "DiLoCo", args, args.out, server_lr=outer_lr,
+                       server_momentum=momentum, **lm))
         for encoding in COMPRESSED:
-            done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, local_steps=args.lm_steps,
-                           update_encoding=encoding))
-        done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, local_steps=args.lm_steps,
-                       update_encoding="int8", download_encoding="int8"))
+            done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, update_encoding=encoding,
+                           **lm))
+        done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, update_encoding="int8",
+                       download_encoding="int8", **lm))
     print_table(rows, args)
     (args.out / "table.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
 
@@ -168,7 +177,8 @@ def main() -> None:
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"\nlearning: digits {args.participants} participants x {args.rounds} rounds (local data mode, "
           f"{args.local_epochs} local epochs of batch {args.batch_size}), "
-          f"LM {args.lm_participants} participants x {args.lm_rounds} rounds; this machine, one run each")
+          f"LM {args.lm_participants} participants x {args.lm_rounds} rounds (inner AdamW lr {args.lm_lr:g}; DiLoCo "
+          f"outer lr:momentum {args.diloco}); this machine, one run each")
     print("| task | data | optimizer | updates | downloads | final | best | rounds to 0.95 | up B/round "
           "| down B/participant/round | s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
