@@ -132,7 +132,6 @@ def _join(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
             return _refuse(deps, obj, "join", f"the run is full: {deps.config.max_participants} participants", pid)
         if created == "created":
             _heartbeat_that_overtook_the_join(deps, pid, public_key)
-            _offer_that_overtook_the_join(deps, pid)
             return Outcome("join", obj.key, True, "", pid)
         existing = deps.store.participant(pid)  # a racing join registered pid first
         if existing is None:  # lost the race, yet no record to read back: nothing to compare the key with
@@ -166,24 +165,6 @@ def _heartbeat_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> 
         return
     deps.store.accept_message(pid, beat.sent_at, blob.last_modified, beat.ready_epoch,
                               bounded_info(beat.info) if beat.info else None)
-
-
-def _offer_that_overtook_the_join(deps: Deps, pid: str) -> None:
-    """Take the participant's initial-model offer now that it is registered, if one is waiting.
-
-    In a run without a model a joiner offers its model together with its join request (`participant.decide`), so
-    that it can then listen for the epoch's start instead of polling its record until the join shows registered:
-    with a thousand joiners queued, those polls were most of what the coordinator's store served. An offer
-    delivered before the registration waits unrecorded (`_init_offer`); this takes it, checked as any offer."""
-    key = keys.init_key(deps.config.run_id, pid)
-    head = deps.bucket.head(key)
-    if head is None:
-        return
-    modified = head.get("LastModified")
-    offer = ObjectCreated(deps.bucket.name, key, int(head.get("ContentLength", 0)),
-                          str(head.get("ETag", "")).strip('"'), str(head.get("VersionId") or ""),
-                          modified.timestamp() if modified is not None else 0.0)
-    _init_offer(deps, offer, pid)
 
 
 def _replayed(what: str, sent_at: float) -> str:
@@ -242,9 +223,6 @@ def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     state = deps.store.read_state()
     if state.has_model:  # every participant offers; once one offer was adopted the others are moot
         return Outcome("init", obj.key, False, "the run already has a model", pid, recorded=False, refusal=True)
-    if _registered(deps, pid) is None:  # sent with its join request: taken when that is registered
-        return Outcome("init", obj.key, False, "waits for the participant's join request to be registered", pid,
-                       recorded=False)
     try:
         scanned = _signed_model(deps, obj, pid, None, check=True)
         if scanned.problem:

@@ -200,12 +200,11 @@ def decide(state: RunState, local: Local) -> Action:
     if not local.joined:
         if local.join_age >= join_resend_due(local.join_sends):
             return Join()
-        if not state.has_model and not local.offered:  # taken when the join is registered, if it comes first
-            return OfferModel()
-        # Announced: with a push queue we listen on it rather than poll our record (which is looked at when a change
-        # is pushed and before a re-send); what admits us, an epoch's start, is pushed. (A thousand joiners polling
-        # their records from 0.2 s on outnumbered everything the join lane served.)
-        return Wait("waiting for the join request to be recorded", True)
+        # Announced once the run has a model: with a push queue we listen on it rather than poll our record (which is
+        # looked at when a change is pushed and before a re-send); what admits us, an epoch's start, is pushed. (A
+        # thousand joiners polling their records from 0.2 s on outnumbered everything the join lane served.) A run
+        # without a model waits for an offer, which only a recorded joiner sends: poll for that.
+        return Wait("waiting for the join request to be recorded", state.has_model)
     if not state.has_model:
         if not local.offered:
             return OfferModel()

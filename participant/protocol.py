@@ -371,11 +371,14 @@ class Participant(ABC):
                      health_reported=frozenset(self.journal.health_reported))
 
     def _join_may_show(self, state: RunState) -> bool:
-        """Whether to look at our record for our join now. Polling, on every poll. Listening on the push queue, only
-        when a change was pushed (an epoch that admits us starts), before a re-send of the join (if it is recorded
-        by then, none is needed), and once at first: a thousand joiners queued for minutes would otherwise read
-        their records on every wake-up."""
-        if self.feed is None or self.record_looked_at is None or state.version != self.record_looked_at:
+        """Whether to look at our record for our join now. Polling (no push queue, or a run without a model, where a
+        recorded joiner must offer one), on every poll. Listening on the push queue, only when a change was pushed
+        (an epoch that admits us starts), before a re-send of the join (if it is recorded by then, none is needed),
+        and once at first: a thousand joiners queued for minutes would otherwise read their records on every
+        wake-up."""
+        if self.feed is None or not state.has_model or self.record_looked_at is None:
+            return True
+        if state.version != self.record_looked_at:
             return True
         age = time.monotonic() - self.join_sent
         return age >= join_resend_due(self.join_sends)

@@ -15,12 +15,12 @@ import pytest
 from fed.localrun import wait_until
 from local.dispatcher import Dispatcher
 from local.stack import LocalStack
-from shared import keys, wire
+from shared import keys
 from shared.config import RunConfig
 from shared.messages import Heartbeat, JoinRequest
 from shared.signing import Signer
 from store.table import StateStore
-from tests.functional.conftest import MODEL, Harness
+from tests.functional.conftest import Harness
 
 RUN = "lane-test"
 FLOOD = 300
@@ -147,26 +147,6 @@ def test_a_heartbeat_that_overtook_the_join_counts_once_the_join_is_registered(h
     record = harness.deps.store.participant("alice")
     assert record is not None and record.heard_at > 0
     assert harness.deps.store.participants()["alice"].proven
-
-
-def test_an_initial_model_offered_before_the_join_was_registered_is_taken_when_it_is(harness: Harness) -> None:
-    # Given a run without a model, and alice's offer of one delivered while her join request still waits in its lane
-    run = harness.config.run_id
-    join = harness.put(keys.join_key(run, "alice"), harness.join_bytes("alice"))
-    offer = harness.offer("alice")
-    # Then the offer waits, not refused and nothing recorded (no refusal a status would show)
-    assert offer["accepted"] is False and offer["recorded"] is False and "waits" in offer["reason"]
-    assert not harness.deps.store.refusals()
-    # When the join request is delivered
-    assert harness.deliver(join)["accepted"] is True
-    # Then her offer is taken now, checked as any offer: the run can start from it
-    assert harness.deps.store.participant("alice").init_digest == wire.digest(wire.encode(MODEL))
-    # and a forged offer waiting for bob's join is refused, with its reason, when his join is registered
-    bob_join = harness.put(keys.join_key(run, "bob"), harness.join_bytes("bob"))
-    assert harness.send(keys.init_key(run, "bob"), wire.encode(MODEL), signed_by="mallory")["recorded"] is False
-    assert harness.deliver(bob_join)["accepted"] is True
-    assert not harness.deps.store.participant("bob").init_digest
-    assert any("initial model refused" in r.reason for r in harness.deps.store.refusals())
 
 
 @pytest.mark.parametrize("case", ["sent before the join", "signed by another key", "names another participant"])

@@ -147,28 +147,20 @@ class TestStartAndEnd:
 
     def test_join_not_recorded_waits_then_rejoins(self) -> None:
         s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
-        assert isinstance(decide(s, local(joined=False, join_age=1.0, offered=True)), Wait)
-        assert decide(s, local(joined=False, join_age=JOIN_RETRY_SECONDS, offered=True)) == Join()
+        assert isinstance(decide(s, local(joined=False, join_age=1.0)), Wait)
+        assert decide(s, local(joined=False, join_age=JOIN_RETRY_SECONDS)) == Join()
 
     def test_join_re_sends_wait_twice_as_long_each_time_up_to_the_cap(self) -> None:
         s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
         for sends, wait in [(1, JOIN_RETRY_SECONDS), (2, 2 * JOIN_RETRY_SECONDS), (3, 4 * JOIN_RETRY_SECONDS),
                             (20, JOIN_RETRY_MAX_SECONDS)]:
-            assert isinstance(decide(s, local(joined=False, join_sends=sends, join_age=wait * 0.99, offered=True)),
-                              Wait), sends
-            assert decide(s, local(joined=False, join_sends=sends, join_age=wait, offered=True)) == Join(), sends
+            assert isinstance(decide(s, local(joined=False, join_sends=sends, join_age=wait * 0.99)), Wait), sends
+            assert decide(s, local(joined=False, join_sends=sends, join_age=wait)) == Join(), sends
 
-    def test_a_joiner_offers_its_model_with_its_join_request_then_listens(self) -> None:
-        # the coordinator takes an offer that came before the join request was registered when it registers it, so the
-        # joiner need not poll its record to learn when to offer
+    def test_no_offer_before_the_join_is_recorded(self) -> None:
+        # the coordinator refuses offers from participants it does not know
         s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
-        assert decide(s, local(joined=False, join_age=1.0)) == OfferModel()
-        waits = decide(s, local(joined=False, join_age=1.0, offered=True))
-        assert isinstance(waits, Wait) and waits.announced
-        # a run that has a model needs no offer: the joiner listens for the epoch that admits it
-        with_model = state(phase=Phase.WAITING, members=(), selected=(), round_no=0)
-        assert decide(with_model, local(joined=False, join_age=1.0)) == Wait("waiting for the join request to be "
-                                                                            "recorded", True)
+        assert not isinstance(decide(s, local(joined=False, join_age=1.0)), OfferModel)
 
     def test_finished_fetches_then_evaluates_the_final_model(self) -> None:
         s = state(phase=Phase.FINISHED, selected=(), round_no=15)

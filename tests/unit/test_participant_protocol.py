@@ -119,21 +119,19 @@ def test_waiting_backs_off_up_to_poll_max() -> None:
 
 
 def test_until_its_join_is_recorded_it_polls_its_record_not_the_state() -> None:
-    # Given a run without a model waiting for members, and alice's join request recorded only at her tenth look at her
-    # record (no push queue: she polls)
-    waiting = run_state(Phase.WAITING, digest="", version=1)
-    script = Script(waiting, waiting, run_state(Phase.TRAIN, version=2), run_state(Phase.TRAIN, version=2),
-                    run_state(Phase.FINISHED, round_no=1, version=3), recorded_at=10)
+    # Given a run waiting for members, and alice's join request recorded only at her tenth look at her record
+    script = Script(run_state(Phase.WAITING, digest="", version=1), run_state(Phase.TRAIN, version=2),
+                    run_state(Phase.TRAIN, version=2), run_state(Phase.FINISHED, round_no=1, version=3),
+                    recorded_at=10)
     p = Recorder(script)
     p._join()
     # When she runs
     assert p._loop() == Outcome(True, 1)
-    # Then she offered her model with her join request (it is taken when the join is registered), read the state once
-    # more after that and not again while waiting for her join (ten record reads, eight pauses), then again as soon as
+    # Then she read the state once while waiting for her join (nine record reads, nine pauses), then again as soon as
     # it was recorded: she decided on the current state (trained in round 0), not on the one she kept
-    assert script.record_reads == 10 and len(p.pauses) == 8
-    assert p.did == ["join", "offer", "fetch 0", "train 0", "finish"]
-    assert script.state_reads == 5
+    assert script.record_reads >= 10 and len(p.pauses) == 9
+    assert p.did == ["join", "fetch 0", "train 0", "finish"]
+    assert script.state_reads == 4
 
 
 class Feed:
@@ -191,24 +189,38 @@ class LongWait(Feed):
 
 
 @pytest.mark.parametrize("recorded_at", [2, 3])
-def test_without_a_model_a_joiner_offers_at_once_and_looks_at_its_record_only_before_a_re_send(
-        recorded_at: int) -> None:
-    # Given a run without a model, alice's join recorded at her second (or third) look at her record, and her push
-    # queue, which brings nothing
-    script = Script(run_state(Phase.WAITING, digest="", version=1), recorded_at=recorded_at)
+def test_a_listening_joiner_looks_at_its_record_again_before_a_re_send(recorded_at: int) -> None:
+    # Given a run with a model waiting for members, alice's join recorded at her second (or third) look at her record,
+    # and her push queue, which brings nothing
+    waiting = replace(run_state(Phase.WAITING, version=1), members={}, selected=())
+    script = Script(waiting, recorded_at=recorded_at)
     p = Recorder(script)
     p.feed = LongWait(script, p)
     p._join()
     # When she runs (until the test's limit of long polls)
     with pytest.raises(TimeoutError):
         p._loop()
-    # Then she offered her model with her join request and listened, never polling: she looked at her record once at
-    # first and again when a re-send was due, and re-sent her join request only if it was still not recorded then
+    # Then she listened, never polling: she looked at her record once at first and again when a re-send was due, and
+    # re-sent her join request only if it was still not recorded then (the next re-send waits twice as long: no
+    # further look within the test's long polls; once recorded, a non-member checks its record every 30 s: one more)
     assert p.pauses == [] and p.feed.listens > 10
     if recorded_at == 2:
-        assert p.did == ["join", "offer"] and script.record_reads == 2
-    else:  # the re-send waits twice as long as the first: no third look within the test's long polls
-        assert p.did == ["join", "offer", "join"] and script.record_reads == 2
+        assert p.did == ["join"] and script.record_reads == 3
+    else:
+        assert p.did == ["join", "join"] and script.record_reads == 2
+
+
+def test_without_a_model_a_joiner_polls_its_record_to_offer_one() -> None:
+    # Given a run without a model, alice's join recorded at her third look, and her push queue (nothing comes)
+    script = Script(run_state(Phase.WAITING, digest="", version=1), recorded_at=3)
+    p = Recorder(script)
+    p.feed = Feed(script)
+    p._join()
+    # When she runs (until the test's limit of pauses)
+    with pytest.raises(TimeoutError):
+        p._loop()
+    # Then she polled (paused, not listened) until her join was recorded, and offered her model at once
+    assert p.did[:2] == ["join", "offer"] and p.feed.listens > 0 and len(p.pauses) >= 2
 
 
 def test_still_open() -> None:
