@@ -411,6 +411,7 @@ class Participant(ABC):
     def _forget(self) -> None:
         """Before joining again as a new incarnation of the run: drop what we knew about the old one."""
         self.joined_at = None
+        self.record_looked_at = None  # look at once after joining again
         self.stored.clear()
         self.skipped.clear()
         self.reported_ready = 0
