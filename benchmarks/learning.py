@@ -133,8 +133,9 @@ def main() -> None:
     parser.add_argument("--lm-participants", type=int, default=4)
     parser.add_argument("--lm-steps", type=int, default=0, help="H inner steps a round (0: one pass, the demo's)")
     parser.add_argument("--lm-lr", type=float, default=0.0015, help="LM: inner AdamW learning rate (every row; "
-                        "within 0.003 of the best for FedAvg and DiLoCo alike over 0.00075-0.006 in "
-                        "benchmarks/lm_outer.py's simulation, where the demo's 0.003 is too high for both)")
+                        "a held-out loss within 0.3 %% of the best lr for FedAvg and DiLoCo alike over "
+                        "0.00075-0.006 in benchmarks/lm_outer.py's simulation, where the demo's 0.003 is too high "
+                        "for both)")
     parser.add_argument("--diloco", default="1.0:0.5", help="LM: DiLoCo's outer learning rate and Nesterov momentum, "
                         "LR:MOMENTUM (the paper's 0.7:0.9 is for hundreds of rounds of H = 500 steps; over 4 rounds "
                         "of one pass its momentum overshoots: benchmarks/lm_outer.py)")
