@@ -132,6 +132,7 @@ def _join(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
             return _refuse(deps, obj, "join", f"the run is full: {deps.config.max_participants} participants", pid)
         if created == "created":
             _heartbeat_that_overtook_the_join(deps, pid, public_key)
+            _offer_that_overtook_the_join(deps, pid, public_key)
             return Outcome("join", obj.key, True, "", pid)
         existing = deps.store.participant(pid)  # a racing join registered pid first
         if existing is None:  # lost the race, yet no record to read back: nothing to compare the key with
@@ -165,6 +166,14 @@ def _heartbeat_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> 
         return
     deps.store.accept_message(pid, beat.sent_at, blob.last_modified, beat.ready_epoch,
                               bounded_info(beat.info) if beat.info else None)
+
+
+def _offer_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> None:
+    """Take the initial-model offer ingest kept for the participant (checked against the key of the join request
+    just registered): a joiner of a run without a model offers one right after its join request and then listens,
+    rather than polling its record until the join lane registers it. One read of a small item: no model here."""
+    if digest := deps.store.kept_offer(pid, public_key):
+        deps.store.set_init_offer(pid, digest)
 
 
 def _replayed(what: str, sent_at: float) -> str:
@@ -223,28 +232,58 @@ def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     state = deps.store.read_state()
     if state.has_model:  # every participant offers; once one offer was adopted the others are moot
         return Outcome("init", obj.key, False, "the run already has a model", pid, recorded=False, refusal=True)
-    try:
-        scanned = _signed_model(deps, obj, pid, None, check=True)
+    registered = _registered(deps, pid)
+    try:  # from a joiner not registered yet: signed by the key its join request registers
+        key = "" if registered is not None else _join_request_key(deps, pid)
+        scanned = _signed_model(deps, obj, pid, None, check=True, key=key)
         if scanned.problem:
             raise WireError(scanned.problem)
     except (WireError, ValueError, NotFound) as exc:
         return _refuse(deps, obj, "init", f"initial model refused: {exc}", pid)
+    if registered is None:
+        # Kept for the join function, which takes it when it registers the joiner. It may have registered it since
+        # we looked (and looked for a kept offer before this one was kept): look again, after keeping it.
+        deps.store.keep_offer(pid, scanned.digest, key)
+        record = deps.store.participant(pid)
+        if record is None or record.public_key != key:
+            return Outcome("init", obj.key, True, "kept until its join request is registered", pid, ticks=False)
     deps.store.set_init_offer(pid, scanned.digest)
-    return Outcome("init", obj.key, True, participant=pid)
+    # An offer can start the first epoch only once enough participants registered (as a heartbeat, a tick reads
+    # every participant: a tick on each of a thousand joiners' offers was quadratic)
+    return Outcome("init", obj.key, True, participant=pid,
+                   ticks=deps.store.participant_count() >= deps.config.min_clients)
 
 
-def _signed_model(deps: Deps, obj: ObjectCreated, pid: str, model: GlobalModel | None, check: bool) -> Streamed:
-    """Stream a model file once: its size limit, then its digest, its signature by `pid`'s registered key and
-    (if `check`) its validity. Raises ValueError (SignatureError among them) for an unusable upload."""
-    record = _registered(deps, pid)
-    if record is None:
+def _join_request_key(deps: Deps, pid: str) -> str:
+    """The public key `pid`'s join request registers (the request checked as the join function checks it)."""
+    key = keys.join_key(deps.config.run_id, pid)
+    try:
+        blob = deps.bucket.get(key, max_bytes=MAX_CONTROL_BYTES)
+    except NotFound:
+        raise ValueError("from a participant that never joined") from None
+    request = parse_message(JoinRequest, blob.data)
+    verify(request.public_key, key, blob.data, blob.metadata)
+    if request.participant != pid or request.run_id != deps.config.run_id:
+        raise ValueError("its join request names another participant or run")
+    return request.public_key
+
+
+def _signed_model(deps: Deps, obj: ObjectCreated, pid: str, model: GlobalModel | None, check: bool,
+                  key: str = "") -> Streamed:
+    """Stream a model file once: its size limit, then its digest, its signature by `pid`'s registered key (or by
+    `key`: a joiner's not registered yet) and (if `check`) its validity. Raises ValueError (SignatureError among
+    them) for an unusable upload."""
+    record = None if key else _registered(deps, pid)
+    if record is None and not key:
         raise ValueError("from a participant that never joined")
     if obj.size > deps.config.max_update_bytes:
         raise ValueError(f"over the size limit: {obj.size} bytes > {deps.config.max_update_bytes}")
     scanned = stream_model(deps, obj.key, obj.version_id, obj.size, model, check)
     try:
-        verify_digest(record.public_key, obj.key, scanned.digest, scanned.metadata)
+        verify_digest(record.public_key if record is not None else key, obj.key, scanned.digest, scanned.metadata)
     except SignatureError:
+        if record is None:
+            raise
         fresh = _registered(deps, pid, again=True)  # the key we held may be of a record since replaced
         if fresh is None:
             raise ValueError("from a participant that never joined") from None

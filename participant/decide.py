@@ -60,10 +60,12 @@ class Wait:
     """Nothing to do until the state changes; `reason` is what the participant is waiting for. `announced`: what
     ends the wait is a change of the run's phase, round, epoch or model, which the coordinator publishes (a
     participant with a push queue waits on it instead of polling); otherwise it is a record of ours or of the
-    round (our join, our ready report, the updates a witness checks), which only polling finds."""
+    round (our join, our ready report, the updates a witness checks), which only polling finds. `round_close`: only
+    the round's close ends it (our update is in), so nothing is expected before the round's usual length."""
 
     reason: str
     announced: bool = False
+    round_close: bool = False
 
 
 @dataclass(frozen=True)
@@ -200,11 +202,12 @@ def decide(state: RunState, local: Local) -> Action:
     if not local.joined:
         if local.join_age >= join_resend_due(local.join_sends):
             return Join()
-        # Announced once the run has a model: with a push queue we listen on it rather than poll our record (which is
-        # looked at when a change is pushed and before a re-send); what admits us, an epoch's start, is pushed. (A
-        # thousand joiners polling their records from 0.2 s on outnumbered everything the join lane served.) A run
-        # without a model waits for an offer, which only a recorded joiner sends: poll for that.
-        return Wait("waiting for the join request to be recorded", state.has_model)
+        if not state.has_model and not local.offered:  # kept by ingest until our join is registered
+            return OfferModel()
+        # Announced: with a push queue we listen on it rather than poll our record (which is looked at when a change
+        # is pushed and before a re-send); what admits us, an epoch's start, is pushed. (A thousand joiners polling
+        # their records from 0.2 s on outnumbered everything the join lane served.)
+        return Wait("waiting for the join request to be recorded", True)
     if not state.has_model:
         if not local.offered:
             return OfferModel()
@@ -245,8 +248,9 @@ def decide(state: RunState, local: Local) -> Action:
         if is_witness_duty(state, local):
             return _witness(state, local)
         if state.round in local.uploaded:
-            return Wait(f"update for round {state.round} uploaded; waiting for the round to close", True)
-        return Wait(f"an update for round {state.round} is already stored; waiting for the round to close", True)
+            return Wait(f"update for round {state.round} uploaded; waiting for the round to close", True, True)
+        return Wait(f"an update for round {state.round} is already stored; waiting for the round to close", True,
+                    True)
     if state.phase is Phase.WITNESS:
         if is_witness_duty(state, local):
             return _witness(state, local)

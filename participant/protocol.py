@@ -66,6 +66,20 @@ CLOSE_MARGIN_SECONDS = 5.0  # before a round's deadline less this, only our bein
 # Away from the push queue for longer than this (acting: a download, training), a change announced meanwhile may
 # have expired unread (store.push.RETENTION_SECONDS, less a margin for the clocks): read the state item instead.
 AWAY_SECONDS = RETENTION_SECONDS - 10.0
+# Once our update is in, only the round's close concerns us, and a round lasts about as long as the one before: wait
+# without a request until QUIET_SHARE of the last round's length (less half a long poll), then listen. A round as long
+# as the last closes during our first long poll; one 10 % shorter, at once; the close waits in our queue meanwhile.
+QUIET_SHARE = 0.9
+
+
+def quiet_seconds(now: float, started: float, last_length: float | None, limit: float) -> float:
+    """How long to wait without a request for the close of a round we saw begin at `started` (monotonic), the round
+    before having lasted `last_length` seconds (None: not seen), `limit` seconds at most (its deadline, how long a
+    pushed message lives); 0 unless it spares a long poll at least."""
+    if last_length is None:
+        return 0.0
+    quiet = min(started + QUIET_SHARE * last_length - LISTEN_SECONDS / 2 - now, limit)
+    return quiet if quiet >= LISTEN_SECONDS else 0.0
 
 
 class ParticipantError(RuntimeError):
@@ -146,6 +160,8 @@ class Participant(ABC):
         self.stored: set[int] = set()  # rounds with an update of ours found in the bucket or table
         self.skipped: set[int] = set()  # rounds trained but not sent (the round closed meanwhile)
         self.rounds_uploaded = 0
+        self.round_seen: tuple[int, float] | None = None  # the latest training round we saw begin, and when
+        self.last_round_length: float | None = None  # seconds from the round before's start to it (None: not seen)
         self.record_checked = 0.0
         self._last_sent = 0.0
         self._sent_lock = threading.Lock()
@@ -213,6 +229,7 @@ class Participant(ABC):
             if state is None:
                 state = self._read_state()
             self._observe(state)
+            self._note_round(state)
             self._check_outcome(state)
             local = self._local(state)
             if kept and local.joined:  # our join was just recorded: decide on the current state
@@ -225,6 +242,8 @@ class Participant(ABC):
                     self._waiting(action, last_wait is None or action.reason != last_wait[1])
                     delay, last_wait = POLL_FIRST, marker
                 if action.announced and self.feed is not None:
+                    if action.round_close:
+                        self._quiet(state)
                     state = self._await_announcement(state)
                 else:
                     delay = self._backoff(delay)
@@ -250,6 +269,30 @@ class Participant(ABC):
         if self.first_round is None:
             self.first_round = state.round
         return state
+
+    def _note_round(self, state: RunState) -> None:
+        """Time the rounds as we see them begin (`_quiet` expects the next to last as long as the last)."""
+        if state.phase is not Phase.TRAIN or (self.round_seen and self.round_seen[0] == state.round):
+            return
+        now = time.monotonic()
+        follows = self.round_seen is not None and self.round_seen[0] == state.round - 1
+        self.last_round_length = now - self.round_seen[1] if self.round_seen and follows else None
+        self.round_seen = (state.round, now)
+
+    def _quiet(self, state: RunState) -> None:
+        """Our update is in: wait without a request until the round's close is near (`quiet_seconds`)."""
+        if self.round_seen is None or self.round_seen[0] != state.round:
+            return
+        started = self.round_seen[1]
+        now = time.monotonic()
+        limit = self.known_at + AWAY_SECONDS - 1.0 - now  # (then a listen, not a read of the state item)
+        if state.deadline:
+            limit = min(limit, state.deadline - time.time())
+        seconds = quiet_seconds(now, started, self.last_round_length, limit)
+        if seconds > 0:
+            log.info("round %d: waiting %.0fs before listening for its close (the last round lasted %.0fs)",
+                     state.round, seconds, self.last_round_length)
+            self._pause(seconds)
 
     def _await_announcement(self, state: RunState) -> RunState | None:
         """Wait on the push queue for a change of the state we hold: the newer state pushed, the same state when
@@ -371,12 +414,11 @@ class Participant(ABC):
                      health_reported=frozenset(self.journal.health_reported))
 
     def _join_may_show(self, state: RunState) -> bool:
-        """Whether to look at our record for our join now. Polling (no push queue, or a run without a model, where a
-        recorded joiner must offer one), on every poll. Listening on the push queue, only when a change was pushed
-        (an epoch that admits us starts), before a re-send of the join (if it is recorded by then, none is needed),
-        and once at first: a thousand joiners queued for minutes would otherwise read their records on every
-        wake-up."""
-        if self.feed is None or not state.has_model or self.record_looked_at is None:
+        """Whether to look at our record for our join now. Polling (no push queue), on every poll. Listening on the
+        push queue, only when a change was pushed (an epoch that admits us starts), before a re-send of the join (if
+        it is recorded by then, none is needed), and once at first: a thousand joiners queued for minutes would
+        otherwise read their records on every wake-up."""
+        if self.feed is None or self.record_looked_at is None:
             return True
         if state.version != self.record_looked_at:
             return True

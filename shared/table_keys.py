@@ -3,6 +3,7 @@
 One table per run, keys `pk` / `sk`:
     RUN#<run>  STATE                    the coordinator state (owned by the tick; versioned)
     RUN#<run>  P#<participant>          join and liveness facts (owned by ingest)
+    RUN#<run>  O#<participant>          an initial-model offer that arrived before its join was registered
     RUN#<run>  U#<round>#<participant>  one update: accepted with its weight, or refused with a reason
     RUN#<run>  R#<round>                a finished round's summary (metrics history)
     RUN#<run>  W#<round>#<witness>      a witness proof (validated)
@@ -33,6 +34,10 @@ def lease_sk(name: str) -> str:
 
 def participant_sk(pid: str) -> str:
     return f"P#{pid}"
+
+
+def offer_sk(pid: str) -> str:
+    return f"O#{pid}"
 
 
 def update_sk(round_no: int, pid: str = "") -> str:

@@ -55,6 +55,13 @@ class ParticipantItem(_Item):
     rate = NumberAttribute(default=0)
 
 
+class OfferItem(_Item):
+    """An initial-model offer checked against the key of its sender's join request, not yet registered."""
+
+    digest = UnicodeAttribute()
+    public_key = UnicodeAttribute()
+
+
 class UpdateItem(_Item):
     round = NumberAttribute()
     pid = UnicodeAttribute()
@@ -116,6 +123,7 @@ class Models:
         self.run = _bind(RunItem, table, host, region)
         self.participant = _bind(ParticipantItem, table, host, region)
         self.update = _bind(UpdateItem, table, host, region)
+        self.offer = _bind(OfferItem, table, host, region)
         self.round = _bind(RoundItem, table, host, region)
         self.refusal = _bind(RefusalItem, table, host, region)
         self.counter = _bind(CounterItem, table, host, region)

@@ -19,6 +19,7 @@ from shared.table_keys import (
     STATE_SK,
     health_sk,
     lease_sk,
+    offer_sk,
     participant_sk,
     proof_sk,
     refusal_sk,
@@ -263,6 +264,18 @@ class StateStore:
         if record is None:
             return "unknown"
         return "duplicate" if record.last_sent == sent_at else "stale"
+
+    def keep_offer(self, pid: str, digest: str, public_key: str) -> None:
+        """Keep an initial-model offer whose sender's join is not registered yet (registering it takes the offer)."""
+        self.m.offer(self.pk, offer_sk(pid), digest=digest, public_key=public_key).save()
+
+    def kept_offer(self, pid: str, public_key: str) -> str:
+        """The digest of the offer kept for `pid` if it was checked against `public_key`; "" if none."""
+        try:
+            item = self.m.offer.get(self.pk, offer_sk(pid), consistent_read=True)
+        except DoesNotExist:
+            return ""
+        return str(item.digest) if item.public_key == public_key else ""
 
     def set_init_offer(self, pid: str, digest: str) -> None:
         p = self.m.participant

@@ -15,12 +15,13 @@ import pytest
 from fed.localrun import wait_until
 from local.dispatcher import Dispatcher
 from local.stack import LocalStack
-from shared import keys
+from shared import keys, wire
 from shared.config import RunConfig
 from shared.messages import Heartbeat, JoinRequest
 from shared.signing import Signer
+from shared.state import Phase
 from store.table import StateStore
-from tests.functional.conftest import Harness
+from tests.functional.conftest import MODEL, Harness
 
 RUN = "lane-test"
 FLOOD = 300
@@ -165,6 +166,68 @@ def test_a_heartbeat_found_at_registration_counts_only_if_it_is_alices_and_later
     assert harness.send(keys.join_key(run, "alice"), harness.join_bytes("alice", sent_at=now))["accepted"]
     # Then she is registered but not yet heard from since: no epoch would admit her yet
     assert not harness.deps.store.participants()["alice"].proven
+
+
+# --- an initial-model offer that overtakes its join request ------------------------------------------------------
+
+
+def test_an_offer_sent_before_the_join_is_registered_is_kept_and_taken_at_registration(harness: Harness) -> None:
+    # Given a run without a model, and alice's join request still waiting in its lane when her offer is delivered
+    run = harness.config.run_id
+    harness.scheduled_tick()
+    join = harness.put(keys.join_key(run, "alice"), harness.join_bytes("alice"))
+    offer = harness.offer("alice")
+    # Then the offer is accepted, checked against the key her join request registers, and kept (no tick)
+    assert offer["accepted"] is True and "kept" in offer["reason"] and "tick" not in offer
+    assert harness.deps.store.participant("alice") is None
+    # When her join request is delivered (the join function reads no model: it takes the offer's digest)
+    assert harness.deliver(join)["accepted"] is True
+    # Then she is registered with her offer, and a run of alice and bob starts from it
+    record = harness.deps.store.participant("alice")
+    assert record is not None and record.init_digest == wire.digest(wire.encode(MODEL))
+    harness.heartbeat("alice")
+    harness.join_alive("bob")
+    state = harness.state()
+    assert state.phase is Phase.TRAIN and state.model_source == "alice"
+    assert state.global_digest == record.init_digest
+
+
+def test_an_offer_kept_while_its_sender_was_being_registered_is_not_lost(harness: Harness,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given alice's join registered after ingest found no record for her offer, and before it kept the offer (so
+    # the join function found nothing kept)
+    run = harness.config.run_id
+    harness.scheduled_tick()
+    join = harness.put(keys.join_key(run, "alice"), harness.join_bytes("alice"))
+    keep = StateStore.keep_offer
+
+    def registered_meanwhile(self: StateStore, pid: str, digest: str, public_key: str) -> None:
+        assert harness.deliver(join)["accepted"] is True
+        assert harness.deps.store.participant("alice").init_digest == ""  # type: ignore[union-attr]
+        keep(self, pid, digest, public_key)
+
+    monkeypatch.setattr(StateStore, "keep_offer", registered_meanwhile)
+    # When her offer is delivered
+    offer = harness.offer("alice")
+    # Then ingest, looking again after keeping it, found her registered and recorded the offer itself
+    assert offer["accepted"] is True and not offer["reason"]
+    record = harness.deps.store.participant("alice")
+    assert record is not None and record.init_digest == wire.digest(wire.encode(MODEL))
+
+
+@pytest.mark.parametrize("case", ["no join request", "signed by another key"])
+def test_an_offer_from_no_joiner_is_refused_with_the_reason(harness: Harness, case: str) -> None:
+    # Given a run without a model, and an offer for alice with no join request of hers, or signed by mallory
+    run = harness.config.run_id
+    harness.scheduled_tick()
+    if case == "signed by another key":
+        harness.put(keys.join_key(run, "alice"), harness.join_bytes("alice"))
+    offer = harness.send(keys.init_key(run, "alice"), wire.encode(MODEL),
+                         signed_by="owner" if case == "no join request" else "mallory")
+    # Then it is refused, the reason recorded, and nothing kept for a later registration to take
+    assert offer["accepted"] is False and "initial model refused" in offer["reason"]
+    assert harness.deps.store.kept_offer("alice", harness.signer("alice").public_key) == ""
+    assert any("initial model refused" in r.reason for r in harness.deps.store.refusals())
 
 
 def test_a_heartbeat_during_a_round_does_not_tick(harness: Harness) -> None:

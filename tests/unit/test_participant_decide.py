@@ -147,20 +147,26 @@ class TestStartAndEnd:
 
     def test_join_not_recorded_waits_then_rejoins(self) -> None:
         s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
-        assert isinstance(decide(s, local(joined=False, join_age=1.0)), Wait)
-        assert decide(s, local(joined=False, join_age=JOIN_RETRY_SECONDS)) == Join()
+        assert isinstance(decide(s, local(joined=False, join_age=1.0, offered=True)), Wait)
+        assert decide(s, local(joined=False, join_age=JOIN_RETRY_SECONDS, offered=True)) == Join()
 
     def test_join_re_sends_wait_twice_as_long_each_time_up_to_the_cap(self) -> None:
         s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
         for sends, wait in [(1, JOIN_RETRY_SECONDS), (2, 2 * JOIN_RETRY_SECONDS), (3, 4 * JOIN_RETRY_SECONDS),
                             (20, JOIN_RETRY_MAX_SECONDS)]:
-            assert isinstance(decide(s, local(joined=False, join_sends=sends, join_age=wait * 0.99)), Wait), sends
-            assert decide(s, local(joined=False, join_sends=sends, join_age=wait)) == Join(), sends
+            joiner = local(joined=False, join_sends=sends, offered=True, join_age=wait * 0.99)
+            assert isinstance(decide(s, joiner), Wait), sends
+            assert decide(s, replace(joiner, join_age=wait)) == Join(), sends
 
-    def test_no_offer_before_the_join_is_recorded(self) -> None:
-        # the coordinator refuses offers from participants it does not know
+    def test_a_joiner_offers_its_model_at_once_then_listens_for_its_registration(self) -> None:
+        # ingest keeps an offer sent before the join is registered, and the join function takes it: no need to poll
+        # our record to learn when we may offer
         s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)
-        assert not isinstance(decide(s, local(joined=False, join_age=1.0)), OfferModel)
+        assert decide(s, local(joined=False, join_age=1.0)) == OfferModel()
+        assert decide(s, local(joined=False, join_age=1.0, offered=True)) == Wait(
+            "waiting for the join request to be recorded", announced=True)
+        assert decide(replace(s, global_digest=G), local(joined=False, join_age=1.0)) == Wait(
+            "waiting for the join request to be recorded", announced=True)
 
     def test_finished_fetches_then_evaluates_the_final_model(self) -> None:
         s = state(phase=Phase.FINISHED, selected=(), round_no=15)

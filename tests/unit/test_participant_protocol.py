@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
+from participant import protocol
 from participant.decide import JOIN_RETRY_SECONDS, Fetch, Finish, Train, still_open
 from participant.journal import Journal, JournalKeeper
-from participant.protocol import POLL_FIRST, POLL_GROWTH, Outcome, Participant
+from participant.protocol import POLL_FIRST, POLL_GROWTH, Outcome, Participant, quiet_seconds
 from shared.config import RunConfig
 from shared.state import Member, Phase, RunState
 from store.push import Pushed
@@ -120,7 +122,7 @@ def test_waiting_backs_off_up_to_poll_max() -> None:
 
 def test_until_its_join_is_recorded_it_polls_its_record_not_the_state() -> None:
     # Given a run waiting for members, and alice's join request recorded only at her tenth look at her record
-    script = Script(run_state(Phase.WAITING, digest="", version=1), run_state(Phase.TRAIN, version=2),
+    script = Script(run_state(Phase.WAITING, version=1), run_state(Phase.TRAIN, version=2),
                     run_state(Phase.TRAIN, version=2), run_state(Phase.FINISHED, round_no=1, version=3),
                     recorded_at=10)
     p = Recorder(script)
@@ -210,17 +212,19 @@ def test_a_listening_joiner_looks_at_its_record_again_before_a_re_send(recorded_
         assert p.did == ["join", "join"] and script.record_reads == 2
 
 
-def test_without_a_model_a_joiner_polls_its_record_to_offer_one() -> None:
+def test_without_a_model_a_joiner_offers_one_at_once_and_listens() -> None:
     # Given a run without a model, alice's join recorded at her third look, and her push queue (nothing comes)
     script = Script(run_state(Phase.WAITING, digest="", version=1), recorded_at=3)
     p = Recorder(script)
     p.feed = Feed(script)
     p._join()
-    # When she runs (until the test's limit of pauses)
+    # When she runs (until the test's limit of long polls)
     with pytest.raises(TimeoutError):
         p._loop()
-    # Then she polled (paused, not listened) until her join was recorded, and offered her model at once
-    assert p.did[:2] == ["join", "offer"] and p.feed.listens > 0 and len(p.pauses) >= 2
+    # Then she offered her model at once, before her join was recorded (ingest keeps it for the join function), and
+    # listened from then on, never polling: her record looked at once at first, then only before a re-send
+    assert p.did == ["join", "offer"] and p.pauses == [] and p.feed.listens > 10
+    assert script.record_reads <= 2
 
 
 def test_still_open() -> None:
@@ -229,3 +233,90 @@ def test_still_open() -> None:
     assert not still_open(run_state(Phase.TRAIN, round_no=4), a, "alice")
     assert not still_open(run_state(Phase.WITNESS, round_no=3), a, "alice")
     assert not still_open(run_state(Phase.TRAIN, round_no=3), a, "carol")
+
+
+class Clock:
+    """`time` for participant.protocol: it moves only when the participant waits (a pause, a long poll) or trains."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1.7e9 + self.now
+
+
+class Timeline(Feed):
+    """A push queue that delivers each state when the clock reaches its time: a long poll returns it as soon as it
+    is due, or nothing after `seconds`. Counts the long polls made in each round."""
+
+    def __init__(self, script: Script, clock: Clock, *pushes: tuple[float, RunState]) -> None:
+        super().__init__(script)
+        self.clock, self.timed = clock, list(pushes)
+        self.by_round: Counter[int] = Counter()
+        self.round = 0
+
+    def wait(self, seconds: float) -> Pushed | None:
+        self.listens += 1
+        self.by_round[self.round] += 1
+        if self.timed and self.timed[0][0] <= self.clock.now + seconds:
+            at, state = self.timed.pop(0)
+            self.clock.now = max(self.clock.now, at)
+            self.script.pushed[state.version] = state
+            self.round = state.round
+            return Pushed(state.version, {})
+        self.clock.now += seconds
+        return None
+
+
+class Trainer(Recorder):
+    """Training takes 50 s of the clock; pauses move it too."""
+
+    def __init__(self, script: Script, clock: Clock) -> None:
+        super().__init__(script)
+        self.clock = clock
+
+    def _pause(self, seconds: float) -> None:
+        super()._pause(seconds)
+        self.clock.now += seconds
+
+    def _train(self, action: Train) -> bool:
+        self.clock.now += 50.0
+        return super()._train(action)
+
+
+@pytest.mark.parametrize(("second_round", "late"), [(228.0, 0.0), (200.0, 0.0), (150.0, 0.9 * 228 - 10 - 150)])
+def test_after_its_upload_it_waits_for_the_rounds_usual_length_without_a_request(
+        monkeypatch: pytest.MonkeyPatch, second_round: float, late: float) -> None:
+    # Given a run of 228 s rounds (50 s of training, then waiting for a thousand others' updates), pushed to alice's
+    # queue as each round begins, and a second round that lasts 228 s, 200 s or 150 s
+    clock = Clock()
+    monkeypatch.setattr(protocol, "time", clock)
+    finished = run_state(Phase.FINISHED, round_no=2, version=4)
+    script = Script(run_state(Phase.TRAIN, round_no=0, version=1), finished)
+    p = Trainer(script, clock)
+    p.joined_at = 100.0
+    start = clock.now
+    feed = Timeline(script, clock, (start + 228, run_state(Phase.TRAIN, round_no=1, version=2)),
+                    (start + 228 + second_round, finished))
+    p.feed = feed
+    # When she runs
+    assert p._loop() == Outcome(True, 2)
+    # Then in the first round (no round before it to time) she listened every 20 s after her upload: 9 long polls;
+    # in the second, she waited quietly until 0.9 of the first round's length less 10 s, then listened: once or twice,
+    # learning of a round closing as expected at once, and of one far shorter than the last late by the difference
+    assert feed.by_round[0] == 9
+    assert len(p.pauses) == 1 and p.pauses[0] == pytest.approx(0.9 * 228 - 10 - 50)
+    assert feed.by_round[1] <= 2
+    assert clock.now - (start + 228 + second_round) == pytest.approx(late)
+    assert p.did == ["fetch 0", "train 0", "train 1", "finish"]
+
+
+def test_quiet_seconds() -> None:
+    # none without a round before it, nor when it would spare no long poll; never beyond the limit
+    assert quiet_seconds(now=50, started=0, last_length=None, limit=1e9) == 0.0
+    assert quiet_seconds(now=50, started=0, last_length=100, limit=1e9) == pytest.approx(30.0)
+    assert quiet_seconds(now=50, started=0, last_length=70, limit=1e9) == 0.0  # 3 s: not a long poll's worth
+    assert quiet_seconds(now=50, started=0, last_length=300, limit=100) == 100.0
