@@ -23,8 +23,11 @@ from urllib.parse import parse_qs
 
 from werkzeug.serving import BaseWSGIServer, make_server
 
+from shared import keys
+
 LOOPBACK = "127.0.0.1"
 COUNTS_PATH = "/_fed/requests"  # GET: the request counts so far, as JSON [[service, operation, count], ...]
+OBJECTS_PATH = "/_fed/objects"  # GET: the S3 object requests so far by kind, as JSON [[operation, kind, count], ...]
 DYNAMODB_TARGET_PREFIX = "DynamoDB_"  # X-Amz-Target of every DynamoDB API call ("DynamoDB_20120810.PutItem")
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -88,27 +91,46 @@ def _s3_operation(environ: dict[str, Any]) -> str:
     )
 
 
+def object_kind(environ: dict[str, Any]) -> str:
+    """The kind of run object (`shared.keys.ObjectKind`) an S3 object request names (path-style), or "other"."""
+    path = environ.get("PATH_INFO", "/").lstrip("/")
+    try:
+        return keys.parse_key(path.split("/", 1)[1]).kind.value
+    except (IndexError, keys.KeyError_):
+        return "other"
+
+
 class RequestCounter:
-    """WSGI middleware: count requests by (service, operation); `snapshot()` reads the counts so far."""
+    """WSGI middleware: count requests by (service, operation), and S3 object requests by (operation, the object's
+    kind); `snapshot()` and `objects()` read the counts so far."""
 
     def __init__(self, app: WSGIApp) -> None:
         self.app = app
         self._lock = threading.Lock()
         self._counts: Counter[tuple[str, str]] = Counter()
+        self._objects: Counter[tuple[str, str]] = Counter()
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") == COUNTS_PATH and environ.get("REQUEST_METHOD") == "GET":
-            body = json.dumps([[svc, op, n] for (svc, op), n in sorted(self.snapshot().items())]).encode()
+        if environ.get("REQUEST_METHOD") == "GET" and environ.get("PATH_INFO") in (COUNTS_PATH, OBJECTS_PATH):
+            counts = self.snapshot() if environ["PATH_INFO"] == COUNTS_PATH else self.objects()
+            body = json.dumps([[a, b, n] for (a, b), n in sorted(counts.items())]).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         key = classify(environ)
+        kind = object_kind(environ) if key[0] == "s3" and key[1].endswith("Object") else ""
         with self._lock:
             self._counts[key] += 1
+            if kind:
+                self._objects[(key[1], kind)] += 1
         return self.app(environ, start_response)
 
     def snapshot(self) -> Counter[tuple[str, str]]:
         with self._lock:
             return Counter(self._counts)
+
+    def objects(self) -> Counter[tuple[str, str]]:
+        with self._lock:
+            return Counter(self._objects)
 
 
 class LocalServer:

@@ -35,6 +35,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from local.resources import LocalResources
+from local.server import COUNTS_PATH, OBJECTS_PATH
 from local.stack import client_environment, function_environment
 from participant.decide import (
     JOIN_RETRY_SECONDS,
@@ -98,8 +99,15 @@ class StackProcess:
 
     def requests(self) -> Counter[tuple[str, str]]:
         """Every request the server has served so far, by (service, operation)."""
-        with urllib.request.urlopen(f"{self.endpoint}/_fed/requests", timeout=30) as resp:  # noqa: S310 - loopback
-            return Counter({(svc, op): n for svc, op, n in json.loads(resp.read())})
+        return self._counts(COUNTS_PATH)
+
+    def objects(self) -> Counter[tuple[str, str]]:
+        """Every S3 object request the server has served so far, by (operation, the object's kind)."""
+        return self._counts(OBJECTS_PATH)
+
+    def _counts(self, path: str) -> Counter[tuple[str, str]]:
+        with urllib.request.urlopen(f"{self.endpoint}{path}", timeout=30) as resp:  # noqa: S310 - loopback
+            return Counter({(a, b): n for a, b, n in json.loads(resp.read())})
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -135,7 +135,7 @@ def test_two_hundred_participants_upload_in_one_round_and_none_is_lost(stack: St
         seconds = progress.phases[end] - progress.phases[first]
         steady = progress.served[end] - progress.served[first]
         mine = progress.participants_at[end] - progress.participants_at[first]
-        print_round_table(steady, mine, ROUNDS - 2, seconds)
+        print_round_table(steady, mine, ROUNDS - 2, seconds, progress.objects[end] - progress.objects[first])
 
     # Then every participant uploaded in every round, each round counted every update, and each participant saw
     # its updates accepted and the run finish with the committed model
@@ -177,6 +177,7 @@ class Progress:
         self.phases: dict[str, float] = {}  # "<phase> <round>" -> seconds after the start, first seen
         self.served: dict[str, Counter[tuple[str, str]]] = {}  # "<phase> <round>" -> requests served by then
         self.participants_at: dict[str, Counter[tuple[str, str]]] = {}  # -> the participants' requests by then
+        self.objects: dict[str, Counter[tuple[str, str]]] = {}  # -> S3 object requests served by then, by kind
         self.participants = participants
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -187,7 +188,7 @@ class Progress:
         while not self._stop.wait(1.0):
             try:
                 s = self.probe.read_state()
-                counts = self.stack.requests()
+                counts, objects = self.stack.requests(), self.stack.objects()
             except Exception as exc:  # progress is only informative
                 print(f"  progress: {type(exc).__name__}: {exc}")
                 continue
@@ -196,6 +197,7 @@ class Progress:
             self.phases.setdefault(f"{s.phase.value} {s.round}", at)
             self.served.setdefault(f"{s.phase.value} {s.round}", counts - self.counter.snapshot())
             self.participants_at.setdefault(f"{s.phase.value} {s.round}", self.participants.snapshot())
+            self.objects.setdefault(f"{s.phase.value} {s.round}", objects)
             now = (s.phase.value, s.round, served // 10000)
             if now != last:
                 print(f"  {at:6.1f}s {s.phase.value} round {s.round}: {served} requests served", flush=True)
@@ -213,10 +215,10 @@ LOCAL_ONLY = {("sqs", "ReceiveMessage"), ("sqs", "DeleteMessage")}
 
 
 def print_round_table(served: Counter[tuple[str, str]], participants: Counter[tuple[str, str]], rounds: int,
-                      seconds: float) -> None:
+                      seconds: float, objects: Counter[tuple[str, str]]) -> None:
     """The steady state: requests per participant per round from round 1's start to the last round's, by operation,
     the participants' and the coordinator's (the server's count less the participants'), without the local
-    stand-in's."""
+    stand-in's; and S3's object requests (both sides) by the object's kind."""
     coordinator = Counter({k: n for k, n in (served - participants).items() if k not in LOCAL_ONLY})
     per = N * rounds
     print(f"steady state: rounds 1-{rounds} ({seconds / rounds:.0f} s a round, {TRAIN_SECONDS:g} s of training), "
@@ -225,6 +227,8 @@ def print_round_table(served: Counter[tuple[str, str]], participants: Counter[tu
         print(f"  {side}: {sum(counts.values()) / per:.2f} = " + ", ".join(
             f"{svc}:{op} {n / per:.2f}" for (svc, op), n in sorted(counts.items(), key=lambda kv: -kv[1])))
     print(f"  all: {(sum(participants.values()) + sum(coordinator.values())) / per:.2f}")
+    print("  s3 object requests (both sides) by kind: " + ", ".join(
+        f"{op} {kind} {n / per:.2f}" for (op, kind), n in sorted(objects.items(), key=lambda kv: -kv[1])))
 
 
 def print_figures(wall: float, total: Counter[tuple[str, str]], participants: Counter[tuple[str, str]],

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import boto3
 import pytest
+from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from local.server import LocalServer
+from shared import keys
 
 THREADS = 10
 INCREMENTS = 30
@@ -113,3 +116,25 @@ def test_pynamodb_version_attribute_is_atomic(server: LocalServer) -> None:
 
     # Then nothing is lost
     assert Counter.get("c", consistent_read=True).n == THREADS * PYNAMODB_INCREMENTS
+
+
+def test_counts_requests_by_operation_and_object_requests_by_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a counting server and a bucket
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
+        monkeypatch.setenv(name, value)
+    with LocalServer(count_requests=True) as srv:
+        s3 = boto3.client("s3", endpoint_url=srv.endpoint, region_name="us-east-1",
+                          config=Config(s3={"addressing_style": "path"}))
+        s3.create_bucket(Bucket="bucket")
+        # When an update is uploaded and read twice, a heartbeat read once, and an object outside the layout read
+        update, beat = keys.update_key("r-1", 3, "alice"), keys.heartbeat_key("r-1", "alice")
+        for key in (update, beat, "notes.txt"):
+            s3.put_object(Bucket="bucket", Key=key, Body=b"x")
+        for key in (update, update, beat, "notes.txt"):
+            s3.get_object(Bucket="bucket", Key=key)
+        assert srv.requests is not None
+        # Then each is counted by operation, and the object requests by the kind of object they name
+        assert srv.requests.snapshot()[("s3", "GetObject")] == 4
+        assert srv.requests.objects() == Counter({("GetObject", "update"): 2, ("GetObject", "heartbeat"): 1,
+                                                  ("GetObject", "other"): 1, ("PutObject", "update"): 1,
+                                                  ("PutObject", "heartbeat"): 1, ("PutObject", "other"): 1})
