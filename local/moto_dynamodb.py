@@ -4,7 +4,13 @@ table. The run registers each participant in a transaction (the record and the r
 thousand joiners registration slowed as the table grew — in a profile of the local server at 1,000 participants a
 third of its time went to those copies, and the join lane fell behind. `apply()` backs up only the items the
 transaction names, and puts those back when it fails, as DynamoDB's cost does not grow with the table. What a
-transaction does, and refuses, is moto's unchanged. Idempotent; used by the local stack and the functional tests."""
+transaction does, and refuses, is moto's unchanged. Idempotent; used by the local stack and the functional tests.
+
+moto also deep-copies every item a Query returns. A tick queries every participant record, and at 1,000 participants
+those copies held the local server's DynamoDB lock long enough that requests queued behind it timed out and were
+sent again, until nothing else was served (py-spy: 842 requests waiting on the lock). `serve_query_results()`, for
+the local server only, returns the stored items themselves: there every DynamoDB request, its response included, is
+served under one lock (`local.server.SerialDynamoDB`), so nothing changes an item while its response is written."""
 
 from __future__ import annotations
 
@@ -80,3 +86,34 @@ def apply() -> None:
     Table.__deepcopy__ = table_copy  # type: ignore[attr-defined]
     DynamoDBBackend.transact_write_items = transact_write_items  # type: ignore[method-assign]
     _applied = True
+
+
+_serving = False
+
+
+def serve_query_results() -> None:
+    """A Query on a table (not an index) returns its items uncopied. Only where requests and their responses are
+    served one at a time (the local server). Idempotent."""
+    global _serving
+    if _serving:
+        return
+    from moto.dynamodb.models.dynamo_type import Item
+    from moto.dynamodb.models.table import Table
+
+    query = Table.query
+    item_copy = Item.__deepcopy__
+
+    def uncopied(self: Any, memo: dict[int, Any]) -> Any:
+        return self if getattr(_state, "querying", False) else item_copy(self, memo)
+
+    def table_query(self: Any, *args: Any, **kwargs: Any) -> Any:
+        index_name = kwargs.get("index_name", args[7] if len(args) > 7 else None)  # (moto passes it 8th)
+        _state.querying = index_name is None
+        try:
+            return query(self, *args, **kwargs)
+        finally:
+            _state.querying = False
+
+    Item.__deepcopy__ = uncopied  # type: ignore[method-assign]
+    Table.query = table_query  # type: ignore[method-assign]
+    _serving = True

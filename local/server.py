@@ -156,6 +156,7 @@ class LocalServer:
         from local import moto_dynamodb, moto_ranges, moto_sns, moto_sqs
 
         moto_dynamodb.apply()
+        moto_dynamodb.serve_query_results()  # (safe here: SerialDynamoDB serves each request and response whole)
         moto_ranges.apply()
         moto_sns.apply()
         moto_sqs.apply()

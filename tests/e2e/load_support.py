@@ -49,6 +49,7 @@ from participant.decide import (
 )
 from participant.journal import Journal, JournalKeeper
 from participant.protocol import Outcome, Participant, closed_while_training
+from participant.remote import Retrier
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.messages import Heartbeat, JoinRequest
@@ -175,26 +176,32 @@ class Clients:
 
 class SimRemote:
     """A simulated participant's requests, through the shared clients: the reads `participant.protocol` needs
-    (what `participant.remote.Remote` does for the daemon, with botocore's retries only) and its uploads."""
+    (what `participant.remote.Remote` does for the daemon) and its uploads, each retried as the daemon retries
+    (`participant.remote.Retrier`: a request the overloaded local server did not answer in time is sent again)."""
 
     def __init__(self, pid: str, conn: Connection, clients: Clients, signer: Signer) -> None:
         self.pid, self.conn, self.run_id = pid, conn, conn.run_id
         self.s3, self.ddb = clients.s3, clients.ddb
         self.signer = signer
         self.rosters = Rosters(Bucket(conn.bucket, clients.s3), conn.run_id)  # its own: each host reads its own
+        self.retry = Retrier(threading.Event())
 
     def put(self, key: str, body: bytes) -> None:
-        self.s3.put_object(Bucket=self.conn.bucket, Key=key, Body=body, Metadata=self.signer.metadata(key, body))
+        self.retry.call(f"uploading {key}", self.s3.put_object, Bucket=self.conn.bucket, Key=key, Body=body,
+                        Metadata=self.signer.metadata(key, body))
 
     def get(self, key: str) -> bytes | None:
-        try:
-            return bytes(self.s3.get_object(Bucket=self.conn.bucket, Key=key)["Body"].read())
-        except self.s3.exceptions.NoSuchKey:
-            return None
+        def read() -> bytes | None:
+            try:
+                return bytes(self.s3.get_object(Bucket=self.conn.bucket, Key=key)["Body"].read())
+            except self.s3.exceptions.NoSuchKey:
+                return None
+
+        return self.retry.call(f"reading {key}", read)
 
     def _item(self, sk: str) -> dict[str, Any] | None:
-        resp = self.ddb.get_item(TableName=self.conn.table, Key={"pk": {"S": run_pk(self.run_id)}, "sk": {"S": sk}},
-                                 ConsistentRead=True)
+        resp = self.retry.call(f"reading {sk}", self.ddb.get_item, TableName=self.conn.table,
+                               Key={"pk": {"S": run_pk(self.run_id)}, "sk": {"S": sk}}, ConsistentRead=True)
         return resp.get("Item")
 
     def read_state(self) -> RunState:
@@ -204,7 +211,7 @@ class SimRemote:
         return state_of_item(json.loads(item["body"]["S"]), int(item["version"]["N"]), self.rosters)
 
     def pushed_state(self, pushed: Pushed) -> RunState:
-        return state_of_item(pushed.body, pushed.version, self.rosters)
+        return self.retry.call("reading the roster", state_of_item, pushed.body, pushed.version, self.rosters)
 
     def read_config(self) -> RunConfig | None:
         data = self.get(keys.config_key(self.run_id))  # published by the coordinator's first tick
@@ -293,8 +300,8 @@ class SimParticipant(Participant):
             self._join()
             self._wait_for_config()
             if self.push:
-                self.feed = StateQueue.open(self.run_id, self.pid, self.conn.state_topic, self.clients.sqs,
-                                            self.clients.sns)
+                self.feed = self.remote.retry.call("opening the push queue", StateQueue.open, self.run_id, self.pid,
+                                                   self.conn.state_topic, self.clients.sqs, self.clients.sns)
             self._beat(0)  # the daemon's heartbeat thread beats once at start (then every heartbeat_every)
             if self.heartbeat_every > 0:
                 threading.Thread(target=self._heartbeats, name=f"{self.pid}-heartbeat", daemon=True).start()

@@ -73,3 +73,35 @@ def test_a_transaction_that_fails_writes_none_of_its_items(aws: None, failing: s
     assert item(ddb, "p#new") is None
     assert item(ddb, "p#old") == {"pk": {"S": "run"}, "sk": {"S": "p#old"}, "n": {"N": "7"}}
     assert item(ddb, "count")["n"] == {"N": "5"}
+
+
+def test_the_local_server_serves_query_results_uncopied(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a table of 300 participant records and 5 other items, moto's item copies counted, and what a Query of the
+    # records returns as moto has it
+    from moto.dynamodb.models.dynamo_type import Item
+    from moto.dynamodb.models.table import Table
+
+    ddb = table()
+    for i in range(300):
+        ddb.put_item(TableName="t", Item={"pk": {"S": "run"}, "sk": {"S": f"p#{i:03d}"}, "n": {"N": str(i)}})
+    for i in range(5):
+        ddb.put_item(TableName="t", Item={"pk": {"S": "run"}, "sk": {"S": f"u#{i}"}})
+
+    def records() -> list[dict[str, Any]]:
+        pages = ddb.get_paginator("query").paginate(
+            TableName="t", KeyConditionExpression="pk = :pk AND begins_with(sk, :p)",
+            ExpressionAttributeValues={":pk": {"S": "run"}, ":p": {"S": "p#"}})
+        return [i for page in pages for i in page["Items"]]
+
+    before = records()
+    copies = []
+    copied = Item.__deepcopy__
+    monkeypatch.setattr(Item, "__deepcopy__", lambda self, memo: copies.append(1) or copied(self, memo))
+    monkeypatch.setattr(Table, "query", Table.query)  # (restored after the test: only the local server serves so)
+    monkeypatch.setattr(moto_dynamodb, "_serving", False)
+    # When the local server's patch is applied and the records queried again
+    moto_dynamodb.serve_query_results()
+    after = records()
+    # Then the same items come back, and none was copied (moto copied every one)
+    assert after == before and len(after) == 300
+    assert copies == []
