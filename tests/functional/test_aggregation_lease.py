@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coordinator.aggregation import UNLEASED_INPUTS
+from coordinator.aggregation import LEASE_SLACK_SECONDS, UNLEASED_INPUTS, lease_seconds
 from tests.functional.conftest import MODEL, Harness, assert_round_left_to_lease_holder
 
 PIDS = [f"p{i:02d}" for i in range(UNLEASED_INPUTS + 1)]
@@ -26,3 +26,10 @@ def test_a_small_model_with_many_updates_is_aggregated_under_the_rounds_lease(ha
     mean = np.mean(np.arange(len(PIDS)))
     for name, want in MODEL.items():
         np.testing.assert_allclose(h.global_model(1)[name], want + mean, rtol=1e-6)
+
+
+def test_the_lease_lasts_for_the_requests_of_every_input_as_well_as_their_bytes() -> None:
+    # a thousand small updates are a thousand ranged GETs: the lease outlasts them (sized by bytes alone it expired
+    # mid-aggregation at 1,000 participants, and a second tick read half the updates again)
+    assert lease_seconds(600, 1000) >= LEASE_SLACK_SECONDS + 1000 * 0.05
+    assert lease_seconds(10**9, 4) >= LEASE_SLACK_SECONDS + 5 * 10**9 / 200e6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 
@@ -272,7 +273,7 @@ class Timeline(Feed):
 
 
 class Trainer(Recorder):
-    """Training takes 50 s of the clock; pauses move it too."""
+    """Training takes 20 s of the clock; pauses move it too."""
 
     def __init__(self, script: Script, clock: Clock) -> None:
         super().__init__(script)
@@ -283,15 +284,18 @@ class Trainer(Recorder):
         self.clock.now += seconds
 
     def _train(self, action: Train) -> bool:
-        self.clock.now += 50.0
+        self.clock.now += 20.0
         return super()._train(action)
 
 
-@pytest.mark.parametrize(("second_round", "late"), [(228.0, 0.0), (200.0, 0.0), (150.0, 0.9 * 228 - 10 - 150)])
-def test_after_its_upload_it_waits_for_the_rounds_usual_length_without_a_request(
+QUIET_UNTIL = 228 / 3 - 10  # a third of the shortest round seen (the first: 228 s), less half a long poll
+
+
+@pytest.mark.parametrize(("second_round", "late"), [(228.0, 0.0), (100.0, 0.0), (60.0, QUIET_UNTIL - 60)])
+def test_after_its_upload_it_waits_for_a_third_of_the_shortest_round_without_a_request(
         monkeypatch: pytest.MonkeyPatch, second_round: float, late: float) -> None:
-    # Given a run of 228 s rounds (50 s of training, then waiting for a thousand others' updates), pushed to alice's
-    # queue as each round begins, and a second round that lasts 228 s, 200 s or 150 s
+    # Given a run whose first round lasts 228 s (20 s of training, then waiting for a thousand others' updates), pushed
+    # to alice's queue as each round begins, and a second round that lasts 228 s, 150 s or 60 s
     clock = Clock()
     monkeypatch.setattr(protocol, "time", clock)
     finished = run_state(Phase.FINISHED, round_no=2, version=4)
@@ -304,19 +308,20 @@ def test_after_its_upload_it_waits_for_the_rounds_usual_length_without_a_request
     p.feed = feed
     # When she runs
     assert p._loop() == Outcome(True, 2)
-    # Then in the first round (no round before it to time) she listened every 20 s after her upload: 9 long polls;
-    # in the second, she waited quietly until 0.9 of the first round's length less 10 s, then listened: once or twice,
-    # learning of a round closing as expected at once, and of one far shorter than the last late by the difference
-    assert feed.by_round[0] == 9
-    assert len(p.pauses) == 1 and p.pauses[0] == pytest.approx(0.9 * 228 - 10 - 50)
-    assert feed.by_round[1] <= 2
+    # Then in the first round (none before it to time) she listened every 20 s after her upload: 11 long polls; in the
+    # second, she waited quietly until a third of the first round's length less 10 s, then listened: as many long
+    # polls as the rest of the round takes, learning of its close at once — or, of a round far shorter than any before,
+    # late by the difference
+    assert feed.by_round[0] == 11
+    assert len(p.pauses) == 1 and p.pauses[0] == pytest.approx(QUIET_UNTIL - 20)
+    assert feed.by_round[1] == max(1, math.ceil((second_round - QUIET_UNTIL) / 20))
     assert clock.now - (start + 228 + second_round) == pytest.approx(late)
     assert p.did == ["fetch 0", "train 0", "train 1", "finish"]
 
 
 def test_quiet_seconds() -> None:
-    # none without a round before it, nor when it would spare no long poll; never beyond the limit
-    assert quiet_seconds(now=50, started=0, last_length=None, limit=1e9) == 0.0
-    assert quiet_seconds(now=50, started=0, last_length=100, limit=1e9) == pytest.approx(30.0)
-    assert quiet_seconds(now=50, started=0, last_length=70, limit=1e9) == 0.0  # 3 s: not a long poll's worth
-    assert quiet_seconds(now=50, started=0, last_length=300, limit=100) == 100.0
+    # none without a round timed, nor when it would spare no long poll; never beyond the limit
+    assert quiet_seconds(now=50, started=0, shortest=None, limit=1e9) == 0.0
+    assert quiet_seconds(now=50, started=0, shortest=300, limit=1e9) == pytest.approx(40.0)
+    assert quiet_seconds(now=50, started=0, shortest=210, limit=1e9) == 0.0  # 10 s: not a long poll's worth
+    assert quiet_seconds(now=50, started=0, shortest=900, limit=100) == 100.0
