@@ -245,11 +245,11 @@ def print_figures(wall: float, total: Counter[tuple[str, str]], participants: Co
     sides = {"participants": by_service(participants), "coordinator": by_service(coordinator),
              "total": by_service(total)}
     print(f"\nload test: {N} participants (--poll-max {POLL_MAX:g}s, started over {STAGGER:g}s, re-sending an "
-          f"unrecorded join first after {JOIN_RETRY:g}s, ready after {READY_RETRY:g}s, then doubling), 1 round: "
-          f"{wall:.1f}s wall time from the first join to the last participant seeing the run finished; "
+          f"unrecorded join first after {JOIN_RETRY:g}s, ready after {READY_RETRY:g}s, then doubling), {ROUNDS} "
+          f"rounds: {wall:.1f}s wall time from the first join to the last participant seeing the run finished; "
           f"updates lost: {lost}")
     print("phases first seen at: " + ", ".join(f"{k} {v:.0f}s" for k, v in phases.items()))
-    print(f"AWS requests per participant per round (the one round: joining and warmup included), N = {N}")
+    print(f"AWS requests per participant over the whole run (joining, warmup and {ROUNDS} rounds), N = {N}")
     print(f"{'service':<10}" + "".join(f"{side:>14}" for side in sides))
     for service in services:
         print(f"{service:<10}" + "".join(f"{counts[service] / N:14.2f}" for counts in sides.values()))
