@@ -233,9 +233,14 @@ def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     if state.has_model:  # every participant offers; once one offer was adopted the others are moot
         return Outcome("init", obj.key, False, "the run already has a model", pid, recorded=False, refusal=True)
     registered = _registered(deps, pid)
-    try:  # from a joiner not registered yet: signed by the key its join request registers
-        key = "" if registered is not None else _join_request_key(deps, pid)
-        scanned = _signed_model(deps, obj, pid, None, check=True, key=key)
+    key = ""
+    try:
+        if registered is not None:
+            scanned = _signed_model(deps, obj, pid, None, check=True)
+        else:  # from a joiner not registered yet: signed by the key its join request registers
+            key = _join_request_key(deps, pid)
+            scanned = _streamed(deps, obj, None, check=True)
+            verify_digest(key, obj.key, scanned.digest, scanned.metadata)
         if scanned.problem:
             raise WireError(scanned.problem)
     except (WireError, ValueError, NotFound) as exc:
@@ -268,22 +273,16 @@ def _join_request_key(deps: Deps, pid: str) -> str:
     return request.public_key
 
 
-def _signed_model(deps: Deps, obj: ObjectCreated, pid: str, model: GlobalModel | None, check: bool,
-                  key: str = "") -> Streamed:
-    """Stream a model file once: its size limit, then its digest, its signature by `pid`'s registered key (or by
-    `key`: a joiner's not registered yet) and (if `check`) its validity. Raises ValueError (SignatureError among
-    them) for an unusable upload."""
-    record = None if key else _registered(deps, pid)
-    if record is None and not key:
+def _signed_model(deps: Deps, obj: ObjectCreated, pid: str, model: GlobalModel | None, check: bool) -> Streamed:
+    """Stream a model file once: its size limit, then its digest, its signature by `pid`'s registered key and
+    (if `check`) its validity. Raises ValueError (SignatureError among them) for an unusable upload."""
+    record = _registered(deps, pid)
+    if record is None:
         raise ValueError("from a participant that never joined")
-    if obj.size > deps.config.max_update_bytes:
-        raise ValueError(f"over the size limit: {obj.size} bytes > {deps.config.max_update_bytes}")
-    scanned = stream_model(deps, obj.key, obj.version_id, obj.size, model, check)
+    scanned = _streamed(deps, obj, model, check)
     try:
-        verify_digest(record.public_key if record is not None else key, obj.key, scanned.digest, scanned.metadata)
+        verify_digest(record.public_key, obj.key, scanned.digest, scanned.metadata)
     except SignatureError:
-        if record is None:
-            raise
         fresh = _registered(deps, pid, again=True)  # the key we held may be of a record since replaced
         if fresh is None:
             raise ValueError("from a participant that never joined") from None
@@ -291,6 +290,13 @@ def _signed_model(deps: Deps, obj: ObjectCreated, pid: str, model: GlobalModel |
             raise
         verify_digest(fresh.public_key, obj.key, scanned.digest, scanned.metadata)
     return scanned
+
+
+def _streamed(deps: Deps, obj: ObjectCreated, model: GlobalModel | None, check: bool) -> Streamed:
+    """A model file streamed once, within the size limit (`stream_model`); its signature is the caller's to check."""
+    if obj.size > deps.config.max_update_bytes:
+        raise ValueError(f"over the size limit: {obj.size} bytes > {deps.config.max_update_bytes}")
+    return stream_model(deps, obj.key, obj.version_id, obj.size, model, check)
 
 
 # A participant's record as read for what stays fixed while the record exists (its public key: a join with another

@@ -248,9 +248,10 @@ def decide(state: RunState, local: Local) -> Action:
         if is_witness_duty(state, local):
             return _witness(state, local)
         if state.round in local.uploaded:
-            return Wait(f"update for round {state.round} uploaded; waiting for the round to close", True, True)
+            return Wait(f"update for round {state.round} uploaded; waiting for the round to close", True,
+                        round_close=True)
         return Wait(f"an update for round {state.round} is already stored; waiting for the round to close", True,
-                    True)
+                    round_close=True)
     if state.phase is Phase.WITNESS:
         if is_witness_duty(state, local):
             return _witness(state, local)
