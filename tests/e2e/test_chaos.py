@@ -179,7 +179,7 @@ def test_the_run_survives_chaos_without_losing_or_double_counting_an_update(tmp_
         assert tally[EXTRA_TICKS] >= 1
         assert tally[DISPATCHER_KILLED_BEFORE] + tally[DISPATCHER_KILLED_AFTER] >= 1
         # and the participants noticed the end
-        assert exited, "participants still running after the run finished"
+        assert exited, f"participants still running after the run finished:\n{still_running(procs)}"
         assert [p.process.returncode for p in procs.procs.values()] == [0] * len(NAMES)
     finally:
         print(f"\nchaos seed {seed}; faults injected:\n{tally.table()}")
@@ -292,7 +292,7 @@ def test_a_run_that_loses_its_table_and_every_participant_at_once_is_restored_an
     assert [(v["round"], v["ok"]) for v in report["rounds"]] == [(r.round, True) for r in aggregated], report
 
     # and no participant crashed: each saw the end and exited cleanly
-    assert run.procs.wait_exit(60), "participants still running after the run finished"
+    assert run.procs.wait_exit(60), f"participants still running after the run finished:\n{still_running(run.procs)}"
     assert [p.process.returncode for p in run.procs.procs.values()] == [0] * len(names)
     print(f"restored run: {len(aggregated)} rounds from round {checkpoint['round']} in {restored_seconds:.1f}s after "
           f"the loss; the whole test took {time.monotonic() - began:.1f}s")
@@ -311,3 +311,8 @@ def print_rounds(rounds) -> None:  # type: ignore[no-untyped-def]
         other = {**s.refused, **s.dropped}
         print(f"{s.round:5d}  {s.epoch:5d}  {'yes' if s.aggregated else 'no':10s}  {','.join(s.counted):14s}  "
               + "; ".join(f"{p}: {r}" for p, r in sorted(other.items())))
+
+
+def still_running(procs: Participants) -> str:
+    """Which participants have not exited, each with the end of its log: what it was waiting for."""
+    return "\n".join(f"--- {p.name} (pid {p.process.pid}):\n{procs.tail(p.name, 25)}" for p in procs.running())
