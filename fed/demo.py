@@ -12,6 +12,7 @@ round's held-out loss and perplexity).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -29,6 +30,8 @@ from rich.console import Console
 
 from fed.localrun import RoundFollower, store_for
 from fed.plot import PlotUnavailable, RoundPoint, write_png
+from fed.zygote import Forked, Zygote, ZygoteError, die_with_parent
+from fed.zygote import supported as zygote_supported
 from local.stack import LocalStack, client_environment
 from participant.splits import parse_split
 from participant.tasks import digits_meta, flower_digits_meta, lm_meta
@@ -153,16 +156,21 @@ def demo_config(participants: int, rounds: int | None = None, kill_one: bool = F
 
 class Evaluator:
     """The evaluation of a round's global model with the run's task on its held-out set (torch is imported in
-    the background)."""
+    the background, from the start: `connect` it to the run's bucket once the stack is up)."""
 
-    def __init__(self, config: RunConfig, connection: Connection) -> None:
+    def __init__(self, config: RunConfig, connection: Connection | None = None) -> None:
         self.config = config
-        self.bucket = Bucket(connection.bucket, s3_client(connection.endpoint, connection.region))
+        self.bucket: Any = None
+        if connection is not None:
+            self.connect(connection)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._task: Any = None
         self._model: Any = None
         threading.Thread(target=self._load, name="evaluator-load", daemon=True).start()
+
+    def connect(self, connection: Connection) -> None:
+        self.bucket = Bucket(connection.bucket, s3_client(connection.endpoint, connection.region))
 
     def _load(self) -> None:
         try:
@@ -215,6 +223,17 @@ class Evaluator:
 # --- participant processes ---------------------------------------------------------------------------
 
 
+def participant_environment() -> dict[str, str]:
+    """What a participant process gets: this process's environment, for the local endpoint."""
+    return {
+        **os.environ,
+        **client_environment(),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",  # N processes share the cores: one thread each trains fastest
+        "MKL_NUM_THREADS": "1",
+    }
+
+
 def participant_command() -> list[str]:
     """`fed-participant` from this environment (beside this interpreter), else on PATH."""
     beside = Path(sys.executable).with_name("fed-participant")
@@ -228,55 +247,62 @@ def participant_command() -> list[str]:
 
 def _die_with_parent() -> None:
     """In the child: get SIGTERM if the demo dies, so no participant outlives it (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
 
 
 @dataclass
 class Participant:
     name: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | Forked
     log: Path
     killed: bool = False
 
 
 @dataclass
 class Participants:
-    """N `fed-participant start` processes, each with its own state directory and log file."""
+    """N `fed-participant start` processes, each with its own state directory and log file; with `forked`, forked
+    from a zygote that imported torch and the tasks once (fed/zygote.py: seconds sooner to join on a small machine),
+    else each spawned as the command."""
 
     connection_file: Path
     workdir: Path
     extra_args: list[str] = field(default_factory=list)
     procs: dict[str, Participant] = field(default_factory=dict)
+    forked: bool = False
+    zygote: Zygote | None = None
+
+    def __post_init__(self) -> None:
+        if self.forked and zygote_supported():
+            self.zygote = Zygote(participant_environment(), self.workdir / "logs" / "zygote.log")
+            self.zygote.start()  # (its imports overlap whatever the caller does until the first spawn)
 
     def spawn(self, names: list[str], extra: dict[str, list[str]] | None = None) -> None:
         """Start a process per name; `extra` adds arguments for some of them (e.g. another --task)."""
-        env = {
-            **os.environ,
-            **client_environment(),
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1",  # N processes share the cores: one thread each trains fastest
-            "MKL_NUM_THREADS": "1",
-        }
+        env = participant_environment()
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for name in names:
             log = logs / f"{name}.log"
             state_dir = self.workdir / "participants" / name
-            cmd = [*participant_command(), "start", "--connection", str(self.connection_file), "--id", name,
-                   "--state-dir", str(state_dir), "--threads", "1", "--poll-max", str(POLL_MAX), *self.extra_args,
-                   *(extra or {}).get(name, [])]
-            with log.open("wb") as out:
-                proc = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                    start_new_session=True,  # Ctrl-C reaches the demo, which stops them in order
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
-                )
-            self.procs[name] = Participant(name, proc, log)
+            args = ["start", "--connection", str(self.connection_file), "--id", name, "--state-dir", str(state_dir),
+                    "--threads", "1", "--poll-max", str(POLL_MAX), *self.extra_args, *(extra or {}).get(name, [])]
+            log.write_bytes(b"")
+            self.procs[name] = Participant(name, self._start(args, env, log), log)
+
+    def _start(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes] | Forked:
+        if self.zygote is not None:
+            try:
+                return self.zygote.fork(args, env, log)
+            except ZygoteError as exc:
+                logging.getLogger(__name__).warning("spawning participants instead of forking them: %s", exc)
+                self.zygote.stop()
+                self.zygote = None
+        with log.open("ab") as out:
+            return subprocess.Popen(
+                [*participant_command(), *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True,  # Ctrl-C reaches the demo, which stops them in order
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+            )
 
     def kill(self, name: str) -> None:
         """SIGKILL: no goodbye, no flush; the coordinator must notice on its own."""
@@ -300,7 +326,7 @@ class Participants:
         return not self.running()
 
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM every live process, then SIGKILL what is left after `grace` seconds."""
+        """SIGTERM every live process, then SIGKILL what is left after `grace` seconds; then the zygote."""
         for p in self.running():
             p.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -310,6 +336,8 @@ class Participants:
             except subprocess.TimeoutExpired:
                 p.process.kill()
                 p.process.wait()
+        if self.zygote is not None:
+            self.zygote.stop()
 
     def tail(self, name: str, lines: int = 15) -> str:
         try:
@@ -504,14 +532,17 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
     procs: Participants | None = None
     ok = False
     try:
-        stack.start()
         connection_file = workdir / "connection.json"
+        # the zygote's imports and the evaluator's overlap the stack's start
+        procs = Participants(connection_file, workdir, forked=True)
+        evaluator = Evaluator(config)
+        stack.start()
+        evaluator.connect(stack.connection)
         stack.connection.save(connection_file)
         console.print(f"[bold]fed demo[/]: {opts.participants} participants, {config.total_rounds} rounds of "
                       f"{config.task} on {stack.endpoint}")
         console.print(f"logs: {workdir / 'logs'}   watch: fed status --connection {connection_file} --watch")
         names = [f"p{i}" for i in range(1, opts.participants + 1)]
-        procs = Participants(connection_file, workdir)
         speeds = throttles(names, opts.mixed_speeds)
         extra = {name: ["--data", f"{opts.split}:{i}/{len(names)}"] if opts.split else [] for i, name in
                  enumerate(names)}
@@ -520,7 +551,6 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
                 extra[name] += ["--throttle", str(throttle)]
                 console.print(f"{name} trains at {throttle:g} of this host's speed (--throttle {throttle:g})")
         procs.spawn(names, extra)
-        evaluator = Evaluator(config, stack.connection)
         with console.status(f"starting {len(names)} participant processes"):
             await_joins(stack, names, procs)
         stack.release_events()  # every participant has asked to join: the first epoch admits them all
