@@ -138,3 +138,18 @@ def test_counts_requests_by_operation_and_object_requests_by_kind(monkeypatch: p
         assert srv.requests.objects() == Counter({("GetObject", "update"): 2, ("GetObject", "heartbeat"): 1,
                                                   ("GetObject", "other"): 1, ("PutObject", "update"): 1,
                                                   ("PutObject", "heartbeat"): 1, ("PutObject", "other"): 1})
+
+
+def test_routes_by_moto_modules_listed_once(server: LocalServer) -> None:
+    import os
+
+    import moto
+    from moto import backends
+
+    root = os.path.dirname(moto.__file__)
+    listed = {d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and not d.startswith("__")}
+    assert set(backends.list_of_moto_modules()) == listed and "dynamodb" in listed  # the same answer, kept
+    s3 = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket="routed")
+    s3.put_object(Bucket="routed", Key="k", Body=b"v")  # (routed to S3 by the host the request is signed for)
+    assert s3.get_object(Bucket="routed", Key="k")["Body"].read() == b"v"
