@@ -133,6 +133,14 @@ class RequestCounter:
             return Counter(self._objects)
 
 
+# Connections waiting to be accepted. werkzeug listens with a backlog of 128; a thousand participants connecting at
+# once (the load test) overflowed it while the server was busy: the kernel dropped their SYNs, each connect waited
+# seconds for its retransmission, requests timed out and were sent again, and the server's throughput collapsed
+# (seen: the run stuck in admission, the listen queue at 129 of 128, 627 client threads in `create_connection`).
+# The kernel caps it at net.core.somaxconn (4096 here).
+LISTEN_BACKLOG = 4096
+
+
 class LocalServer:
     """moto's server on 127.0.0.1 (port 0: any free port) in a background thread; `stop()` shuts it down."""
 
@@ -171,6 +179,7 @@ class LocalServer:
         except SystemExit:  # werkzeug prints a hint and exits when the port is taken
             raise OSError(f"port {self.port} on {self.host} is already in use") from None
         self._server.daemon_threads = True  # type: ignore[attr-defined]  # ThreadedWSGIServer has it; the stub says Base
+        self._server.socket.listen(LISTEN_BACKLOG)  # (again: werkzeug listened with 128)
         self._thread = threading.Thread(target=self._server.serve_forever, name="moto-server", daemon=True)
         self._thread.start()
         return self

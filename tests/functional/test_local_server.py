@@ -153,3 +153,18 @@ def test_routes_by_moto_modules_listed_once(server: LocalServer) -> None:
     s3.create_bucket(Bucket="routed")
     s3.put_object(Bucket="routed", Key="k", Body=b"v")  # (routed to S3 by the host the request is signed for)
     assert s3.get_object(Bucket="routed", Key="k")["Body"].read() == b"v"
+
+
+def test_listens_with_a_backlog_for_a_thousand_connecting_at_once(server: LocalServer) -> None:
+    import shutil
+    import subprocess
+
+    from local.server import LISTEN_BACKLOG
+
+    if shutil.which("ss") is None:
+        pytest.skip("needs iproute2's ss to read a listening socket's backlog")
+    port = server.endpoint.rsplit(":", 1)[1]
+    listing = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    backlog = int(listing.split()[2])  # State Recv-Q Send-Q(= the backlog) Local Peer
+    with open("/proc/sys/net/core/somaxconn") as f:
+        assert backlog == min(LISTEN_BACKLOG, int(f.read())) and backlog >= 1024, listing
