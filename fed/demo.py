@@ -245,11 +245,6 @@ def participant_command() -> list[str]:
     return [sys.executable, "-c", "from participant.cli import app; app()"]
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the demo dies, so no participant outlives it (Linux only)."""
-    die_with_parent()
-
-
 @dataclass
 class Participant:
     name: str
@@ -301,7 +296,7 @@ class Participants:
             return subprocess.Popen(
                 [*participant_command(), *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, start_new_session=True,  # Ctrl-C reaches the demo, which stops them in order
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
             )
 
     def kill(self, name: str) -> None:

@@ -33,7 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 # What a participant imports before its join request, heaviest first (each one missing is skipped: a participant
 # without scikit-learn, say, still gets the rest preloaded)
@@ -90,9 +90,6 @@ class Forked:
                 os.kill(self.pid, sig)
             except ProcessLookupError:  # gone; its exit is on its way from the zygote
                 pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -201,9 +198,9 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def serve(stdin: int = 0, stdout: IO[str] | None = None) -> None:
+def serve() -> None:
     """Import PRELOAD, then fork a participant per request until stdin closes."""
-    out = stdout or sys.stdout
+    stdin = sys.stdin.fileno()
     began = time.perf_counter()
     loaded = []
     for name in PRELOAD:
@@ -214,8 +211,8 @@ def serve(stdin: int = 0, stdout: IO[str] | None = None) -> None:
             print(f"zygote: not preloaded: {name} ({exc})", file=sys.stderr)
 
     def say(message: dict[str, Any]) -> None:
-        out.write(json.dumps(message) + "\n")
-        out.flush()
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

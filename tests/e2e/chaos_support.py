@@ -337,13 +337,13 @@ class DispatcherChaos:
 
 def child_process(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     """A helper process of the test: reports on its stdout, logs to `log`, dies with the test process."""
-    from fed.demo import _die_with_parent
+    from fed.zygote import die_with_parent
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as err:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=REPO,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)  # noqa: PLW1509
+                                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)  # noqa: PLW1509
 
 
 class Spawner:
