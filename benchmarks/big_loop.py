@@ -3,16 +3,19 @@
     .venv/bin/python benchmarks/big_loop.py [--megabytes 1070] [--participants 2] [--rounds 3]
                                             [--dtypes fp32,bf16] [--shards 1,2]
 
+--megabytes is one of participant.tasks.wide's named sizes: 64, 271 or 1070.
+
 For each dtype (the wide digits MLP of participant.tasks.wide: ~1.07 GB of float32, or the same parameters
 in bfloat16) and each shard count K, one run of `--rounds` rounds on a fresh local stack (moto's server in
 this process; ingest and tick in this process's threads as the dispatcher runs them; aggregation shards on
 worker processes) with `--participants` participant processes. Printed per round:
 
-- upload / download: each participant's, from its log (the slowest shown);
+- train / upload / download: each participant's, from its log (the slowest shown);
 - ingest: seconds the ingest function spent on each accepted update (the slowest shown);
 - aggregation: the tick's whole aggregation (pieces computed and written by the shard workers, parts
   stitched); global write: of that, completing the multipart upload and copying it to its content address;
-- coordinator: from the start of the last accepted update's ingest to the next global model committed.
+- coordinator: from the start of the last accepted update's ingest to the next global model committed;
+- round s: from the round's global model committed to the next one's (the whole round, as a user sees it).
 
 Then, measured in the same run against the same server and bytes: the data-movement limit (plain boto3
 transfer of the same bytes, numpy's weighted sum of the same arrays), the ratios, and peak resident memory
@@ -140,13 +143,14 @@ def pool_pids() -> dict[str, int]:
 
 _UPLOAD = re.compile(r"round (\d+): update uploaded \(.*?([0-9.]+)s\)")
 _DOWNLOAD = re.compile(r"round (\d+): global model \w+ \(.*?downloaded in ([0-9.]+)s\)")
+_TRAINED = re.compile(r"round (\d+): trained in ([0-9.]+)s")
 
 
-def participant_times(log: Path) -> tuple[dict[int, float], dict[int, float]]:
+def participant_times(log: Path) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Seconds of each round's upload, download and training, from a participant's log."""
     text = log.read_text(errors="replace")
-    uploads = {int(r): float(s) for r, s in _UPLOAD.findall(text)}
-    downloads = {int(r): float(s) for r, s in _DOWNLOAD.findall(text)}
-    return uploads, downloads
+    return tuple({int(r): float(s) for r, s in pattern.findall(text)}  # type: ignore[return-value]
+                 for pattern in (_UPLOAD, _DOWNLOAD, _TRAINED))
 
 
 def one_run(megabytes: float, dtype: str, shards: int, participants: int, rounds: int, workdir: Path) -> dict[str, Any]:
@@ -159,7 +163,7 @@ def one_run(megabytes: float, dtype: str, shards: int, participants: int, rounds
 
     hidden = wide(megabytes).hidden
     model_bytes = (75 * hidden + 10) * (4 if dtype == "fp32" else 2)
-    presets = {1070: "gb1", 64: "mb64"}  # participant.tasks.wide's named sizes
+    presets = {1070: "gb1", 271: "mb271", 64: "mb64"}  # participant.tasks.wide's named sizes
     if int(megabytes) not in presets:
         raise SystemExit(f"--megabytes must be one of {sorted(presets)} (participant.tasks.wide's named sizes)")
     task = f"participant.tasks.wide:{presets[int(megabytes)]}" + ("" if dtype == "fp32" else "_bf16")
@@ -296,15 +300,17 @@ def report(run: dict[str, Any]) -> None:
     config, timings, model_bytes = run["config"], run["timings"], run["model_bytes"]
     print(f"\n== {config.run_id}: {len(run['logs'])} participants, update {model_bytes / MB:,.0f} MB, K = "
           f"{-(-model_bytes // config.shard_bytes)} shard(s), {len(run['summaries'])} rounds in {run['seconds']:.0f}s")
-    print(f"{'round':>5}{'upload':>9}{'ingest':>9}{'aggreg.':>9}{'glob.wr':>9}{'download':>10}{'coord.':>9}")
+    print(f"{'round':>5}{'train':>8}{'upload':>9}{'ingest':>9}{'aggreg.':>9}{'glob.wr':>9}{'download':>10}"
+          f"{'coord.':>9}{'round s':>9}")
     ingests = sorted(timings.ingest, key=lambda i: i[1])
     accepted = [i for i in ingests if i[3]]
     coordinator = []
     for s in run["summaries"]:
         r = s.round
         mine = [i for i in accepted if f"/rounds/{r:06d}/" in i[0]]
-        up = max((u.get(r, 0.0) for u, _ in run["logs"].values()), default=0.0)
-        down = max((d.get(r + 1, 0.0) for _, d in run["logs"].values()), default=0.0)
+        up = max((u.get(r, 0.0) for u, _, _ in run["logs"].values()), default=0.0)
+        down = max((d.get(r + 1, 0.0) for _, d, _ in run["logs"].values()), default=0.0)
+        train = max((t.get(r, 0.0) for _, _, t in run["logs"].values()), default=0.0)
         ingest = max((e - b for _, b, e, _ in mine), default=0.0)
         committed = timings.commits.get(r + 1, 0.0)
         # the aggregation that produced round r + 1's model: the last one to end before that commit
@@ -314,7 +320,8 @@ def report(run: dict[str, Any]) -> None:
         writes = sum(e - b for b, e in timings.global_writes if agg_span[0] <= b <= agg_span[1])
         coord = committed - mine[-1][1] if mine and committed else 0.0
         coordinator.append(coord)
-        print(f"{r:5d}{up:9.2f}{ingest:9.2f}{agg:9.2f}{writes:9.2f}{down:10.2f}{coord:9.2f}")
+        whole = committed - timings.commits[r] if committed and r in timings.commits else 0.0
+        print(f"{r:5d}{train:8.2f}{up:9.2f}{ingest:9.2f}{agg:9.2f}{writes:9.2f}{down:10.2f}{coord:9.2f}{whole:9.2f}")
     limit = run["limit"]
     n = len(run["logs"])
     # what the coordinator must move after the last upload: one update read at ingest, every update read and

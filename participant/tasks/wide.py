@@ -6,6 +6,7 @@ what grows is the model: 64 -> hidden -> 10, so 75 x hidden + 10 parameters.
     participant.tasks.wide:gb1_bf16   the same parameters in bfloat16 (~0.54 GB): weights kept in bf16,
                                       trained in float32 and rounded back (what a bf16 checkpoint carries)
     participant.tasks.wide:mb64       ~64 MB of float32, for quick runs (mb64_bf16: in bfloat16)
+    participant.tasks.wide:mb271      ~271 MB of float32 (68 M parameters; mb271_bf16: in bfloat16)
     wide(megabytes, dtype)            any other size
 
 Its training set is the first 64 digits (run it with `dataset_size = 64`): a round trains a step or two per
@@ -82,3 +83,11 @@ def mb64() -> Wide:
 
 def mb64_bf16() -> Wide:
     return wide(64, torch.bfloat16)
+
+
+def mb271() -> Wide:
+    return wide(271)
+
+
+def mb271_bf16() -> Wide:
+    return wide(271, torch.bfloat16)
