@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from coordinator.deps import Deps
 from shared import keys
+from shared.aggregate import AtOffsets
 from shared.wire import Header, Manifest, WireError, header_length, parse_header_prefix
-from store.blobs import Bucket, NotFound, Tampered
+from store.blobs import Bucket, NotFound, RangeReader, Tampered
 
 
 class CorruptInput(RuntimeError):
@@ -38,12 +39,39 @@ class ObjectRange:
     def readinto(self, begin: int, buf: memoryview) -> None:
         self._get(self.data_offset + begin, buf)
 
+    def stream(self, begin: int, end: int) -> ObjectStream:
+        """Data-section bytes [begin, end) by one ranged GET, read in order a slice at a time."""
+        try:
+            return ObjectStream(self, self.bucket.open_range(self.key, self.data_offset + begin, end - begin,
+                                                             self.version_id))
+        except NotFound as exc:
+            raise self.corrupt(exc) from None
+
     def _get(self, begin: int, buf: memoryview) -> None:
         try:
             self.bucket.read_range(self.key, begin, buf, self.version_id)
         except NotFound as exc:
-            raise CorruptInput(f"{self.key[:200]} (version {self.version_id[:64]!r}) is not in the bucket, or "
-                               f"shorter than recorded ({str(exc)[-200:]})", self.owner, missing=True) from None
+            raise self.corrupt(exc) from None
+
+    def corrupt(self, exc: NotFound) -> CorruptInput:
+        return CorruptInput(f"{self.key[:200]} (version {self.version_id[:64]!r}) is not in the bucket, or "
+                            f"shorter than recorded ({str(exc)[-200:]})", self.owner, missing=True)
+
+
+class ObjectStream:
+    """A ranged GET of an `ObjectRange`, read in order (`shared.aggregate.RangeStream`)."""
+
+    def __init__(self, source: ObjectRange, reader: RangeReader) -> None:
+        self.source, self.reader = source, reader
+
+    def readinto(self, buf: memoryview) -> None:
+        try:
+            self.reader.readinto(buf)
+        except NotFound as exc:
+            raise self.source.corrupt(exc) from None
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 @dataclass(frozen=True)
@@ -98,6 +126,9 @@ class HeldRange:
         if end > len(self.data):
             raise CorruptInput(f"a read of bytes {begin}-{end} past the end of a {len(self.data)}-byte data section")
         buf[:] = self.data[begin:end]
+
+    def stream(self, begin: int, end: int) -> AtOffsets:
+        return AtOffsets(self, begin)
 
 
 _VERIFIED: dict[tuple[str, str], GlobalModel] = {}  # (bucket, key) -> the version authenticated (a few at most)

@@ -128,7 +128,7 @@ def round_cost(participants: int, a: Assumptions = Assumptions(), p: Prices = Pr
     return RoundCost(n, s3_puts, s3_gets, uploads, uploads, read_units, write_units, sqs, usd)
 
 
-# Update bytes one shard worker aggregates per second (FedAvg). `make bench` measured about 2.7 GB/s of update
+# Update bytes one shard worker aggregates per second (FedAvg). `make bench` measured about 3.1–3.7 GB/s of update
 # bytes on one core of the dev machine (PieceAggregator from files, K=1 on one core); a Lambda vCPU (1,769 MB) is
 # assumed slower and its bytes come from S3 rather than the page cache, so 1.5 GB/s is taken as a conservative
 # figure. Not measured on Lambda.

@@ -9,7 +9,8 @@ ranged reads of the inputs into reused buffers, hashed, and handed on (written a
 upload). Any subset of the pieces can be computed anywhere (`Plan.shards`): the same piece is the same
 bytes whichever worker computes it, so K shards and one give byte-identical globals.
 
-Memory: FedAvg holds one read buffer and float32 scratch the size of a piece; the robust strategies read
+Memory: FedAvg holds float32 scratch the size of a piece, a slice of input and, for inputs that do not stream,
+two piece-sized read buffers (see `PieceAggregator._fedavg`); the robust strategies read
 each input's slice of a piece in sub-ranges so that all N slices together stay about one piece in size.
 Inputs are taken in a fixed order (sorted by participant) so anyone recomputing a round gets the same bytes.
 """
@@ -17,9 +18,10 @@ Inputs are taken in a fixed order (sorted by participant) so anyone recomputing 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,12 +37,76 @@ from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, TensorSpec
 
 ROBUST_ROW_BYTES = 64 * 1024  # the least a robust strategy reads of one input at a time
 BLOCK_BYTES = 256 * 1024  # the block of an input added into the accumulator at a time (numpy calls stay few)
+SLICE_BYTES = 1024 * 1024  # FedAvg sums a piece a slice at a time (a few blocks: a core's own cache holds them)
+STREAMS = 8  # inputs whose ranges FedAvg reads at once, each by one streamed request
 
 
 class RangeSource(Protocol):
-    """One input file's data section, read by byte range (offsets relative to the data section)."""
+    """One input file's data section, read by byte range (offsets relative to the data section). A source may
+    also offer `stream(begin, end) -> RangeStream`: the range by one request, read in order a slice at a time
+    (FedAvg then reads several inputs' ranges at once, each in slices; see `PieceAggregator._fedavg`)."""
 
     def readinto(self, begin: int, buf: memoryview) -> None: ...
+
+
+class RangeStream(Protocol):
+    """A byte range of one input, read in order: each `readinto` fills `buf` with the next len(buf) bytes."""
+
+    def readinto(self, buf: memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class AtOffsets:
+    """A RangeStream over a source whose reads at any offset are cheap (memory, a local file): a read each."""
+
+    def __init__(self, source: RangeSource, begin: int) -> None:
+        self.source, self.at = source, begin
+
+    def readinto(self, buf: memoryview) -> None:
+        self.source.readinto(self.at, buf)
+        self.at += len(buf)
+
+    def close(self) -> None:
+        pass
+
+
+class Held:
+    """A RangeStream over bytes already read."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data, self.at = data, 0
+
+    def readinto(self, buf: memoryview) -> None:
+        buf[:] = self.data[self.at : self.at + len(buf)]
+        self.at += len(buf)
+
+    def close(self) -> None:
+        pass
+
+
+def close_all(streams: Sequence[RangeStream]) -> None:
+    for stream in streams:
+        with contextlib.suppress(Exception):
+            stream.close()
+
+
+Block = tuple[str, int, int, int]  # dtype, offset in the piece's data, element count, offset in its slice
+
+
+def slice_blocks(plan: Plan, begin: int, end: int) -> list[list[Block]]:
+    """The float blocks of each SLICE_BYTES slice of data range [begin, end) (8-aligned slices cut no element)."""
+    out = []
+    for lo in range(begin, end, SLICE_BYTES):
+        hi = min(lo + SLICE_BYTES, end)
+        blocks = []
+        for seg in plan.segments(lo, hi):
+            if seg.spec.dtype in FLOAT_TAGS:
+                item = DTYPES[seg.spec.dtype][1]
+                for b in range(seg.begin, seg.end, BLOCK_BYTES):
+                    blocks.append((seg.spec.dtype, b - begin, (min(b + BLOCK_BYTES, seg.end) - b) // item, b - lo))
+        out.append(blocks)
+    return out
 
 
 class StateSource(Protocol):
@@ -71,6 +137,9 @@ class ArraySource:
 
     def readinto(self, begin: int, buf: memoryview) -> None:
         buf[:] = self.data[begin : begin + len(buf)]
+
+    def stream(self, begin: int, end: int) -> AtOffsets:
+        return AtOffsets(self, begin)
 
 
 @dataclass(frozen=True)
@@ -107,8 +176,10 @@ class PieceAggregator:
         if self.download.is_delta and base is None:
             raise ValueError("a compressed download needs the round's global model")
         self._piece: _PieceState | None = None  # the piece being computed's base values and optimizer state
-        self._buffers: list[bytearray] = []  # two piece-sized read buffers, reused: one read while one is summed
-        self._read_ahead: ThreadPoolExecutor | None = None
+        self._buffers: list[bytearray] = []  # for inputs that do not stream: two piece-sized read buffers, reused
+        self._slice = bytearray(SLICE_BYTES)  # the slice of an input being summed
+        self._read_ahead: ThreadPoolExecutor | None = None  # opens the next group of inputs
+        self._opening: ThreadPoolExecutor | None = None  # sends a group's requests at once
         # accumulators for one piece, indexed by byte offset / 2 (float32: a bf16/f16 element is 2 bytes) or / 8
         self._acc32 = np.empty(PIECE_BYTES // 2, np.float32)
         self._acc64 = np.empty(PIECE_BYTES // 8, np.float64)
@@ -173,46 +244,100 @@ class PieceAggregator:
             self._robust(lo, min(lo + step, end), out, begin)
 
     def _fedavg(self, begin: int, end: int, out: memoryview) -> None:
-        """Each input's slice of the piece is read into a reused buffer and added into the piece's accumulator
-        block by block, while the next input's slice is being read into the other buffer. A piece of input and
-        the piece's accumulator stay in the CPU's last-level cache, so memory traffic is about the reads of the
-        inputs and one write of the output, and K shard workers on K cores share the memory bandwidth instead
-        of exhausting it; the reads (S3 ranged GETs on Lambda) overlap the arithmetic. Every element is summed
-        in the same order (inputs by participant), whatever the shard."""
-        size = end - begin
-        floats = [seg for seg in self.plan.segments(begin, end) if seg.spec.dtype in FLOAT_TAGS]
-        while len(self._buffers) < min(2, len(self.inputs)):
-            self._buffers.append(bytearray(PIECE_BYTES))
-        views = [memoryview(b)[:size] for b in self._buffers]
+        """The inputs are summed into the piece's accumulator a slice (SLICE_BYTES) at a time: for each slice,
+        every input of a group in turn, so a slice of input and of the accumulator stay in a core's own cache,
+        and K shard workers on K cores do not evict each other from a shared last-level cache. A group is up to
+        STREAMS inputs that stream (`RangeSource.stream`: one request each over the piece's range, all open at
+        once, read a slice at a time) or one input that does not (read whole into a reused buffer). The next
+        group is opened (its requests sent, or its input read) while this one is summed. Every element is
+        summed in the same order (inputs by participant), whatever the shard."""
+        blocks = slice_blocks(self.plan, begin, end)
+        groups = self._groups()
         last = len(self.inputs) - 1
-        reading = self._reader().submit(self.inputs[0].source.readinto, begin, views[0])
-        for k in range(len(self.inputs)):
-            reading.result()
-            view = views[k % len(views)]
-            if k < last:
-                reading = self._reader().submit(self.inputs[k + 1].source.readinto, begin, views[(k + 1) % len(views)])
-            if k == 0:  # tensors that are not averaged (integer counters, flags) come from the first input
-                out[:] = view
-            for seg in floats:
-                item = DTYPES[seg.spec.dtype][1]
-                for lo in range(seg.begin, seg.end, BLOCK_BYTES):
-                    hi = min(lo + BLOCK_BYTES, seg.end)
-                    self._block(seg.spec.dtype, lo - begin, (hi - lo) // item, view, k, k == last, out)
+        opening: Future[list[RangeStream]] | None = self._ahead().submit(self._open, groups[0], begin, end, 0)
+        try:
+            for g, group in enumerate(groups):
+                assert opening is not None
+                streams, opening = opening.result(), None
+                if g + 1 < len(groups):
+                    opening = self._ahead().submit(self._open, groups[g + 1], begin, end, g + 1)
+                try:
+                    self._sum_group(group, streams, blocks, begin, end, last, out)
+                finally:
+                    close_all(streams)
+        finally:
+            if opening is not None:  # a failure left the next group opened: its requests are closed too
+                with contextlib.suppress(Exception):
+                    close_all(opening.result())
 
-    def _reader(self) -> ThreadPoolExecutor:
+    def _sum_group(self, group: list[int], streams: list[RangeStream], blocks: list[list[Block]], begin: int,
+                   end: int, last: int, out: memoryview) -> None:
+        view = memoryview(self._slice)
+        for j, lo in enumerate(range(begin, end, SLICE_BYTES)):
+            part = view[: min(lo + SLICE_BYTES, end) - lo]
+            for k, stream in zip(group, streams, strict=True):
+                stream.readinto(part)
+                if k == 0:  # tensors that are not averaged (integer counters, flags) come from the first input
+                    out[lo - begin : lo - begin + len(part)] = part
+                for block in blocks[j]:
+                    self._block(block, part, k, k == last, out)
+
+    def _groups(self) -> list[list[int]]:
+        """The inputs, in order, cut into the groups read together: runs of up to STREAMS that stream, and each
+        one that does not on its own."""
+        groups: list[list[int]] = []
+        for k, item in enumerate(self.inputs):
+            streaming = hasattr(item.source, "stream")
+            if streaming and groups and len(groups[-1]) < STREAMS and hasattr(self.inputs[groups[-1][0]].source,
+                                                                                "stream"):
+                groups[-1].append(k)
+            else:
+                groups.append([k])
+        return groups
+
+    def _open(self, group: list[int], begin: int, end: int, g: int) -> list[RangeStream]:
+        """The group's inputs, ready to be read from `begin` a slice at a time."""
+        sources = [self.inputs[k].source for k in group]
+        if not hasattr(sources[0], "stream"):  # one input read whole, into the buffer the group before did not use
+            while len(self._buffers) < 2:
+                self._buffers.append(bytearray(PIECE_BYTES))
+            buf = memoryview(self._buffers[g % 2])[: end - begin]
+            sources[0].readinto(begin, buf)
+            return [Held(buf)]
+        if len(sources) == 1:
+            return [sources[0].stream(begin, end)]
+        opened = [self._openers().submit(s.stream, begin, end) for s in sources]  # type: ignore[attr-defined]
+        streams: list[RangeStream] = []
+        failure: BaseException | None = None
+        for f in opened:  # every request is answered (or fails) before any failure is raised: none is left open
+            try:
+                streams.append(f.result())
+            except BaseException as exc:  # noqa: BLE001 - raised below, once the others are closed
+                failure = failure or exc
+        if failure is not None:
+            close_all(streams)
+            raise failure
+        return streams
+
+    def _ahead(self) -> ThreadPoolExecutor:
         if self._read_ahead is None:
             self._read_ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
         return self._read_ahead
 
-    def _block(self, dtype: str, offset: int, count: int, view: memoryview, k: int, last: bool,
-               out: memoryview) -> None:
-        """Add input `k`'s block (`count` elements at byte `offset` of the piece) into the accumulator; after the
-        last input, emit the block."""
+    def _openers(self) -> ThreadPoolExecutor:
+        if self._opening is None:
+            self._opening = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="open")
+        return self._opening
+
+    def _block(self, block: Block, view: memoryview, k: int, last: bool, out: memoryview) -> None:
+        """Add input `k`'s elements of `block` (read into `view`, the block's slice) into the accumulator; after
+        the last input, emit them."""
+        dtype, offset, count, at = block
         wide = dtype == "F64"
         acc = (self._acc64 if wide else self._acc32)[offset // (8 if wide else 2) :][:count]
         tmp = (self._tmp64 if wide else self._tmp32)[:count]
         flat = TensorSpec(dtype, (count,))
-        x = tensor_view(view, offset, flat)
+        x = tensor_view(view, at, flat)
         if x.dtype != acc.dtype:  # bf16 / f16: widened to float32 first
             np.copyto(tmp, x, casting="unsafe")
             x = tmp

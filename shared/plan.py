@@ -57,9 +57,10 @@ class Plan:
         return index * PIECE_BYTES, min((index + 1) * PIECE_BYTES, self.size)
 
     def shards(self, shard_bytes: int) -> list[range]:
-        """The pieces cut into contiguous shards of about `shard_bytes` (at least one piece each)."""
-        per = max(1, shard_bytes // PIECE_BYTES)
-        return [range(i, min(i + per, self.pieces)) for i in range(0, self.pieces, per)]
+        """The pieces cut into as few contiguous shards as hold at most `shard_bytes` each (at least one piece),
+        as even as whole pieces allow: the aggregation waits for the largest."""
+        count = -(-self.pieces // max(1, shard_bytes // PIECE_BYTES))
+        return [range(i * self.pieces // count, (i + 1) * self.pieces // count) for i in range(count)]
 
     def segments(self, begin: int, end: int) -> Iterator[Segment]:
         """The tensors' parts in data-section range [begin, end) (8-aligned ends cut no element)."""

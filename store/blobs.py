@@ -41,9 +41,31 @@ def s3_client(endpoint: str | None = None, region: str = "us-east-1") -> Any:
     # Checksums are sent as headers where we have them (parts carry their SHA-256, which is their digest piece
     # hash); botocore's default would stream every large body through a CRC in aws-chunked encoding instead.
     # Reads are checked by our own digest (a multipart object's checksum is of its parts, not of its bytes).
+    # Connections: an aggregation reads up to 2 x STREAMS ranges at once (`shared.aggregate`), beside its uploads.
     config = Config(retries={"max_attempts": 8, "mode": "standard"}, s3={"addressing_style": "path"},
-                    request_checksum_calculation="when_required", response_checksum_validation="when_required")
+                    request_checksum_calculation="when_required", response_checksum_validation="when_required",
+                    max_pool_connections=32)
     return boto3.client("s3", endpoint_url=endpoint, region_name=region, config=config)
+
+
+class RangeReader:
+    """An open ranged GET: `readinto` fills each buffer with the next bytes (NotFound if the object ends first)."""
+
+    def __init__(self, key: str, body: Any, length: int) -> None:
+        self.key, self.body, self.length, self.read = key, body, length, 0
+        self.raw = body._raw_stream  # urllib3's response: readinto avoids a copy per chunk
+
+    def readinto(self, buf: memoryview) -> None:
+        filled = 0
+        while filled < len(buf):
+            n = self.raw.readinto(buf[filled:])
+            if not n:
+                raise NotFound(f"{self.key}: short ranged read ({self.read + filled} of {self.length} bytes)")
+            filled += n
+        self.read += filled
+
+    def close(self) -> None:
+        self.body.close()
 
 
 class Bucket:
@@ -79,13 +101,16 @@ class Bucket:
         """Fill `buf` with the object's bytes from `begin` (one ranged GET, read straight into `buf`)."""
         if not len(buf):
             return
-        resp = self._get_object(key, version_id, Range=f"bytes={begin}-{begin + len(buf) - 1}")
-        raw, filled = resp["Body"]._raw_stream, 0  # urllib3's response: readinto avoids a copy per chunk
-        while filled < len(buf):
-            n = raw.readinto(buf[filled:])
-            if not n:
-                raise NotFound(f"{key}: short ranged read ({filled} of {len(buf)} bytes)")
-            filled += n
+        reader = self.open_range(key, begin, len(buf), version_id)
+        try:
+            reader.readinto(buf)
+        finally:
+            reader.close()
+
+    def open_range(self, key: str, begin: int, length: int, version_id: str = "") -> RangeReader:
+        """The object's bytes [begin, begin + length) by one ranged GET, to be read in order."""
+        resp = self._get_object(key, version_id, Range=f"bytes={begin}-{begin + max(length, 1) - 1}")
+        return RangeReader(key, resp["Body"], length)
 
     def stream(self, key: str, version_id: str = "", chunk: int = STREAM_CHUNK) -> tuple[dict[str, Any], Any]:
         """The object's GET response and an iterator over its bytes in chunks (never the whole object)."""

@@ -215,3 +215,98 @@ def test_aggregate_bytes_do_not_depend_on_input_order() -> None:
     config = parse_config({"run_id": "r1x"})
     ref = ArraySource(manifest, ARRAYS)
     assert aggregate_file(config, manifest, 1, ins, ref) == aggregate_file(config, manifest, 1, ins[::-1], ref)
+
+
+class _Counting:
+    """A source whose ranges stream (as S3's do), counting the streams open at once; one may fail mid-range."""
+
+    open_now = 0
+    most_open = 0
+
+    def __init__(self, inner: ArraySource, fail_at: int = -1) -> None:
+        self.inner, self.fail_at = inner, fail_at
+
+    def readinto(self, begin: int, buf: memoryview) -> None:
+        self.inner.readinto(begin, buf)
+
+    def stream(self, begin: int, end: int) -> _CountingStream:
+        _Counting.open_now += 1
+        _Counting.most_open = max(_Counting.most_open, _Counting.open_now)
+        return _CountingStream(self, begin)
+
+
+class _CountingStream:
+    def __init__(self, source: _Counting, at: int) -> None:
+        self.source, self.at, self.closed = source, at, False
+
+    def readinto(self, buf: memoryview) -> None:
+        if 0 <= self.source.fail_at < self.at + len(buf):
+            raise OSError("connection reset mid-range")
+        self.source.readinto(self.at, buf)
+        self.at += len(buf)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            _Counting.open_now -= 1
+
+
+class _Whole:
+    """A source that does not stream (read by whole ranges, as a compressed update is)."""
+
+    def __init__(self, inner: ArraySource) -> None:
+        self.inner = inner
+
+    def readinto(self, begin: int, buf: memoryview) -> None:
+        self.inner.readinto(begin, buf)
+
+
+def _big_model(seed: int) -> dict[str, np.ndarray]:
+    """~9.5 MB over four dtypes with odd sizes: the data crosses a piece boundary and many slices, and tensors
+    start and end inside slices."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    return {"a.f64": rng.standard_normal(100_003), "b.f32": rng.standard_normal(1_500_001).astype(np.float32),
+            "c.bf16": rng.standard_normal(700_001).astype(ml_dtypes.bfloat16),
+            "d.f16": rng.standard_normal(300_001).astype(np.float16), "e.step": np.arange(5, dtype=np.int64) + seed}
+
+
+def test_fedavg_over_many_inputs_in_slices_matches_an_independent_sum() -> None:
+    # Given 11 inputs (a group of 8 streamed, one read whole, two streamed) of a model of several pieces
+    models = [_big_model(seed) for seed in range(11)]
+    manifest = Manifest.of(parse_header(encode(models[0])))
+    samples = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    sources = [ArraySource(manifest, m) for m in models]
+    ins = [WeightedInput(f"p{i:02d}", s, "", _Whole(src) if i == 8 else _Counting(src))
+           for i, (s, src) in enumerate(zip(samples, sources, strict=True))]
+    _Counting.open_now = _Counting.most_open = 0
+    out, _ = decode(aggregate_file(parse_config({"run_id": "r1x"}), manifest, 1, ins, None))
+    # Then every float element is x0 w0 + x1 w1 + ... summed in participant order in float32 (float64 for
+    # float64 tensors) and rounded to the tensor's dtype once; the integer tensor is the first input's
+    total = sum(samples)
+    for name, ref in models[0].items():
+        if name == "e.step":
+            np.testing.assert_array_equal(out[name], ref)
+            continue
+        wide = np.float64 if ref.dtype == np.float64 else np.float32
+        acc = models[0][name].astype(wide) * wide(samples[0] / total)
+        for m, s in zip(models[1:], samples[1:], strict=True):
+            acc = acc + m[name].astype(wide) * wide(s / total)
+        assert out[name].dtype == ref.dtype
+        assert out[name].tobytes() == acc.astype(ref.dtype).tobytes(), name
+    # And every stream was closed; at most two groups' were open at once (one summed, the next opened)
+    assert _Counting.open_now == 0
+    assert 8 <= _Counting.most_open <= 16
+
+
+def test_a_stream_failing_mid_piece_closes_every_stream_and_raises() -> None:
+    models = [_big_model(seed) for seed in range(10)]
+    manifest = Manifest.of(parse_header(encode(models[0])))
+    sources = [ArraySource(manifest, m) for m in models]
+    ins = [WeightedInput(f"p{i:02d}", 1, "", _Counting(src, fail_at=3_000_000 if i == 4 else -1))
+           for i, src in enumerate(sources)]
+    _Counting.open_now = 0
+    with pytest.raises(OSError, match="mid-range"):
+        aggregate_file(parse_config({"run_id": "r1x"}), manifest, 1, ins, None)
+    assert _Counting.open_now == 0
