@@ -9,6 +9,9 @@ updates need) and hands each envelope (the message body is exactly the EventBrid
 handler, on thread pools so that deliveries race as Lambda invocations do. A message is deleted only after
 its handler returned; a handler that raises leaves it on the queue, and it is delivered again once its
 visibility timeout passes (Lambda's retry of a failed async invocation, or the join queue's redelivery).
+While a handler runs, its message's visibility is extended, so a long invocation (an ingest that aggregates a
+large model) is not delivered a second time meanwhile; a dispatcher that dies stops extending, and its
+messages come back within one visibility timeout.
 
 A `FaultPlan` (tests, chaos runs) can make the dispatcher misbehave as EventBridge and Lambda are allowed
 to: deliver an event late (hold it back in the queue, so later events overtake it), deliver it to two
@@ -187,6 +190,8 @@ class Dispatcher:
         self.faults = faults
         self._injected: dict[str, int] = {}  # message id -> receives caused by the fault plan, not by failures
         self._injected_lock = threading.Lock()
+        self._running: dict[str, tuple[Lane, str, float]] = {}  # message id -> lane, receipt, monotonic start
+        self._running_lock = threading.Lock()  # also held while their visibility is extended
         self.stats = DispatchStats()
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()  # held by each tick, and by `release` while held joins are drained
@@ -218,7 +223,8 @@ class Dispatcher:
             lane.delivering.clear()
             if deliver:
                 lane.delivering.set()
-        self._threads = [threading.Thread(target=self._tick_loop, name="dispatch-tick", daemon=True)]
+        self._threads = [threading.Thread(target=self._tick_loop, name="dispatch-tick", daemon=True),
+                         threading.Thread(target=self._extend_loop, name="dispatch-extend", daemon=True)]
         for lane in self.lanes:
             lane.pool = ThreadPoolExecutor(lane.workers, thread_name_prefix=lane.name)
             self._threads.append(
@@ -315,7 +321,33 @@ class Dispatcher:
         )
         return list(resp.get("Messages", []))
 
+    def _extend_loop(self) -> None:
+        """Keep the messages of long invocations invisible (as Lambda does not re-invoke a running event)."""
+        period = max(0.2, self.visibility_timeout / 3)
+        while not self._stop.wait(period):
+            with self._running_lock:
+                for lane, receipt, began in list(self._running.values()):
+                    if time.monotonic() - began >= period:
+                        try:
+                            self._sqs.change_message_visibility(QueueUrl=lane.queue_url, ReceiptHandle=receipt,
+                                                                VisibilityTimeout=self.visibility_timeout)
+                        except Exception as exc:  # it may come back while running: ingest is idempotent
+                            log.warning("could not extend a running message's visibility: %s", exc)
+
+    def _done_running(self, message: dict[str, Any]) -> None:
+        """Stop extending the message's visibility (before anything else changes it)."""
+        with self._running_lock:
+            self._running.pop(message.get("MessageId", ""), None)
+
     def _deliver(self, lane: Lane, message: dict[str, Any]) -> None:
+        with self._running_lock:
+            self._running[message.get("MessageId", "")] = (lane, message["ReceiptHandle"], time.monotonic())
+        try:
+            self._deliver_running(lane, message)
+        finally:
+            self._done_running(message)
+
+    def _deliver_running(self, lane: Lane, message: dict[str, Any]) -> None:
         received = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
         with self._injected_lock:
             attempt = received - self._injected.get(message.get("MessageId", ""), 0)
@@ -329,6 +361,7 @@ class Dispatcher:
                 return
             self._invoke(lane, event, plan.copies)
         except Exception as exc:
+            self._done_running(message)
             self.stats.add("failed", f"{lane.name}: {type(exc).__name__}: {exc}")
             if attempt < self.max_attempts:
                 # Left on the queue: delivered again after the visibility timeout, as Lambda retries.
@@ -377,6 +410,7 @@ class Dispatcher:
 
     def _requeue(self, lane: Lane, message: dict[str, Any], seconds: int) -> None:
         """Leave a message on the queue, visible again in `seconds`; the receive this causes is no retry."""
+        self._done_running(message)
         with self._injected_lock:
             mid = message.get("MessageId", "")
             self._injected[mid] = self._injected.get(mid, 0) + 1
@@ -388,6 +422,7 @@ class Dispatcher:
             log.warning("could not requeue a message: %s", exc)
 
     def _delete(self, lane: Lane, message: dict[str, Any]) -> None:
+        self._done_running(message)
         with self._injected_lock:
             self._injected.pop(message.get("MessageId", ""), None)
         try:

@@ -188,6 +188,41 @@ def test_a_failing_delivery_is_retried(stack: LocalStack, lane: str) -> None:
 
 
 @pytest.mark.parametrize("lane", sorted(LANES))
+def test_an_invocation_longer_than_the_visibility_timeout_is_not_delivered_again_meanwhile(
+        stack: LocalStack, lane: str) -> None:
+    # Given a dispatcher with a 1 s visibility timeout whose handler runs for 3.5 s on this test's event
+    assert stack.dispatcher is not None and stack.resources is not None
+    stack.dispatcher.stop()
+    key_of, _, send = LANES[lane]
+    carol = key_of("stack-test", "carol")
+    calls: list[float] = []
+    finished = threading.Event()
+
+    def slow(event: dict[str, Any], context: Any) -> None:
+        if event["detail"]["object"]["key"] != carol:
+            return
+        calls.append(time.monotonic())
+        threading.Event().wait(3.5)  # the invocation's own length (an ingest aggregating a large model)
+        finished.set()
+
+    sqs = boto3.client("sqs", endpoint_url=stack.endpoint, region_name="us-east-1")
+
+    def drained() -> bool:
+        return all(v == "0" for url in stack.resources.queue_urls for v in sqs.get_queue_attributes(
+            QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+        )["Attributes"].values())
+
+    with lane_dispatcher(stack, lane, slow, tick_interval=5, visibility_timeout=1, tick=lambda e, c: None):
+        # When the object is uploaded
+        send(Sim(stack), "carol")
+        until(finished.is_set, timeout=15)
+        # Then its message is deleted once the invocation returns, and it was invoked once meanwhile (as Lambda
+        # does not re-invoke a running event)
+        until(drained, timeout=5)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("lane", sorted(LANES))
 def test_an_event_that_keeps_failing_is_dropped_after_its_retries(stack: LocalStack, lane: str) -> None:
     # Given a dispatcher whose handler always fails for one object, and at most 2 attempts
     assert stack.dispatcher is not None and stack.resources is not None
