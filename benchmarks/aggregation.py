@@ -1,14 +1,16 @@
 """Aggregation from files: the coordinator's piece-wise path against Flower's algorithm and numpy's limit.
 
-    .venv/bin/python benchmarks/aggregation.py [--updates 8] [--params 25000000] [--repeat 3]
+    .venv/bin/python benchmarks/aggregation.py [--updates 8] [--params 25000000] [--repeat 5]
 
 Writes N safetensors updates of a ~25M-parameter float32 model (the wire format participants upload) to a
 temporary directory, then aggregates them (FedAvg, weighted by sample counts) with
 
 - project K=1: `shared.aggregate.PieceAggregator`, the coordinator's code (each 8 MiB piece of the output
-  computed from ranged reads of every update into reused buffers, summed block by block, hashed with the
-  digest's piece hash, and written once to an output file), in one process;
-- project K=1, 1 core and K=2, 1 core each: the same pieces as one shard, and split into two shards computed
+  computed from every update's range of it, read and summed 1 MiB at a time — the file stands in for a ranged
+  GET streamed in slices — hashed with the digest's piece hash, and written once to an output file), in one
+  process;
+- project K=1, 1 core and K=2, 1 core each: the same pieces as one shard, and cut into two shards as
+  `Plan.shards` cuts them (as evenly as whole pieces allow) computed
   by two processes at once, each pinned to its own core (a shard-worker function below 1,769 MB has one
   vCPU; the local stack's workers are processes): wall time from the common start to the last end;
 - Flower: Flower's `aggregate_inplace` algorithm reproduced (every update loaded with safetensors first,
