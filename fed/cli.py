@@ -343,7 +343,8 @@ def _set_paused(run: str | None, connection_file: Path | None, stack: str | None
                       f"{s.aggregated} round(s) aggregated. Participants keep polling; `fed run resume` goes on.")
     else:
         console.print(f"run {conn.run_id} resumed: phase {s.phase}, epoch {s.epoch}, round {s.round}. A new epoch "
-                      f"starts as soon as {deps.config.min_clients} participants are live.")
+                      f"starts as soon as {deps.config.min_clients} participants are live (up to start_grace, "
+                      f"{deps.config.start_grace:g} s, later while one that just joined has not been heard from).")
 
 
 @run_app.command("pause")
@@ -367,7 +368,8 @@ def run_resume(
     region: str | None = typer.Option(None, "--region", help=REGION_HELP),
 ) -> None:
     """Resume a paused run. It goes back to WaitingForMembers and starts a new epoch, at the next round number,
-    with every live participant, as soon as `min_clients` are there."""
+    with every live participant, as soon as `min_clients` are there (up to `start_grace` seconds later while a
+    participant that just joined has not been heard from yet)."""
     _set_paused(run, connection_file, stack, region, False)
 
 
