@@ -180,6 +180,7 @@ class PieceAggregator:
         self._slice = bytearray(SLICE_BYTES)  # the slice of an input being summed
         self._read_ahead: ThreadPoolExecutor | None = None  # opens the next group of inputs
         self._opening: ThreadPoolExecutor | None = None  # sends a group's requests at once
+        self._groups = self._read_groups()
         # accumulators for one piece, indexed by byte offset / 2 (float32: a bf16/f16 element is 2 bytes) or / 8
         self._acc32 = np.empty(PIECE_BYTES // 2, np.float32)
         self._acc64 = np.empty(PIECE_BYTES // 8, np.float64)
@@ -252,7 +253,7 @@ class PieceAggregator:
         group is opened (its requests sent, or its input read) while this one is summed. Every element is
         summed in the same order (inputs by participant), whatever the shard."""
         blocks = slice_blocks(self.plan, begin, end)
-        groups = self._groups()
+        groups = self._groups
         last = len(self.inputs) - 1
         opening: Future[list[RangeStream]] | None = self._ahead().submit(self._open, groups[0], begin, end, 0)
         try:
@@ -282,14 +283,13 @@ class PieceAggregator:
                 for block in blocks[j]:
                     self._block(block, part, k, k == last, out)
 
-    def _groups(self) -> list[list[int]]:
+    def _read_groups(self) -> list[list[int]]:
         """The inputs, in order, cut into the groups read together: runs of up to STREAMS that stream, and each
         one that does not on its own."""
+        streaming = [hasattr(i.source, "stream") for i in self.inputs]
         groups: list[list[int]] = []
-        for k, item in enumerate(self.inputs):
-            streaming = hasattr(item.source, "stream")
-            if streaming and groups and len(groups[-1]) < STREAMS and hasattr(self.inputs[groups[-1][0]].source,
-                                                                                "stream"):
+        for k, streams in enumerate(streaming):
+            if streams and groups and streaming[groups[-1][0]] and len(groups[-1]) < STREAMS:
                 groups[-1].append(k)
             else:
                 groups.append([k])
@@ -304,8 +304,6 @@ class PieceAggregator:
             buf = memoryview(self._buffers[g % 2])[: end - begin]
             sources[0].readinto(begin, buf)
             return [Held(buf)]
-        if len(sources) == 1:
-            return [sources[0].stream(begin, end)]
         opened = [self._openers().submit(s.stream, begin, end) for s in sources]  # type: ignore[attr-defined]
         streams: list[RangeStream] = []
         failure: BaseException | None = None
