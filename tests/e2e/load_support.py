@@ -135,10 +135,19 @@ class RequestCounter:
         self.by_phase: Counter[str] = Counter()
         self.by_phase_service: Counter[tuple[str, str]] = Counter()
         self.phase = threading.local()
+        # Long polls that ended with nothing delivered: the requests that grow with the time a participant waits
+        # (a round's length), where every other request is one per thing done
+        self.empty_receives = 0
 
     def attach(self, client: Any) -> Any:
         client.meta.events.register("before-send", self._count)
+        client.meta.events.register("after-call.sqs.ReceiveMessage", self._received)
         return client
+
+    def _received(self, parsed: dict[str, Any], **_: Any) -> None:
+        if not parsed.get("Messages"):
+            with self._lock:
+                self.empty_receives += 1
 
     def _count(self, event_name: str, **_: Any) -> None:
         _, service, operation = event_name.split(".", 2)  # before-send.<service>.<Operation>

@@ -135,7 +135,8 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
         seconds = progress.phases[end] - progress.phases[first]
         steady = progress.served[end] - progress.served[first]
         mine = progress.participants_at[end] - progress.participants_at[first]
-        print_round_table(steady, mine, ROUNDS - 2, seconds, progress.objects[end] - progress.objects[first])
+        empty = progress.empty_at[end] - progress.empty_at[first]
+        print_round_table(steady, mine, ROUNDS - 2, seconds, progress.objects[end] - progress.objects[first], empty)
 
     # Then every participant uploaded in every round, each round counted every update, and each participant saw
     # its updates accepted and the run finish with the committed model
@@ -178,6 +179,7 @@ class Progress:
         self.served: dict[str, Counter[tuple[str, str]]] = {}  # "<phase> <round>" -> requests served by then
         self.participants_at: dict[str, Counter[tuple[str, str]]] = {}  # -> the participants' requests by then
         self.objects: dict[str, Counter[tuple[str, str]]] = {}  # -> S3 object requests served by then, by kind
+        self.empty_at: dict[str, int] = {}  # -> the participants' long polls that had ended with nothing by then
         self.participants = participants
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -197,6 +199,7 @@ class Progress:
             self.phases.setdefault(f"{s.phase.value} {s.round}", at)
             self.served.setdefault(f"{s.phase.value} {s.round}", counts - self.counter.snapshot())
             self.participants_at.setdefault(f"{s.phase.value} {s.round}", self.participants.snapshot())
+            self.empty_at.setdefault(f"{s.phase.value} {s.round}", self.participants.empty_receives)
             self.objects.setdefault(f"{s.phase.value} {s.round}", objects)
             now = (s.phase.value, s.round, served // 10000)
             if now != last:
@@ -215,7 +218,7 @@ LOCAL_ONLY = {("sqs", "ReceiveMessage"), ("sqs", "DeleteMessage")}
 
 
 def print_round_table(served: Counter[tuple[str, str]], participants: Counter[tuple[str, str]], rounds: int,
-                      seconds: float, objects: Counter[tuple[str, str]]) -> None:
+                      seconds: float, objects: Counter[tuple[str, str]], empty_receives: int) -> None:
     """The steady state: requests per participant per round from round 1's start to the last round's, by operation,
     the participants' and the coordinator's (the server's count less the participants'), without the local
     stand-in's; and S3's object requests (both sides) by the object's kind."""
@@ -227,6 +230,8 @@ def print_round_table(served: Counter[tuple[str, str]], participants: Counter[tu
         print(f"  {side}: {sum(counts.values()) / per:.2f} = " + ", ".join(
             f"{svc}:{op} {n / per:.2f}" for (svc, op), n in sorted(counts.items(), key=lambda kv: -kv[1])))
     print(f"  all: {(sum(participants.values()) + sum(coordinator.values())) / per:.2f}")
+    print(f"  of the participants' sqs:ReceiveMessage, long polls that ended with nothing (they grow with the time a "
+          f"participant waits, every other request is one per thing done): {empty_receives / per:.2f}")
     print("  s3 object requests (both sides) by kind: " + ", ".join(
         f"{op} {kind} {n / per:.2f}" for (op, kind), n in sorted(objects.items(), key=lambda kv: -kv[1])))
 

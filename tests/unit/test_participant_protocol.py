@@ -288,11 +288,13 @@ class Trainer(Recorder):
         return super()._train(action)
 
 
-QUIET_UNTIL = 228 / 3 - 10  # a third of the shortest round seen (the first: 228 s), less half a long poll
+# A third of the shortest wait seen after an upload (the first round's: 208 s after 20 s of training), counted from
+# the upload 20 s into the round (it ends later than a third of the shortest round, 228 s), less half a long poll
+QUIET_UNTIL = 20 + 208 / 3 - 10
 
 
 @pytest.mark.parametrize(("second_round", "late"), [(228.0, 0.0), (100.0, 0.0), (60.0, QUIET_UNTIL - 60)])
-def test_after_its_upload_it_waits_for_a_third_of_the_shortest_round_without_a_request(
+def test_after_its_upload_it_waits_for_a_third_of_the_shortest_wait_seen_without_a_request(
         monkeypatch: pytest.MonkeyPatch, second_round: float, late: float) -> None:
     # Given a run whose first round lasts 228 s (20 s of training, then waiting for a thousand others' updates), pushed
     # to alice's queue as each round begins, and a second round that lasts 228 s, 150 s or 60 s
@@ -309,9 +311,9 @@ def test_after_its_upload_it_waits_for_a_third_of_the_shortest_round_without_a_r
     # When she runs
     assert p._loop() == Outcome(True, 2)
     # Then in the first round (none before it to time) she listened every 20 s after her upload: 11 long polls; in the
-    # second, she waited quietly until a third of the first round's length less 10 s, then listened: as many long
-    # polls as the rest of the round takes, learning of its close at once — or, of a round far shorter than any before,
-    # late by the difference
+    # second, she waited quietly from her upload for a third of the first round's wait after it, less 10 s, then
+    # listened: as many long polls as the rest of the round takes, learning of its close at once — or, of a round far
+    # shorter than any before, late by the difference
     assert feed.by_round[0] == 11
     assert len(p.pauses) == 1 and p.pauses[0] == pytest.approx(QUIET_UNTIL - 20)
     assert feed.by_round[1] == max(1, math.ceil((second_round - QUIET_UNTIL) / 20))
@@ -325,3 +327,10 @@ def test_quiet_seconds() -> None:
     assert quiet_seconds(now=50, started=0, shortest=300, limit=1e9) == pytest.approx(40.0)
     assert quiet_seconds(now=50, started=0, shortest=210, limit=1e9) == 0.0  # 10 s: not a long poll's worth
     assert quiet_seconds(now=50, started=0, shortest=900, limit=100) == 100.0
+    # counted from the upload too, with a third of the shortest wait seen after one: whichever ends later
+    assert quiet_seconds(now=50, started=0, shortest=150, limit=1e9, uploaded=50, waited=100) == pytest.approx(70 / 3)
+    assert quiet_seconds(now=50, started=0, shortest=None, limit=1e9, uploaded=50, waited=120) == pytest.approx(30.0)
+    assert quiet_seconds(now=50, started=0, shortest=300, limit=1e9, uploaded=50, waited=30) == pytest.approx(40.0)
+    # a participant that once uploaded last has seen almost no wait: no quiet from its upload
+    assert quiet_seconds(now=50, started=0, shortest=150, limit=1e9, uploaded=50, waited=2) == 0.0
+    assert quiet_seconds(now=80, started=0, shortest=None, limit=1e9, uploaded=50, waited=120) == 0.0  # 0 s left
