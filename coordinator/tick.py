@@ -107,13 +107,14 @@ def pace_schedule(deps: Deps, before: RunState | None, after: RunState) -> None:
 
 
 def announce(deps: Deps, before: RunState, after: RunState) -> None:
-    """Publish a committed state whose phase, round, epoch or model changed: what a waiting participant acts on
-    (the rest, the per-member roster above all, it reads when it needs it). One message a few times a round."""
+    """Publish a committed state whose phase, round, epoch or model changed: what a waiting participant acts on,
+    with the roster it names when that is small enough to ride along (`store.push`). One message a few times a
+    round."""
     if deps.topic is None:
         return
     if (before.phase, before.round, before.epoch, before.global_digest) != (
             after.phase, after.round, after.epoch, after.global_digest):
-        deps.topic.publish(deps.config.run_id, after.version, deps.store.item_body(after))
+        deps.topic.publish(deps.config.run_id, after.version, *deps.store.item_and_roster(after))
 
 
 def _exclude(deps: Deps, state: RunState, exc: CorruptInput) -> None:

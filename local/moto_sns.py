@@ -2,10 +2,13 @@
 paginated listing, `list_subscriptions_by_topic`, and drops the page token); SNS delivers to every subscription.
 With a participant queue subscribed per participant, a run of more than 100 would leave the rest unwoken (measured
 with 200: exactly 100 received each state change). `apply()` makes a publish go to every subscription of the
-topic, as SNS does. Idempotent; used by the local stack and the functional tests."""
+topic, as SNS does. It also hands a binary message attribute to a raw-delivery SQS subscription as bytes, as SNS
+delivers it (moto passes on the base64 text it keeps, which its SQS cannot take: the push's roster,
+`store.push`). Idempotent; used by the local stack and the functional tests."""
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 _applied = False
@@ -22,11 +25,19 @@ def apply() -> None:
                 message_attributes: dict[str, Any] | None = None, group_id: str | None = None,
                 deduplication_id: str | None = None, message_structure: str | None = None) -> str:
         message_id = str(mock_random.uuid4())
+        raw = _binary_as_bytes(message_attributes or {})
         for subscription in self.sns_backend._get_topic_subscriptions(self):  # every one, not a page of them
-            subscription.publish(message, message_id, subject=subject, message_attributes=message_attributes,
+            is_raw = str(subscription.attributes.get("RawMessageDelivery")).lower() == "true"
+            attributes = raw if is_raw else message_attributes
+            subscription.publish(message, message_id, subject=subject, message_attributes=attributes,
                                  group_id=group_id, deduplication_id=deduplication_id,
                                  message_structure=message_structure)
         return message_id
 
     models.Topic.publish = publish  # type: ignore[method-assign]
     _applied = True
+
+
+def _binary_as_bytes(attributes: dict[str, Any]) -> dict[str, Any]:
+    return {name: {**value, "Value": base64.b64decode(value["Value"])} if value["Type"].startswith("Binary") else value
+            for name, value in attributes.items()}

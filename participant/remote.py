@@ -156,8 +156,9 @@ class Remote:
         return self.retry.call("reading the run state", self.store.read_state)
 
     def pushed_state(self, pushed: Pushed) -> RunState:
-        """The state a pushed state item names (its roster read if it is not the one we hold)."""
-        return self.retry.call("reading the run state's roster", self.store.state_of, pushed.body, pushed.version)
+        """The state a pushed state item names (its roster read if it is neither the one we hold nor pushed)."""
+        return self.retry.call("reading the run state's roster", self.store.state_of, pushed.body, pushed.version,
+                               pushed.roster)
 
     def read_config(self) -> RunConfig | None:
         """The run's configuration as the coordinator published it; None until its first tick."""

@@ -9,12 +9,21 @@ same topic and queues exist on moto, whose SNS delivers to its SQS.
 The push is an optimisation, never the truth: a message carries the state item exactly as stored, and the
 participant treats it as a read of that item it did not have to make; messages may come late, twice or out of
 order (the highest version wins), and a participant that hears nothing for long reads the item itself.
+
+A message also carries the roster the item names (`store.rosters`: who is selected, the round's plan), gzipped, as
+a binary message attribute, when the whole message stays within one 64 KiB billing chunk (SNS and SQS bill a
+request per 64 KiB of payload): about a thousand members' roster. A participant woken by it then has the round
+without a GET of the roster; a bigger roster, or one whose bytes do not match the digest the item names, is read
+from the bucket as before. An attribute, not a field of the message: daemons that do not ask for it get the same
+message as before.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +33,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from shared.messages import MAX_STATE_CHANGE_BYTES, MessageError, StateChange, parse_message
 from shared.naming import participant_queue_name
+from store.rosters import MAX_ROSTER_BYTES
 
 log = logging.getLogger("fed-push")
 
@@ -36,14 +46,19 @@ LONG_POLL_SECONDS = 20  # SQS's longest receive wait
 # what it finds beyond the newest is older news, ten to a receive.
 RETENTION_SECONDS = 300
 VISIBILITY_SECONDS = 12 * 3600  # SQS's longest
+BILLED_CHUNK_BYTES = 64 * 1024  # SNS publishes and SQS receives are billed one request per 64 KiB of payload
+ROSTER_ATTRIBUTE = "roster"
+ATTRIBUTE_OVERHEAD = 64  # the attribute's name and type, counted in the message's size
 
 
 @dataclass(frozen=True)
 class Pushed:
-    """A state item as a push delivered it: its version and body (`store.rosters.state_of_item` reads it)."""
+    """A state item as a push delivered it: its version and body, and the roster's canonical bytes if the message
+    carried them (b"" otherwise; `store.rosters.state_of_item` reads them)."""
 
     version: int
     body: dict[str, Any]
+    roster: bytes = b""
 
 
 class StateTopic:
@@ -58,10 +73,16 @@ class StateTopic:
     def connect(cls, arn: str, endpoint: str | None, region: str) -> StateTopic | None:
         return cls(arn, boto3.client("sns", endpoint_url=endpoint, region_name=region)) if arn else None
 
-    def publish(self, run_id: str, version: int, body: dict[str, Any]) -> None:
+    def publish(self, run_id: str, version: int, body: dict[str, Any], roster: bytes = b"") -> None:
+        """Publish the state item `body` at `version`, with the canonical bytes of its `roster` if they fit."""
         message = StateChange(run_id=run_id, version=version, state=body).model_dump_json(by_alias=True)
+        attributes = {}
+        if roster:
+            packed = gzip.compress(roster, compresslevel=6, mtime=0)
+            if len(message.encode()) + ATTRIBUTE_OVERHEAD + len(packed) <= BILLED_CHUNK_BYTES:
+                attributes[ROSTER_ATTRIBUTE] = {"DataType": "Binary", "BinaryValue": packed}
         try:
-            self.client.publish(TopicArn=self.arn, Message=message)
+            self.client.publish(TopicArn=self.arn, Message=message, MessageAttributes=attributes)
             self.published += 1
         except (ClientError, BotoCoreError) as exc:
             log.warning("could not publish state version %d to %s: %s", version, self.arn, exc)
@@ -109,14 +130,19 @@ class StateQueue:
         now), or None. One request: what is received stays invisible until it expires (see RETENTION_SECONDS)."""
         resp = self.sqs.receive_message(QueueUrl=self.url, MaxNumberOfMessages=10,
                                         VisibilityTimeout=VISIBILITY_SECONDS,
-                                        WaitTimeSeconds=max(0, min(LONG_POLL_SECONDS, int(seconds))))
+                                        WaitTimeSeconds=max(0, min(LONG_POLL_SECONDS, int(seconds))),
+                                        MessageAttributeNames=[ROSTER_ATTRIBUTE])
         messages = resp.get("Messages", [])
-        newest: Pushed | None = None
+        newest: tuple[Pushed, dict[str, Any]] | None = None
         for m in messages:
             got = self._parse(m.get("Body", ""))
-            if got is not None and (newest is None or got.version > newest.version):
-                newest = got
-        return newest
+            if got is not None and (newest is None or got.version > newest[0].version):
+                newest = (got, m)
+        if newest is None:
+            return None
+        pushed, message = newest
+        packed = message.get("MessageAttributes", {}).get(ROSTER_ATTRIBUTE, {}).get("BinaryValue", b"")
+        return Pushed(pushed.version, pushed.body, _unpacked(packed)) if packed else pushed
 
     def _parse(self, body: str) -> Pushed | None:
         if len(body.encode()) > MAX_STATE_CHANGE_BYTES:
@@ -138,6 +164,20 @@ class StateQueue:
             self.sqs.delete_queue(QueueUrl=self.url)
         except (ClientError, BotoCoreError) as exc:
             log.warning("could not delete %s: %s", self.url, exc)
+
+
+def _unpacked(packed: bytes) -> bytes:
+    """A pushed roster's bytes, gunzipped (b"": not a gzip stream, or bigger than any roster: read it instead)."""
+    try:
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        data = inflater.decompress(packed, MAX_ROSTER_BYTES + 1)
+    except zlib.error as exc:
+        log.warning("ignored a pushed roster: %s", exc)
+        return b""
+    if len(data) > MAX_ROSTER_BYTES or inflater.unconsumed_tail:
+        log.warning("ignored a pushed roster of more than %d bytes", MAX_ROSTER_BYTES)
+        return b""
+    return data
 
 
 def _delivery_policy(queue_arn: str, topic_arn: str) -> dict[str, Any]:

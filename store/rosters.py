@@ -38,7 +38,7 @@ class Rosters:
 
     def __init__(self, bucket: Bucket, run_id: str) -> None:
         self.bucket, self.run_id = bucket, run_id
-        self._last: tuple[str, dict[str, Any]] = (EMPTY, {})
+        self._last: tuple[str, dict[str, Any], bytes] = (EMPTY, {}, b"")  # digest, roster, canonical bytes
         self.writes = 0  # rosters stored
 
     def write(self, roster: dict[str, Any]) -> str:
@@ -50,22 +50,40 @@ class Rosters:
         if name != self._last[0]:
             self.bucket.put(keys.roster_key(self.run_id, name), data)
             self.writes += 1
-            self._last = (name, roster)
+            self._last = (name, roster, data)
         return name
 
-    def read(self, name: str) -> dict[str, Any]:
-        """The roster a state item names ({} for EMPTY)."""
+    def read(self, name: str, delivered: bytes = b"") -> dict[str, Any]:
+        """The roster a state item names ({} for EMPTY): the one last seen, the `delivered` bytes if they are that
+        roster's (a push carries them: `store.push`), else read from the bucket."""
         if name == EMPTY:
             return {}
-        if name != self._last[0]:
-            data = self.bucket.get_verified(keys.roster_key(self.run_id, name), name, MAX_ROSTER_BYTES)
-            roster = json.loads(data)
-            if not isinstance(roster, dict) or set(roster) | OPTIONAL_FIELDS != set(ROSTER_FIELDS):
-                raise ValueError(f"roster {name[:12]} does not hold the fields {', '.join(ROSTER_FIELDS)}")
-            self._last = (name, roster)
+        if name != self._last[0] and not (delivered and self._take(name, delivered)):
+            self._adopt(name, self.bucket.get_verified(keys.roster_key(self.run_id, name), name, MAX_ROSTER_BYTES))
         return self._last[1]
 
+    def held(self, name: str) -> bytes:
+        """The canonical bytes of roster `name` if it is the one last seen (b"" otherwise, and for EMPTY)."""
+        return self._last[2] if name == self._last[0] and name != EMPTY else b""
 
-def state_of_item(body: dict[str, Any], version: int, rosters: Rosters) -> RunState:
-    """The whole run state of a state item's body: the item's fields and the roster it names."""
-    return state_from_body(joined_body(body, rosters.read(body[ROSTER])), version)
+    def _take(self, name: str, data: bytes) -> bool:
+        """Adopt `data` as roster `name` if it is: its digest and its fields (False: read it from the bucket)."""
+        if len(data) > MAX_ROSTER_BYTES or digest(data) != name:
+            return False
+        try:
+            self._adopt(name, data)
+        except ValueError:
+            return False
+        return True
+
+    def _adopt(self, name: str, data: bytes) -> None:
+        roster = json.loads(data)
+        if not isinstance(roster, dict) or set(roster) | OPTIONAL_FIELDS != set(ROSTER_FIELDS):
+            raise ValueError(f"roster {name[:12]} does not hold the fields {', '.join(ROSTER_FIELDS)}")
+        self._last = (name, roster, data)
+
+
+def state_of_item(body: dict[str, Any], version: int, rosters: Rosters, roster: bytes = b"") -> RunState:
+    """The whole run state of a state item's body: the item's fields and the roster it names (`roster`: the bytes a
+    push delivered with the body, used if they are that roster's)."""
+    return state_from_body(joined_body(body, rosters.read(body[ROSTER], roster)), version)

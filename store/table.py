@@ -100,14 +100,19 @@ class StateStore:
         participants = heard_through_updates(self.participants(), updates, state.members)
         return Snapshot(state, participants, updates, proofs, reports)
 
-    def state_of(self, body: dict[str, Any], version: int) -> RunState:
-        """The state a state item's body names (as read, or as pushed: `store.push`)."""
-        return state_of_item(body, version, self.rosters)
+    def state_of(self, body: dict[str, Any], version: int, roster: bytes = b"") -> RunState:
+        """The state a state item's body names (as read, or as pushed with its roster's bytes: `store.push`)."""
+        return state_of_item(body, version, self.rosters, roster)
 
     def item_body(self, state: RunState) -> dict[str, Any]:
         """The state item's body for `state`: its constant-size part and the digest of its roster (written)."""
         head, roster = split_body(state_to_body(state))
         return {**head, ROSTER: self.rosters.write(roster)}
+
+    def item_and_roster(self, state: RunState) -> tuple[dict[str, Any], bytes]:
+        """`item_body`, and the canonical bytes of the roster it names (b"": none)."""
+        body = self.item_body(state)
+        return body, self.rosters.held(body[ROSTER])
 
     def commit(self, state: RunState, expected_version: int, summaries: tuple[RoundSummary, ...] = ()) -> int:
         """Write `state` if the stored version is still `expected_version`; return the new version."""

@@ -220,7 +220,8 @@ class SimRemote:
         return state_of_item(json.loads(item["body"]["S"]), int(item["version"]["N"]), self.rosters)
 
     def pushed_state(self, pushed: Pushed) -> RunState:
-        return self.retry.call("reading the roster", state_of_item, pushed.body, pushed.version, self.rosters)
+        return self.retry.call("reading the roster", state_of_item, pushed.body, pushed.version, self.rosters,
+                               pushed.roster)
 
     def read_config(self) -> RunConfig | None:
         data = self.get(keys.config_key(self.run_id))  # published by the coordinator's first tick

@@ -4,16 +4,25 @@ the state item; other commits publish nothing; what is not a state change of thi
 
 from __future__ import annotations
 
+import copy
+import gzip
 import json
 from typing import Any
 
 import boto3
 import numpy as np
+import pytest
 
+from shared import keys
+from shared.digest import digest
 from shared.messages import StateChange
 from shared.naming import participant_queue_name
 from shared.state import Phase
+from store import push
 from store.push import StateQueue
+from store.records import ROSTER
+from store.rosters import encoded
+from store.table import StateStore
 from tests.functional.conftest import MODEL, Harness
 
 
@@ -42,6 +51,74 @@ def test_a_new_round_is_pushed_as_the_committed_state_item(harness: Harness) -> 
     assert state.phase is Phase.TRAIN and pushed is not None and pushed.version == state.version
     assert harness.deps.store.state_of(pushed.body, pushed.version) == state
     assert queue.wait(0) is None, "a message is received once (it stays invisible until it expires)"
+
+
+def reader(h: Harness) -> tuple[StateStore, list[str]]:
+    """A participant's view of the store (no roster held yet), and the roster GETs it makes."""
+    store = StateStore(h.deps.store.m.run.Meta.table_name, h.config.run_id, h.deps.bucket, h.deps.store.m.run.Meta.host)
+    gets: list[str] = []
+    get_verified = store.rosters.bucket.get_verified
+
+    def counted(key: str, *args: Any, **kwargs: Any) -> bytes:
+        gets.append(key)
+        return get_verified(key, *args, **kwargs)
+
+    store.rosters.bucket = copy.copy(store.rosters.bucket)
+    store.rosters.bucket.get_verified = counted  # type: ignore[method-assign]
+    return store, gets
+
+
+def test_a_push_carries_the_roster_so_a_woken_participant_reads_no_roster(harness: Harness) -> None:
+    # Given alice's queue, and the run starting round 0 with a roster of its members, selection and plan
+    queue, _ = _queue(harness, "alice")
+    harness.start(["alice", "bob"])
+    # When she is woken by the new round
+    pushed = queue.wait(0)
+    assert pushed is not None and pushed.roster
+    # Then the message had the roster's canonical bytes (gzipped), and the state it names is whole without a GET
+    store, gets = reader(harness)
+    assert store.state_of(pushed.body, pushed.version, pushed.roster) == harness.state()
+    assert gets == []
+    assert digest(pushed.roster) == pushed.body[ROSTER]
+
+
+def test_a_roster_that_would_take_the_message_past_one_billed_chunk_is_read_instead(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given pushes billed by chunks smaller than any message with its roster (64 KiB on AWS: a thousand members')
+    monkeypatch.setattr(push, "BILLED_CHUNK_BYTES", 100)
+    queue, _ = _queue(harness, "alice")
+    harness.start(["alice", "bob"])
+    # When she is woken by the new round
+    pushed = queue.wait(0)
+    assert pushed is not None and not pushed.roster
+    # Then she reads the roster the item names from the bucket
+    store, gets = reader(harness)
+    assert store.state_of(pushed.body, pushed.version, pushed.roster) == harness.state()
+    assert gets == [keys.roster_key(harness.config.run_id, pushed.body[ROSTER])]
+
+
+def test_pushed_roster_bytes_that_are_not_the_named_roster_are_not_taken(harness: Harness) -> None:
+    # Given the run training round 0 and a push whose roster bytes were swapped for another document
+    queue, _ = _queue(harness, "alice")
+    harness.start(["alice", "bob"])
+    pushed = queue.wait(0)
+    assert pushed is not None
+    roster = json.loads(pushed.roster)
+    roster["members"]["mallory"] = roster["members"]["alice"]
+    forged = encoded(roster)  # a whole roster, with every field, that is not the one the item names
+    # When she reads the state it names
+    store, gets = reader(harness)
+    state = store.state_of(pushed.body, pushed.version, forged)
+    # Then the roster is the one the item names, read from the bucket
+    assert state == harness.state() and "mallory" not in state.members
+    assert len(gets) == 1
+
+
+def test_a_pushed_roster_that_inflates_past_any_roster_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(push, "MAX_ROSTER_BYTES", 1000)
+    assert push._unpacked(gzip.compress(b"x" * 1000)) == b"x" * 1000
+    assert push._unpacked(gzip.compress(b"x" * 1001)) == b""
+    assert push._unpacked(b"not gzip") == b""
 
 
 def test_only_commits_that_change_phase_round_or_model_are_pushed(harness: Harness) -> None:
