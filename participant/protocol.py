@@ -176,7 +176,7 @@ class Participant(ABC):
         self.rounds_uploaded = 0
         self.round_seen: tuple[int, float] | None = None  # the latest training round we saw begin, and when
         self.shortest_round: float | None = None  # the shortest round we saw from its start to the next's
-        self.uploaded: tuple[int, float] | None = None  # the latest round we uploaded an update for, and when
+        self.last_upload: tuple[int, float] | None = None  # the latest round we uploaded an update for, and when
         self.shortest_wait: float | None = None  # the shortest wait we saw from our upload to the next round
         self.record_checked = 0.0
         self._last_sent = 0.0
@@ -294,8 +294,8 @@ class Participant(ABC):
         if self.round_seen is not None and self.round_seen[0] == state.round - 1:
             length = now - self.round_seen[1]
             self.shortest_round = length if self.shortest_round is None else min(self.shortest_round, length)
-        if self.uploaded is not None and self.uploaded[0] == state.round - 1:
-            wait = now - self.uploaded[1]
+        if self.last_upload is not None and self.last_upload[0] == state.round - 1:
+            wait = now - self.last_upload[1]
             self.shortest_wait = wait if self.shortest_wait is None else min(self.shortest_wait, wait)
         self.round_seen = (state.round, now)
 
@@ -308,7 +308,7 @@ class Participant(ABC):
         limit = self.known_at + AWAY_SECONDS - 1.0 - now  # (then a listen, not a read of the state item)
         if state.deadline:
             limit = min(limit, state.deadline - time.time())
-        uploaded = self.uploaded[1] if self.uploaded is not None and self.uploaded[0] == state.round else None
+        uploaded = self.last_upload[1] if self.last_upload is not None and self.last_upload[0] == state.round else None
         seconds = quiet_seconds(now, started, self.shortest_round, limit, uploaded, self.shortest_wait)
         if seconds > 0:
             log.info("round %d: waiting %.0fs before listening for its close (the shortest round so far: %.0fs, the "
@@ -368,7 +368,7 @@ class Participant(ABC):
         elif isinstance(action, Train):
             if self._train(action):
                 self.rounds_uploaded += 1
-                self.uploaded = (action.round, time.monotonic())
+                self.last_upload = (action.round, time.monotonic())
             else:
                 self.skipped.add(action.round)
                 self.kept.stop_training()
