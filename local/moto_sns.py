@@ -4,14 +4,21 @@ With a participant queue subscribed per participant, a run of more than 100 woul
 with 200: exactly 100 received each state change). `apply()` makes a publish go to every subscription of the
 topic, as SNS does. It also hands a binary message attribute to a raw-delivery SQS subscription as bytes, as SNS
 delivers it (moto passes on the base64 text it keeps, which its SQS cannot take: the push's roster,
-`store.push`). Idempotent; used by the local stack and the functional tests."""
+`store.push`). And it makes the topic's subscriptions safe to change while they are read: moto's server serves
+requests in threads, and a subscribe that looked for an existing subscription while another was added failed
+("OrderedDict mutated during iteration", a 500 to one of a thousand participants opening their queues at once;
+a publish reading them meanwhile would fail the same way). Idempotent; used by the local stack and the functional
+tests."""
 
 from __future__ import annotations
 
 import base64
+import functools
+import threading
 from typing import Any
 
 _applied = False
+_SUBSCRIPTIONS = threading.RLock()  # held while a backend's subscriptions are changed or listed
 
 
 def apply() -> None:
@@ -35,7 +42,19 @@ def apply() -> None:
         return message_id
 
     models.Topic.publish = publish  # type: ignore[method-assign]
+    for name in ("subscribe", "unsubscribe", "_get_topic_subscriptions", "list_subscriptions",
+                 "list_subscriptions_by_topic", "delete_topic_subscriptions"):
+        setattr(models.SNSBackend, name, _locked(getattr(models.SNSBackend, name)))
     _applied = True
+
+
+def _locked(method: Any) -> Any:
+    @functools.wraps(method)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with _SUBSCRIPTIONS:
+            return method(*args, **kwargs)
+
+    return locked
 
 
 def _binary_as_bytes(attributes: dict[str, Any]) -> dict[str, Any]:

@@ -246,6 +246,9 @@ class HealthReport(Message):
 
 
 MAX_STATE_CHANGE_BYTES = 16 * 1024  # the state item's body is a few hundred bytes whatever the membership
+# SNS publishes and SQS receives are billed one request per 64 KiB of payload: a state change carries its roster
+# (`store.push`) only while the whole message stays within one
+BILLED_CHUNK_BYTES = 64 * 1024
 
 
 class StateChange(Message):

@@ -31,7 +31,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from shared.messages import MAX_STATE_CHANGE_BYTES, MessageError, StateChange, parse_message
+from shared.messages import BILLED_CHUNK_BYTES, MAX_STATE_CHANGE_BYTES, MessageError, StateChange, parse_message
 from shared.naming import participant_queue_name
 from store.rosters import MAX_ROSTER_BYTES
 
@@ -46,7 +46,6 @@ LONG_POLL_SECONDS = 20  # SQS's longest receive wait
 # what it finds beyond the newest is older news, ten to a receive.
 RETENTION_SECONDS = 300
 VISIBILITY_SECONDS = 12 * 3600  # SQS's longest
-BILLED_CHUNK_BYTES = 64 * 1024  # SNS publishes and SQS receives are billed one request per 64 KiB of payload
 ROSTER_ATTRIBUTE = "roster"
 ATTRIBUTE_OVERHEAD = 64  # the attribute's name and type, counted in the message's size
 

@@ -23,6 +23,7 @@ rounds of 115-463 s, 0 lost, the global the FedAvg of all 1,000.
 
 from __future__ import annotations
 
+import gzip
 import os
 import threading
 import time
@@ -41,7 +42,9 @@ from functions.settings import deps_from_env
 from participant.decide import JOIN_RETRY_SECONDS, READY_RETRY_SECONDS
 from shared import keys, wire
 from shared.config import RunConfig
+from shared.messages import BILLED_CHUNK_BYTES
 from shared.state import Phase
+from store.blobs import s3_client
 from tests.e2e.chaos_support import DispatcherPlan, DispatcherProcess
 from tests.e2e.load_support import Clients, RequestCounter, SimParticipant, StackProcess, stack_process
 
@@ -130,6 +133,7 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
     uploaded = {s.pid for s in sims if all(s.uploaded.get(r) for r in range(ROUNDS))}
     sent = sum((s.actions for s in sims), Counter())
     print_figures(wall, total, participants, counter.by_phase, stats, lost, progress.phases, sent)
+    print_roster_size(s3_client(conn.endpoint, conn.region), conn.bucket, config.run_id)
     first, end = "RoundTrain 1", f"RoundTrain {ROUNDS - 1}"  # the steady state: rounds 1 to ROUNDS - 2
     if ROUNDS > 2 and first in progress.served and end in progress.served:
         seconds = progress.phases[end] - progress.phases[first]
@@ -234,6 +238,18 @@ def print_round_table(served: Counter[tuple[str, str]], participants: Counter[tu
           f"participant waits, every other request is one per thing done): {empty_receives / per:.2f}")
     print("  s3 object requests (both sides) by kind: " + ", ".join(
         f"{op} {kind} {n / per:.2f}" for (op, kind), n in sorted(objects.items(), key=lambda kv: -kv[1])))
+
+
+def print_roster_size(s3: Any, bucket: str, run_id: str) -> None:
+    """The largest roster the run stored, as stored and gzipped as a push carries it (`store.push`)."""
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{keys.run_prefix(run_id)}roster/").get("Contents", [])
+    if not listed:
+        return
+    largest = max(listed, key=lambda o: o["Size"])
+    data = s3.get_object(Bucket=bucket, Key=largest["Key"])["Body"].read()
+    packed = len(gzip.compress(data, compresslevel=6, mtime=0))
+    print(f"largest roster: {len(data) / 1024:.1f} KiB, {packed / 1024:.1f} KiB gzipped ({packed / N:.0f} bytes a "
+          f"participant; pushed with the state item while the message stays within {BILLED_CHUNK_BYTES // 1024} KiB)")
 
 
 def print_figures(wall: float, total: Counter[tuple[str, str]], participants: Counter[tuple[str, str]],

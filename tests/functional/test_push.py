@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import threading
 from typing import Any
 
 import boto3
@@ -183,3 +184,44 @@ def test_a_change_reaches_every_participant_queue_past_a_hundred(harness: Harnes
     harness.start(["alice", "bob"])
     version = harness.state().version
     assert all((p := q.wait(0)) is not None and p.version == version for q in queues)
+
+
+def test_a_subscribe_while_another_looks_through_the_subscriptions_fails_neither(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (moto's server serves requests in threads: a thousand participants subscribing their queues at once)
+    from moto.sns import models
+
+    sqs, sns = boto3.client("sqs", region_name="us-east-1"), boto3.client("sns", region_name="us-east-1")
+    arns = [sqs.get_queue_attributes(QueueUrl=sqs.create_queue(QueueName=f"q{i}")["QueueUrl"],
+                                     AttributeNames=["QueueArn"])["Attributes"]["QueueArn"] for i in range(4)]
+    for arn in arns[:2]:
+        sns.subscribe(TopicArn=harness.res.state_topic, Protocol="sqs", Endpoint=arn)
+    looking, looked, errors = threading.Event(), threading.Event(), []
+    find = models.SNSBackend._find_subscription
+
+    def slow_find(self: Any, *args: Any) -> Any:
+        # the first subscribe pauses after the first subscription it looked at until the other is done (or, where
+        # the other waits for it to finish, for half a second)
+        for n, _ in enumerate(self.subscriptions.values()):
+            if n == 0 and threading.current_thread().name == "first":
+                looking.set()
+                looked.wait(0.5)
+        return find(self, *args)
+
+    monkeypatch.setattr(models.SNSBackend, "_find_subscription", slow_find)
+
+    def subscribe(arn: str) -> None:
+        try:
+            sns.subscribe(TopicArn=harness.res.state_topic, Protocol="sqs", Endpoint=arn)
+        except Exception as exc:  # what a participant would have got: a 500
+            errors.append(exc)
+
+    first = threading.Thread(target=subscribe, args=(arns[2],), name="first")
+    first.start()
+    assert looking.wait(5)
+    subscribe(arns[3])  # while the first looks through the subscriptions
+    looked.set()
+    first.join()
+    assert errors == []
+    listed = sns.list_subscriptions_by_topic(TopicArn=harness.res.state_topic)["Subscriptions"]
+    assert {s["Endpoint"] for s in listed} == set(arns)
