@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shared.config import RunConfig
 from shared.digest import PIECE_BYTES
+from shared.messages import BILLED_CHUNK_BYTES
 
 GIB = 1024**3
 
@@ -37,24 +38,30 @@ class Prices:
 @dataclass(frozen=True)
 class Assumptions:
     """A steady 60 s round of a run whose participants listen for state changes on their own SQS queues (`store.push`).
-    The per-operation counts are what the load test measured in its steady state (tests/e2e/test_load.py: the rounds
-    between the first and the last, ~60 s each, 200 simulated participants speaking the daemon's protocol, counted
-    at the server by operation: 9.16 requests per participant per round, 3.94 of them the participant's): a
-    participant reads the roster and the global model once, uploads once and wakes on one pushed message; ingest
-    reads the state item and the update once, writes the record and the round's count; the aggregation reads the
-    update once (a small model: ranged reads of a large one are in `aggregation_cost`)."""
+    The per-operation counts are what the load test measured in its steady state (tests/e2e/test_load.py: the round
+    between the first and the last, 1,000 simulated participants speaking the daemon's protocol, counted at the
+    server by operation: 8.16 requests per participant per round in a 115 s round, 3.06 of them the participant's):
+    a participant wakes on one pushed message carrying the round's roster, reads the global model once and uploads
+    once; ingest reads the state item and the update once, writes the record and the round's count; the aggregation
+    reads the update once (a small model: ranged reads of a large one are in `aggregation_cost`)."""
 
     round_seconds: float = 60.0  # wall time of a round, download to next global model (the steady state of issue 13)
     # Silence after which a member is dropped: three rounds. Heartbeats go every liveness_timeout / 3, and none within
     # two intervals of an update upload (`RunConfig.heartbeat_after_update`), so a member uploading every round sends
     # none while its rounds are shorter than that (the load test: 0.00 a round in 57 s rounds).
     liveness_timeout: float = 180.0
-    # Seconds a round's participant waits on its queue with nothing to do (its training fills the rest): one 20 s long
-    # poll per 20 s beyond the receive that wakes it.
-    idle_seconds: float = 20.0
+    # Seconds a round's participant long-polls its queue in vain: one 20 s long poll per 20 s beyond the receive that
+    # wakes it. Its training fills the round's start, and after its upload it waits without a request for most of
+    # the rest (`participant.protocol.quiet_seconds`): the load test measured 0.15 long polls that ended with
+    # nothing a participant-round at 1,000 (3 s), in rounds of 115 s.
+    idle_seconds: float = 3.0
     # Pushed state changes a participant acts on in a round (the round's start; a run with witnesses: 2): each names a
-    # new roster, read once.
+    # new roster, which rides in the message while it stays within one billed chunk (below), else is one GET.
     pushes_per_round: int = 1
+    # A roster's gzipped bytes per member, as a push carries it: 12 in the load test at 1,000 (its participants all
+    # alike), 39 for a roster of 1,000 members whose speeds and times all differ; the larger is assumed. A roster of
+    # up to ~1,600 members then rides in the push.
+    roster_gzip_bytes_per_member: float = 40.0
     state_item_kb: float = 1.0  # the run item: the same size whatever the membership (test_state_layout.py)
     participant_item_kb: float = 0.3  # one P# item (pid, times, public key, info)
     update_item_kb: float = 0.4  # one U# item (digest, key, metrics, ...)
@@ -76,6 +83,11 @@ class Assumptions:
     @property
     def receives(self) -> float:
         return 1 + self.idle_seconds / 20
+
+    def roster_gets(self, members: int) -> float:
+        """The roster GETs a member makes in a round: none while its roster rides in the push."""
+        message = self.state_item_kb * 1024 + members * self.roster_gzip_bytes_per_member
+        return 0.0 if message <= BILLED_CHUNK_BYTES else float(self.pushes_per_round)
 
 
 @dataclass(frozen=True)
@@ -111,9 +123,10 @@ def round_cost(participants: int, a: Assumptions = Assumptions(), p: Prices = Pr
     read_units = ingest_reads + tick_reads  # (the participant reads no item: the push carries the run item)
     write_units = ingest_writes + (a.commits_per_round + 1) * math.ceil(a.state_item_kb) / n
     s3_puts = uploads + a.roster_changes_per_round / n  # the coordinator's roster PUTs, shared by the members
-    # The participant GETs the global model and each pushed roster; ingest GETs each object it validates; the
-    # aggregation GETs each update once (a small model; a large one's ranged reads are in `aggregation_cost`).
-    s3_gets = 1 + a.pushes_per_round + uploads + 1
+    # The participant GETs the global model (and each pushed roster too big to ride along); ingest GETs each object
+    # it validates; the aggregation GETs each update once (a small model; a large one's ranged reads are in
+    # `aggregation_cost`).
+    s3_gets = 1 + a.roster_gets(n) + uploads + 1
     # Its long polls, and SNS's deliveries to its queue (priced as SQS requests: an upper bound).
     sqs = a.receives + a.pushes_per_round
     usd = (
@@ -259,7 +272,7 @@ def idle_cost() -> IdleCost:
     return IdleCost(requests_usd=0.0)
 
 
-def table(sizes: tuple[int, ...] = (10, 100, 1000)) -> str:
+def table(sizes: tuple[int, ...] = (10, 100, 1000, 5000)) -> str:
     """The markdown table docs/deploy.md shows."""
     lines = [
         "| participants per round | S3 PUT | S3 GET | EventBridge events | Lambda invocations "
@@ -271,7 +284,7 @@ def table(sizes: tuple[int, ...] = (10, 100, 1000)) -> str:
         c = round_cost(n)
         lines.append(
             f"| {n:,} | {c.s3_puts:.0f} | {c.s3_gets:.0f} | {c.events:.0f} | {c.invocations:.0f} "
-            f"| {c.read_units:,.1f} | {c.write_units:,.1f} | {c.sqs_requests:.0f} | {c.usd_per_participant:.6f} "
+            f"| {c.read_units:,.1f} | {c.write_units:,.1f} | {c.sqs_requests:.2f} | {c.usd_per_participant:.6f} "
             f"| {c.usd_per_round:.4f} | {c.usd_per_round * 1000:,.2f} |"
         )
     idle = idle_cost()

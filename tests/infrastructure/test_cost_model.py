@@ -35,10 +35,10 @@ def test_requests_per_participant_follow_the_stated_assumptions() -> None:
     assert a.heartbeats == 0
     assert cost.events == cost.invocations == 1
     assert cost.s3_puts == pytest.approx(1 + 4 / 10)
-    # And it GETs the global model and the pushed roster; ingest and the aggregation GET its update once each
-    assert cost.s3_gets == 1 + 1 + 1 + 1
-    # And its queue: the receive that wakes it, one idle long poll, and SNS's delivery
-    assert cost.sqs_requests == 3
+    # And it GETs the global model (the roster rides in the push); ingest and the aggregation GET its update once each
+    assert cost.s3_gets == 1 + 0 + 1 + 1
+    # And its queue: the receive that wakes it, the long polls that end with nothing (0.15), and SNS's delivery
+    assert cost.sqs_requests == pytest.approx(1 + 0.15 + 1)
     # And heartbeats come back when rounds are longer than an update covers (two intervals), one an interval beyond
     assert Assumptions(round_seconds=40, liveness_timeout=60).heartbeats == 0
     assert Assumptions(round_seconds=120, liveness_timeout=60).heartbeats == 1 + (120 - 40) / 20
@@ -56,6 +56,15 @@ def test_a_participant_costs_the_same_whatever_the_membership() -> None:
     assert large.usd_per_participant <= small.usd_per_participant
     # And a 1,000-participant round costs at most two cents of requests
     assert large.usd_per_round <= 0.02
+
+
+def test_a_roster_too_big_to_ride_in_the_push_is_one_get_a_push() -> None:
+    # Given rosters of 40 bytes a member gzipped, pushed with a 1 KB state item in one 64 KiB billed chunk
+    a = Assumptions()
+    fits = int((64 * 1024 - 1024) / a.roster_gzip_bytes_per_member)
+    # Then up to ~1,600 members a woken participant GETs no roster, beyond it one a push
+    assert a.roster_gets(fits) == 0 and a.roster_gets(fits + 1) == a.pushes_per_round == 1
+    assert round_cost(fits + 1).s3_gets == round_cost(fits).s3_gets + 1
 
 
 def test_an_idle_month_requests_nothing() -> None:
