@@ -146,7 +146,7 @@ class Models:
     def _bind(self, cls: type[_Item], table: str, host: str | None, region: str) -> Any:
         meta = type("Meta", (), {"table_name": table, "host": host, "region": region,
                                  "max_retry_attempts": MAX_RETRY_ATTEMPTS})
-        bound = type(cls.__name__, (cls,), {"Meta": meta})
+        bound: type[_Item] = type(cls.__name__, (cls,), {"Meta": meta})
         table_connection = bound._get_connection()  # (its own Connection holds no client until it is used)
         if not self._schema_added:  # the same key schema for every class: registered once
             self.connection.add_meta_table(table_connection.get_meta_table())
