@@ -11,8 +11,8 @@ server (the local server's request counter); the coordinator's share is the serv
 participants'. Printed: the wall time, and the AWS requests per participant per round by service and
 originator.
 
-`make test-slow` (CI) and `make test-load` (this test alone) run it at these defaults (16-19 minutes on a 2-core
-machine); a smaller run, 200 over 30 s with 60 s rounds (about 4 minutes):
+`make test-load` runs it at these defaults (about 19 minutes on a 2-core machine); `make test-slow` (CI) a smaller
+run, 200 over 30 s with 60 s rounds:
 
     LOAD_PARTICIPANTS=200 LOAD_STAGGER=30 LOAD_LIVENESS=180 .venv/bin/python -m pytest -s -m slow tests/e2e/test_load.py
 
