@@ -73,7 +73,6 @@ class StateStore:
         self.pk = run_pk(run_id)
         self.m: Models = models(table, endpoint, region)
         self.rosters = Rosters(bucket, run_id)
-        self._table, self._endpoint, self._region = table, endpoint, region
 
     @classmethod
     def of(cls, connection: ConnectionInfo, bucket: Bucket | None = None) -> StateStore:
