@@ -276,9 +276,10 @@ class PieceAggregator:
         view = memoryview(self._slice)
         for j, lo in enumerate(range(begin, end, SLICE_BYTES)):
             part = view[: min(lo + SLICE_BYTES, end) - lo]
+            whole = sum(count * DTYPES[dtype][1] for dtype, _, count, _ in blocks[j]) == len(part)
             for k, stream in zip(group, streams, strict=True):
                 stream.readinto(part)
-                if k == 0:  # tensors that are not averaged (integer counters, flags) come from the first input
+                if k == 0 and not whole:  # tensors not averaged (integer counters, flags) come from the first input
                     out[lo - begin : lo - begin + len(part)] = part
                 for block in blocks[j]:
                     self._block(block, part, k, k == last, out)
@@ -332,9 +333,13 @@ class PieceAggregator:
         the last input, emit them."""
         dtype, offset, count, at = block
         wide = dtype == "F64"
-        acc = (self._acc64 if wide else self._acc32)[offset // (8 if wide else 2) :][:count]
-        tmp = (self._tmp64 if wide else self._tmp32)[:count]
         flat = TensorSpec(dtype, (count,))
+        direct = dtype == "F32" and self._piece is None  # summed in the output itself: its bytes are the sum's
+        if direct:
+            acc = tensor_view(out, offset, flat)
+        else:
+            acc = (self._acc64 if wide else self._acc32)[offset // (8 if wide else 2) :][:count]
+        tmp = (self._tmp64 if wide else self._tmp32)[:count]
         x = tensor_view(view, at, flat)
         if x.dtype != acc.dtype:  # bf16 / f16: widened to float32 first
             np.copyto(tmp, x, casting="unsafe")
@@ -345,7 +350,7 @@ class PieceAggregator:
         else:
             np.multiply(x, weight, out=tmp)
             np.add(acc, tmp, out=acc)
-        if last:
+        if last and not direct:
             self._emit(out, offset, flat, acc)
 
     def _robust(self, begin: int, end: int, out: memoryview, out_begin: int) -> None:
