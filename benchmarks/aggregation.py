@@ -117,11 +117,12 @@ def project(files: list[tuple[Path, int]], out: Path, shard: int = 0, shards: in
             hashes.append(piece_hash(data))
             os.pwrite(f.fileno(), data, plan.piece_span(index)[0])
 
-        pending = None
+        pending, writing, spare = None, None, None
         for index in pieces:
-            data = worker.piece(index)
+            data = worker.piece_output(index, spare).data  # (the buffer of the piece written before the last)
             if pending is not None:
                 pending.result()
+            spare, writing = writing, data
             pending = writer.submit(write, index, data)
         if pending is not None:
             pending.result()

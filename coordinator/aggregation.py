@@ -217,10 +217,13 @@ def run_shard(deps: Deps, task: ShardTask) -> ShardDone:
     pieces: list[PieceDone] = []
     with ThreadPoolExecutor(max_workers=1) as uploader:  # piece i is hashed and uploaded while i + 1 is computed
         pending: Future[PieceDone] | None = None  # (at most one: memory stays at two pieces)
+        uploading: bytearray | None = None
+        spare: bytearray | None = None  # the bytes of a piece already uploaded: the next piece but one reuses them
         for index in range(task.first, min(task.stop, plan.pieces)):
-            made = worker.piece_output(index)
+            made = worker.piece_output(index, spare)
             if pending is not None:
                 pieces.append(pending.result())
+            spare, uploading = uploading, made.data
             pending = uploader.submit(upload, index, made)
         if pending is not None:
             pieces.append(pending.result())

@@ -199,12 +199,16 @@ class PieceAggregator:
         is computed)."""
         return self.piece_output(index).data
 
-    def piece_output(self, index: int) -> PieceOutput:
+    def piece_output(self, index: int, into: bytearray | None = None) -> PieceOutput:
         """Piece `index` of the output file and, with a server optimizer, the state file of that piece after
-        the round's step; with a compressed download, the piece's delta file (`shared.delta`)."""
+        the round's step; with a compressed download, the piece's delta file (`shared.delta`). Its bytes are
+        written into `into` when that is a buffer of the piece's size that the caller no longer needs (every
+        byte of it is overwritten): a worker that reuses the buffer of a piece already uploaded makes no new
+        memory its own for each piece (fresh pages cost a page fault each, the dearest part of a short shard)."""
         layout = self.plan.layout(index)
         start = layout.index * PIECE_BYTES
-        out = bytearray(layout.in_header + layout.data_bytes)
+        size = layout.in_header + layout.data_bytes
+        out = into if into is not None and len(into) == size else bytearray(size)
         out[: layout.in_header] = self.plan.header[start : start + layout.in_header]
         data = memoryview(out)[layout.in_header :]
         if self.step is not None or self.download.is_delta:

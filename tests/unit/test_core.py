@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared import keys
-from shared.aggregate import ArraySource, WeightedInput, aggregate_file
+from shared.aggregate import ArraySource, PieceAggregator, WeightedInput, aggregate_file, round_plan
 from shared.config import ConfigError, parse_config
 from shared.selection import assigned_count, assignment, round_seed, select, selection_size
 from shared.wire import Manifest, UpdateMeta, WireError, decode, encode, parse_header
@@ -298,6 +298,27 @@ def test_fedavg_over_many_inputs_in_slices_matches_an_independent_sum() -> None:
     # And every stream was closed; at most two groups' were open at once (one summed, the next opened)
     assert _Counting.open_now == 0
     assert 8 <= _Counting.most_open <= 16
+
+
+@pytest.mark.parametrize("settings", [{}, {"strategy": "median"}, {"server_optimizer": "fedadam"},
+                                      {"download_encoding": "int8"}])
+def test_a_piece_written_into_a_reused_buffer_is_the_piece_written_into_a_fresh_one(settings: dict) -> None:
+    # Given a model of several pieces over four float dtypes and an integer tensor, and each way a piece is made
+    models = [_big_model(seed) for seed in range(3)]
+    manifest = Manifest.of(parse_header(encode(models[0])))
+    config = parse_config({"run_id": "r1x", **settings})
+    ins = [WeightedInput(f"p{i}", i + 1, "", ArraySource(manifest, m)) for i, m in enumerate(models[1:])]
+    plan = round_plan(config, manifest, 1, ins)
+    assert plan.pieces >= 2
+
+    def made(reuse: bool) -> list[bytes]:
+        worker = PieceAggregator(config, plan, ins, ArraySource(manifest, models[0]))
+        return [bytes(worker.piece_output(i, bytearray(b"\xab" * len(worker.piece(i))) if reuse else None).data)
+                for i in range(plan.pieces)]
+
+    # When each piece is written into a buffer of its size full of other bytes
+    # Then every byte of it is overwritten: the pieces are those written into fresh buffers
+    assert made(reuse=True) == made(reuse=False)
 
 
 def test_a_stream_failing_mid_piece_closes_every_stream_and_raises() -> None:
