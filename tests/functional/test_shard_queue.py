@@ -115,3 +115,28 @@ def test_a_shard_that_keeps_failing_fails_the_tick_at_once(queued: Any, monkeypa
             write_aggregate(with_queue(h, url, wait=600), effect)
     finally:
         source.close()
+
+
+def test_an_abort_that_fails_does_not_hide_the_shard_failure(queued: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a shard that fails, and an abort of the staging upload that fails too (moto in process fails it when
+    # another shard is still adding parts)
+    h, url, effect = queued
+    real = shard.shard_outcome
+
+    def broken(deps: Deps, task: Any, retry: bool = False) -> dict[str, object]:
+        if task.first == 3:
+            raise OSError("the disk is on fire")
+        return real(deps, task, retry)
+
+    def abort(key: str, upload_id: str) -> None:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    monkeypatch.setattr(shard, "shard_outcome", broken)
+    monkeypatch.setattr(h.deps.bucket, "abort_multipart", abort)
+    source = EventSource(url)
+    try:
+        # Then the tick fails with the shard's failure, not the abort's
+        with pytest.raises(RuntimeError, match="shard worker failed: OSError: the disk is on fire"):
+            write_aggregate(with_queue(h, url, wait=600), effect)
+    finally:
+        source.close()
