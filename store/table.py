@@ -73,8 +73,6 @@ class StateStore:
         self.pk = run_pk(run_id)
         self.m: Models = models(table, endpoint, region)
         self.rosters = Rosters(bucket, run_id)
-        self._table, self._endpoint, self._region = table, endpoint, region
-        self._tx_connection: Connection | None = None
 
     @classmethod
     def of(cls, connection: ConnectionInfo, bucket: Bucket | None = None) -> StateStore:
@@ -163,10 +161,8 @@ class StateStore:
                 raise
 
     def _connection(self) -> Connection:
-        # One per store: building a pynamodb Connection builds a botocore client, which costs 50-300 ms.
-        if self._tx_connection is None:
-            self._tx_connection = Connection(region=self._region, host=self._endpoint)
-        return self._tx_connection
+        """The item classes' one Connection (`store.records.Models`): transactions send through it too."""
+        return self.m.connection
 
     # --- what ingest records -----------------------------------------------------------------------
 

@@ -44,7 +44,6 @@ from shared import keys, wire
 from shared.config import RunConfig
 from shared.messages import BILLED_CHUNK_BYTES
 from shared.state import Phase
-from store.blobs import s3_client
 from tests.e2e.chaos_support import DispatcherPlan, DispatcherProcess
 from tests.e2e.load_support import Clients, RequestCounter, SimParticipant, StackProcess, stack_process
 
@@ -135,7 +134,8 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
     uploaded = {s.pid for s in sims if all(s.uploaded.get(r) for r in range(ROUNDS))}
     sent = sum((s.actions for s in sims), Counter())
     print_figures(wall, total, participants, counter.by_phase, stats, lost, progress.phases, sent)
-    print_roster_size(s3_client(conn.endpoint, conn.region), conn.bucket, config.run_id)
+    s3 = boto3.client("s3", endpoint_url=conn.endpoint, region_name=conn.region)
+    print_roster_size(s3, conn.bucket, config.run_id)
     first, end = "RoundTrain 1", f"RoundTrain {ROUNDS - 1}"  # the steady state: rounds 1 to ROUNDS - 2
     if ROUNDS > 2 and first in progress.served and end in progress.served:
         seconds = progress.phases[end] - progress.phases[first]
@@ -161,7 +161,6 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
     # and the final global model is the FedAvg of the last round's updates as the participants sent them
     updates = {s.pid: wire.decode(s.sent[last]) for s in sims}
     weights = np.array([int(updates[p][1].metadata["fed.samples"]) for p in sorted(updates)], np.float64)
-    s3 = boto3.client("s3", endpoint_url=conn.endpoint, region_name=conn.region)
     body = s3.get_object(Bucket=conn.bucket, Key=keys.global_key(config.run_id, ROUNDS, state.global_digest))[
         "Body"].read()
     stored, _ = wire.decode(body)

@@ -55,3 +55,24 @@ def test_a_join_that_lost_a_race_to_a_record_it_cannot_read_is_refused(
     # Then the join is refused with the reason, instead of failing
     out = harness.join("alice")
     assert out["accepted"] is False and "raced with another registration" in out["reason"]
+
+
+def test_every_item_class_and_transaction_of_a_store_sends_through_one_client(harness: Harness) -> None:
+    # (each botocore client loads botocore's description of DynamoDB anew: 50-250 ms apiece)
+    harness.start(["alice", "bob"])
+    harness.upload("alice", model(1))
+    harness.upload("bob", model(2))  # a round's close: a transaction with its summary
+    m = harness.deps.store.m
+    classes = [m.run, m.participant, m.update, m.offer, m.round, m.refusal, m.counter, m.lease, m.proof, m.health]
+    assert {id(c._get_connection().connection) for c in classes} == {id(m.connection)}
+    assert harness.deps.store._connection() is m.connection
+    assert harness.state().aggregated == 1
+
+
+def test_the_shared_client_is_built_before_any_thread_can_use_it() -> None:
+    # (pynamodb builds a Connection's client on first use, unlocked, then registers a hook on it: two threads
+    # sending at once through a client not yet built could each see the other's half-built one)
+    from store.records import Models
+
+    m = Models("a-table", "http://localhost:1", "us-east-1")
+    assert m.connection._client is not None
