@@ -181,7 +181,9 @@ class PieceAggregator:
         self._read_ahead: ThreadPoolExecutor | None = None  # opens the next group of inputs
         self._opening: ThreadPoolExecutor | None = None  # sends a group's requests at once
         self._groups = self._read_groups()
-        # accumulators for one piece, indexed by byte offset / 2 (float32: a bf16/f16 element is 2 bytes) or / 8
+        # accumulators for one piece, indexed by byte offset / 2 (a bf16/f16 element is 2 bytes) or / 8 (float64);
+        # float32 tensors are summed in the output piece itself, where no server step or download delta needs
+        # them apart (untouched, np.empty's pages cost nothing)
         self._acc32 = np.empty(PIECE_BYTES // 2, np.float32)
         self._acc64 = np.empty(PIECE_BYTES // 8, np.float64)
         self._tmp32 = np.empty(BLOCK_BYTES // 2, np.float32)  # one block's temporary
