@@ -33,7 +33,6 @@ import statistics
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +53,12 @@ FLOWER_FIFTEEN_ROUNDS = (208.0, 332.0)
 
 
 # --- who sent a request -----------------------------------------------------------------------------------
-# The local server (in this process) sees one connection per request, so looking each sender up in /proc would slow
+# The local server (its own process) sees one connection per request, so looking each sender up in /proc would slow
 # the run it measures. Instead every socket this process connects to the loopback server, and every one its helper
 # processes connect (the shard workers are spawned: they run this module's top level again, and so this patch), leaves
 # from a second loopback address; the participant processes connect from 127.0.0.1 as usual. The server then tells
-# them apart by the client's address alone. Nothing else about the requests changes.
+# them apart by the client's address alone (it keeps each request's: the demo's report carries them). Nothing else about
+# the requests changes.
 
 LOOPBACK = "127.0.0.1"
 STACK_SOURCE = "127.0.0.2"
@@ -77,33 +77,8 @@ def _connect_from_stack_source(self: socket.socket, address: Any) -> None:
 socket.socket.connect = _connect_from_stack_source  # type: ignore[method-assign,assignment]
 
 
-def sender(environ: dict[str, Any]) -> str:
-    return STACK if environ.get("REMOTE_ADDR") == STACK_SOURCE else PARTICIPANT
-
-
-def attributing_counter(base: Any) -> Any:
-    """A subclass of the local server's request counter (its counts, and `/_fed/requests`, unchanged) that also
-    keeps each request's time, sender, service and operation."""
-
-    class AttributingCounter(base):  # type: ignore[misc]
-        instances: list[Any] = []
-
-        def __init__(self, app: Any) -> None:
-            super().__init__(app)
-            # (epoch seconds, sender, service, operation, the path of an S3 PutObject: which object was sent)
-            self.events: list[tuple[float, str, str, str, str]] = []
-            AttributingCounter.instances.append(self)
-
-        def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-            import local.server
-
-            if environ.get("PATH_INFO") != local.server.COUNTS_PATH:
-                service, operation = local.server.classify(environ)
-                path = environ.get("PATH_INFO", "") if operation == "PutObject" else ""
-                self.events.append((time.time(), sender(environ), service, operation, path))
-            return super().__call__(environ, start_response)  # type: ignore[no-any-return]
-
-    return AttributingCounter
+def sender(address: str) -> str:
+    return STACK if address == STACK_SOURCE else PARTICIPANT
 
 
 def process_started_at() -> float:
@@ -142,12 +117,9 @@ def main() -> int:
 
     from rich.console import Console
 
-    import local.server
     from fed.demo import DemoFailed, DemoOptions, run_demo
     from participant.tasks import flower_digits_meta as meta
 
-    counter_class = attributing_counter(local.server.RequestCounter)
-    local.server.RequestCounter = counter_class  # type: ignore[misc]  # what LocalServer.start counts with
     rounds = meta.ROUNDS
     opts = DemoOptions(participants=PARTICIPANTS, task="flower", rounds=rounds, count_requests=True,
                        timeout=args.timeout)
@@ -158,7 +130,8 @@ def main() -> int:
         print(f"bench-rounds: the run failed: {exc}", file=sys.stderr)
         return 1
     returned = time.time()
-    events: list[tuple[float, str, str, str, str]] = counter_class.instances[-1].events
+    # every request the server answered: (epoch seconds, sender, service, operation, the path of an S3 PutObject)
+    events = [(t, sender(address), svc, op, path) for t, address, svc, op, path in report.pop("request_events")]
 
     # The anchor's rounds are the aggregated ones: a round the coordinator did not aggregate (too few updates, e.g.
     # participants dropped as silent) carries its model over and is trained again as the next round, which the task

@@ -523,7 +523,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="fed-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stack = LocalStack(config, tick_interval=opts.tick_interval, log_file=workdir / "functions.log",
-                       log_level="INFO", hold_events=True, count_requests=opts.count_requests)
+                       log_level="INFO", hold_events=True, count_requests=opts.count_requests, server_process=True)
     procs: Participants | None = None
     ok = False
     try:
@@ -571,6 +571,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         }
         if counted is not None:  # every request the local server answered, by service and operation
             report["requests"] = [[svc, op, n] for (svc, op), n in sorted(counted.snapshot().items())]
+            # and each request: [epoch seconds, client address, service, operation, S3 PutObject path]
+            report["request_events"] = [list(e) for e in counted.events()]
         if opts.mixed_speeds:
             report["sizing"] = summary = sizing_summary(rows, speeds)
             console.print("per participant (first round: equal shares; later rounds: sized by measured throughput):")

@@ -93,7 +93,8 @@ def run_local(
     console = console or Console()
     stop = stop or threading.Event()
     log_file = log_file or connection_file.parent / "local.log"
-    stack = LocalStack(config, port=port, tick_interval=tick_interval, log_file=log_file, log_level=log_level)
+    stack = LocalStack(config, port=port, tick_interval=tick_interval, log_file=log_file, log_level=log_level,
+                       server_process=True)
     previous = _on_signals(stop)
     try:
         with console.status("starting moto's server and the run's resources"):

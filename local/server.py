@@ -1,4 +1,5 @@
-"""moto's server, in this process, on the loopback interface: S3, DynamoDB, SQS and EventBridge for a local run.
+"""moto's server on the loopback interface: S3, DynamoDB, SQS and EventBridge for a local run; in a thread of this
+process (`LocalServer`: tests) or in a process of its own (`ServerProcess`: `fed local`, `fed demo`).
 
 moto's DynamoDB does not check a condition and write in one step, so two concurrent conditional writes
 can both succeed (see FACTS.md). The coordinator relies on those conditions (the state's version, "record
@@ -12,10 +13,18 @@ requests (the load test's figures, the cost model's inputs).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import logging
 import re
+import select
+import signal
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,8 +35,11 @@ from werkzeug.serving import BaseWSGIServer, make_server
 from shared import keys
 
 LOOPBACK = "127.0.0.1"
+SERVER_START_TIMEOUT = 60.0  # a server process's imports and start, on a loaded machine
 COUNTS_PATH = "/_fed/requests"  # GET: the request counts so far, as JSON [[service, operation, count], ...]
 OBJECTS_PATH = "/_fed/objects"  # GET: the S3 object requests so far by kind, as JSON [[operation, kind, count], ...]
+# GET: every request so far, as JSON [[epoch seconds, client address, service, operation, S3 PutObject path], ...]
+EVENTS_PATH = "/_fed/events"
 DYNAMODB_TARGET_PREFIX = "DynamoDB_"  # X-Amz-Target of every DynamoDB API call ("DynamoDB_20120810.PutItem")
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -100,20 +112,30 @@ def object_kind(environ: dict[str, Any]) -> str:
         return "other"
 
 
+Event = tuple[float, str, str, str, str]  # epoch seconds, client address, service, operation, S3 PutObject path
+
+
 class RequestCounter:
     """WSGI middleware: count requests by (service, operation), and S3 object requests by (operation, the object's
-    kind); `snapshot()` and `objects()` read the counts so far."""
+    kind); `snapshot()` and `objects()` read the counts so far; with `keep_events`, `events()` every request (its
+    time, the client's address, and which object an S3 PutObject wrote: `make bench-rounds` attributes them)."""
 
-    def __init__(self, app: WSGIApp) -> None:
+    def __init__(self, app: WSGIApp, keep_events: bool = False) -> None:
         self.app = app
+        self.keep_events = keep_events
         self._lock = threading.Lock()
         self._counts: Counter[tuple[str, str]] = Counter()
         self._objects: Counter[tuple[str, str]] = Counter()
+        self._events: list[Event] = []
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("REQUEST_METHOD") == "GET" and environ.get("PATH_INFO") in (COUNTS_PATH, OBJECTS_PATH):
-            counts = self.snapshot() if environ["PATH_INFO"] == COUNTS_PATH else self.objects()
-            body = json.dumps([[a, b, n] for (a, b), n in sorted(counts.items())]).encode()
+        path = environ.get("PATH_INFO", "")
+        if environ.get("REQUEST_METHOD") == "GET" and path in (COUNTS_PATH, OBJECTS_PATH, EVENTS_PATH):
+            if path == EVENTS_PATH:
+                body = json.dumps(self.events()).encode()
+            else:
+                counts = self.snapshot() if path == COUNTS_PATH else self.objects()
+                body = json.dumps([[a, b, n] for (a, b), n in sorted(counts.items())]).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         key = classify(environ)
@@ -122,7 +144,14 @@ class RequestCounter:
             self._counts[key] += 1
             if kind:
                 self._objects[(key[1], kind)] += 1
+            if self.keep_events:
+                self._events.append((time.time(), environ.get("REMOTE_ADDR", ""), *key,
+                                     path if key[1] == "PutObject" else ""))
         return self.app(environ, start_response)
+
+    def events(self) -> list[Event]:
+        with self._lock:
+            return list(self._events)
 
     def snapshot(self) -> Counter[tuple[str, str]]:
         with self._lock:
@@ -144,9 +173,10 @@ LISTEN_BACKLOG = 4096
 class LocalServer:
     """moto's server on 127.0.0.1 (port 0: any free port) in a background thread; `stop()` shuts it down."""
 
-    def __init__(self, port: int = 0, host: str = LOOPBACK, count_requests: bool = False) -> None:
+    def __init__(self, port: int = 0, host: str = LOOPBACK, count_requests: bool = False,
+                 keep_events: bool = False) -> None:
         self.host, self.port = host, port
-        self.count_requests = count_requests
+        self.count_requests, self.keep_events = count_requests, keep_events
         self.requests: RequestCounter | None = None  # with count_requests: every request served, by service
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -173,7 +203,7 @@ class LocalServer:
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log line per request
         app: WSGIApp = SerialDynamoDB(DomainDispatcherApplication(create_backend_app))
         if self.count_requests:
-            app = self.requests = RequestCounter(app)
+            app = self.requests = RequestCounter(app, self.keep_events)
         try:
             self._server = make_server(self.host, self.port, app, threaded=True, request_handler=MotoRequestHandler)
         except SystemExit:  # werkzeug prints a hint and exits when the port is taken
@@ -197,3 +227,99 @@ class LocalServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServerProcess:
+    """The same server in a process of its own (`python -m local.server`), for `fed demo` and `fed local`: the
+    functions, the dispatcher and the observer of this process then share no interpreter lock with the server
+    that answers them, and two cores serve both (measured, `fed demo --task flower`, four runs alternating: median
+    round 0.31-0.36 s against 0.38-0.44 s with the server in a thread, 15 rounds' wall time 12.1 s against
+    14.6-15.1 s). moto's state lives in that process. It exits when this process closes its stdin, or dies."""
+
+    def __init__(self, port: int = 0, host: str = LOOPBACK, count_requests: bool = False,
+                 keep_events: bool = False) -> None:
+        self.host, self.port = host, port
+        self.count_requests, self.keep_events = count_requests, keep_events
+        self.requests: RemoteCounter | None = None  # with count_requests: the server's counts, read over HTTP
+        self._process: subprocess.Popen[bytes] | None = None
+        self._endpoint: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        if self._endpoint is None:
+            raise RuntimeError("the local server is not running")
+        return self._endpoint
+
+    def start(self, timeout: float = SERVER_START_TIMEOUT) -> ServerProcess:
+        cmd = [sys.executable, "-m", "local.server", "--host", self.host, "--port", str(self.port)]
+        cmd += ["--count"] if self.count_requests else []
+        cmd += ["--events"] if self.keep_events else []
+        self._process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self._process.stdout is not None
+        ready, _, _ = select.select([self._process.stdout], [], [], timeout)
+        line = self._process.stdout.readline() if ready else b""
+        if not line:
+            self.stop()
+            raise RuntimeError(f"the local server's process did not start within {timeout:.0f}s (its errors are "
+                               "above)")
+        self._endpoint = str(json.loads(line)["endpoint"])
+        if self.count_requests:
+            self.requests = RemoteCounter(self._endpoint)
+        return self
+
+    def stop(self) -> None:
+        if self._process is not None:
+            with contextlib.suppress(OSError):
+                if self._process.stdin is not None:
+                    self._process.stdin.close()  # (the server's signal to stop)
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process, self._endpoint = None, None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RemoteCounter:
+    """A server process's request counts, read from its endpoint (as `RequestCounter`'s methods read them)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def snapshot(self) -> Counter[tuple[str, str]]:
+        return Counter({(a, b): n for a, b, n in self._get(COUNTS_PATH)})
+
+    def objects(self) -> Counter[tuple[str, str]]:
+        return Counter({(a, b): n for a, b, n in self._get(OBJECTS_PATH)})
+
+    def events(self) -> list[Event]:
+        return [(float(t), str(a), str(s), str(o), str(p)) for t, a, s, o, p in self._get(EVENTS_PATH)]
+
+    def _get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"{self.endpoint}{path}", timeout=30) as resp:  # noqa: S310 - our own server
+            return json.loads(resp.read())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m local.server`: serve until stdin closes; the first line on stdout is {"endpoint": ...}."""
+    parser = argparse.ArgumentParser(description="moto's server for a local run (started by ServerProcess)")
+    parser.add_argument("--host", default=LOOPBACK)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--count", action="store_true", help="count requests (GET /_fed/requests)")
+    parser.add_argument("--events", action="store_true", help="keep every request (GET /_fed/events)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    server = LocalServer(args.port, args.host, count_requests=args.count, keep_events=args.events).start()
+    print(json.dumps({"endpoint": server.endpoint}), flush=True)
+    sys.stdin.buffer.read()  # until the parent closes it, or dies
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,7 @@ from typing import IO
 
 from local.dispatcher import Dispatcher, FaultPlan
 from local.resources import LocalResources, create_resources
-from local.server import LocalServer
+from local.server import LocalServer, ServerProcess
 from shared.config import RunConfig
 from shared.naming import (
     ENV_BUCKET,
@@ -96,8 +96,9 @@ class LocalStack:
     hold_events: bool = False  # True: tick, but deliver no S3 event until `release_events()`
     dispatch: bool = True  # False: no dispatcher in this process (another process delivers events and ticks)
     faults: FaultPlan | None = None  # the dispatcher's fault plan (chaos tests); None: deliver faithfully
-    count_requests: bool = False  # True: the server counts requests by service (`server.requests`)
-    server: LocalServer | None = field(default=None, init=False)
+    count_requests: bool = False  # True: the server counts requests by service (`server.requests`), and keeps each
+    server_process: bool = False  # True: the server runs in a process of its own (`local.server.ServerProcess`)
+    server: LocalServer | ServerProcess | None = field(default=None, init=False)
     resources: LocalResources | None = field(default=None, init=False)
     dispatcher: Dispatcher | None = field(default=None, init=False)
     _saved_env: dict[str, str | None] = field(default_factory=dict, init=False, repr=False)
@@ -121,7 +122,8 @@ class LocalStack:
     def start(self) -> LocalStack:
         try:
             self._set_env({**client_environment(self.region), **{name: None for name in _CLEARED}})
-            self.server = LocalServer(self.port, count_requests=self.count_requests).start()
+            kind = ServerProcess if self.server_process else LocalServer
+            self.server = kind(self.port, count_requests=self.count_requests, keep_events=self.count_requests).start()
             _reset_moto(self.server.endpoint)  # a fresh run, even if this process ran one before
             self.resources = create_resources(self.config.run_id, self.server.endpoint, self.region)
             self._set_env(function_environment(self.resources, self.config, self.log_level))

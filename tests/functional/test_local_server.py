@@ -10,7 +10,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from local.server import LocalServer
+from local.server import LocalServer, ServerProcess
 from shared import keys
 
 THREADS = 10
@@ -138,6 +138,36 @@ def test_counts_requests_by_operation_and_object_requests_by_kind(monkeypatch: p
         assert srv.requests.objects() == Counter({("GetObject", "update"): 2, ("GetObject", "heartbeat"): 1,
                                                   ("GetObject", "other"): 1, ("PutObject", "update"): 1,
                                                   ("PutObject", "heartbeat"): 1, ("PutObject", "other"): 1})
+
+
+def test_a_server_process_serves_counts_and_keeps_every_request_and_ends_with_its_parent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given the server in a process of its own, counting and keeping each request
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
+        monkeypatch.setenv(name, value)
+    srv = ServerProcess(count_requests=True, keep_events=True).start()
+    try:
+        s3 = boto3.client("s3", endpoint_url=srv.endpoint, region_name="us-east-1",
+                          config=Config(s3={"addressing_style": "path"}))
+        # When a bucket is made and an update uploaded and read
+        s3.create_bucket(Bucket="bucket")
+        update = keys.update_key("r-1", 3, "alice")
+        s3.put_object(Bucket="bucket", Key=update, Body=b"x")
+        assert s3.get_object(Bucket="bucket", Key=update)["Body"].read() == b"x"
+        # Then its counts and each request (time, client address, service, operation, the path a PutObject wrote)
+        # are read from its endpoint
+        assert srv.requests is not None
+        assert srv.requests.snapshot()[("s3", "GetObject")] == 1
+        assert srv.requests.objects()[("PutObject", "update")] == 1
+        events = srv.requests.events()
+        assert [(e[2], e[3]) for e in events][-2:] == [("s3", "PutObject"), ("s3", "GetObject")]
+        assert events[-2][1] == "127.0.0.1" and events[-2][4] == f"/bucket/{update}"
+        process = srv._process
+        assert process is not None and process.poll() is None
+    finally:
+        srv.stop()
+    # And closing its stdin ends it
+    assert process.returncode == 0
 
 
 def test_routes_by_moto_modules_listed_once(server: LocalServer) -> None:
