@@ -232,9 +232,9 @@ class LocalServer:
 class ServerProcess:
     """The same server in a process of its own (`python -m local.server`), for `fed demo` and `fed local`: the
     functions, the dispatcher and the observer of this process then share no interpreter lock with the server
-    that answers them, and two cores serve both (measured, `fed demo --task flower`, four runs alternating: median
-    round 0.31-0.36 s against 0.38-0.44 s with the server in a thread, 15 rounds' wall time 12.1 s against
-    14.6-15.1 s). moto's state lives in that process. It exits when this process closes its stdin, or dies."""
+    that answers them, and two cores serve both (measured, `fed demo --task flower`, three runs of each alternating:
+    median round 0.32-0.35 s against 0.37-0.48 s with the server in a thread, the 15 rounds 4.9-5.4 s against
+    6.1-7.3 s). moto's state lives in that process. It exits when this process closes its stdin, or dies."""
 
     def __init__(self, port: int = 0, host: str = LOOPBACK, count_requests: bool = False,
                  keep_events: bool = False) -> None:

@@ -96,7 +96,8 @@ class LocalStack:
     hold_events: bool = False  # True: tick, but deliver no S3 event until `release_events()`
     dispatch: bool = True  # False: no dispatcher in this process (another process delivers events and ticks)
     faults: FaultPlan | None = None  # the dispatcher's fault plan (chaos tests); None: deliver faithfully
-    count_requests: bool = False  # True: the server counts requests by service (`server.requests`), and keeps each
+    count_requests: bool = False  # True: the server counts requests by service (`server.requests`) and keeps each
+    # request (`server.requests.events()`: the demo's report carries them for `make bench-rounds`)
     server_process: bool = False  # True: the server runs in a process of its own (`local.server.ServerProcess`)
     server: LocalServer | ServerProcess | None = field(default=None, init=False)
     resources: LocalResources | None = field(default=None, init=False)

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from local.resources import LocalResources
-from local.server import COUNTS_PATH, OBJECTS_PATH
+from local.server import RemoteCounter
 from local.stack import client_environment, function_environment
 from participant.decide import (
     JOIN_RETRY_SECONDS,
@@ -100,15 +99,11 @@ class StackProcess:
 
     def requests(self) -> Counter[tuple[str, str]]:
         """Every request the server has served so far, by (service, operation)."""
-        return self._counts(COUNTS_PATH)
+        return RemoteCounter(self.endpoint).snapshot()
 
     def objects(self) -> Counter[tuple[str, str]]:
         """Every S3 object request the server has served so far, by (operation, the object's kind)."""
-        return self._counts(OBJECTS_PATH)
-
-    def _counts(self, path: str) -> Counter[tuple[str, str]]:
-        with urllib.request.urlopen(f"{self.endpoint}{path}", timeout=30) as resp:  # noqa: S310 - loopback
-            return Counter({(a, b): n for a, b, n in json.loads(resp.read())})
+        return RemoteCounter(self.endpoint).objects()
 
     def stop(self) -> None:
         if self.process.poll() is None:

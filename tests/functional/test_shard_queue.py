@@ -99,8 +99,8 @@ def test_a_worker_that_dies_mid_shard_is_delivered_again_and_the_global_is_the_s
     assert source.invocations == 4 and got[0] == h.global_digest(1)
 
 
-def test_a_shard_that_keeps_failing_fails_the_tick_at_once(queued: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    h, url, effect = queued
+def break_the_shard_at_piece_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shard starting at piece 3 fails every time it is tried; the others run as usual."""
     real = shard.shard_outcome
 
     def broken(deps: Deps, task: Any, retry: bool = False) -> dict[str, object]:
@@ -109,6 +109,11 @@ def test_a_shard_that_keeps_failing_fails_the_tick_at_once(queued: Any, monkeypa
         return real(deps, task, retry)
 
     monkeypatch.setattr(shard, "shard_outcome", broken)
+
+
+def test_a_shard_that_keeps_failing_fails_the_tick_at_once(queued: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    h, url, effect = queued
+    break_the_shard_at_piece_3(monkeypatch)
     source = EventSource(url)
     try:
         with pytest.raises(RuntimeError, match="shard worker failed: OSError: the disk is on fire"):
@@ -121,17 +126,11 @@ def test_an_abort_that_fails_does_not_hide_the_shard_failure(queued: Any, monkey
     # Given a shard that fails, and an abort of the staging upload that fails too (moto in process fails it when
     # another shard is still adding parts)
     h, url, effect = queued
-    real = shard.shard_outcome
-
-    def broken(deps: Deps, task: Any, retry: bool = False) -> dict[str, object]:
-        if task.first == 3:
-            raise OSError("the disk is on fire")
-        return real(deps, task, retry)
+    break_the_shard_at_piece_3(monkeypatch)
 
     def abort(key: str, upload_id: str) -> None:
         raise RuntimeError("dictionary changed size during iteration")
 
-    monkeypatch.setattr(shard, "shard_outcome", broken)
     monkeypatch.setattr(h.deps.bucket, "abort_multipart", abort)
     source = EventSource(url)
     try:
