@@ -7,8 +7,9 @@ delivers it (moto passes on the base64 text it keeps, which its SQS cannot take:
 `store.push`). And it makes the topic's subscriptions safe to change while they are read: moto's server serves
 requests in threads, and a subscribe that looked for an existing subscription while another was added failed
 ("OrderedDict mutated during iteration", a 500 to one of a thousand participants opening their queues at once;
-a publish reading them meanwhile would fail the same way). Idempotent; used by the local stack and the functional
-tests."""
+a publish reading them meanwhile would fail the same way), as did the subscribe's setting of its attributes
+(raw delivery: moto looks the new subscription up among all of them, outside the subscribe). Idempotent; used
+by the local stack and the functional tests."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def apply() -> None:
 
     models.Topic.publish = publish  # type: ignore[method-assign]
     for name in ("subscribe", "unsubscribe", "_get_topic_subscriptions", "list_subscriptions",
-                 "list_subscriptions_by_topic", "delete_topic_subscriptions"):
+                 "list_subscriptions_by_topic", "delete_topic_subscriptions", "set_subscription_attributes",
+                 "get_subscription_attributes"):
         setattr(models.SNSBackend, name, _locked(getattr(models.SNSBackend, name)))
     _applied = True
 

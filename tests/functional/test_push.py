@@ -7,7 +7,9 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import sys
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import boto3
@@ -186,9 +188,12 @@ def test_a_change_reaches_every_participant_queue_past_a_hundred(harness: Harnes
     assert all((p := q.wait(0)) is not None and p.version == version for q in queues)
 
 
+@pytest.mark.parametrize("looking_in", ["_find_subscription", "set_subscription_attributes"])
 def test_a_subscribe_while_another_looks_through_the_subscriptions_fails_neither(
-        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    # (moto's server serves requests in threads: a thousand participants subscribing their queues at once)
+        harness: Harness, monkeypatch: pytest.MonkeyPatch, looking_in: str) -> None:
+    # (moto's server serves requests in threads: a thousand participants subscribing their queues at once, each
+    # with raw delivery, which moto sets after the subscribe by looking the subscription up among all of them)
+    from moto.core import DEFAULT_ACCOUNT_ID
     from moto.sns import models
 
     sqs, sns = boto3.client("sqs", region_name="us-east-1"), boto3.client("sns", region_name="us-east-1")
@@ -197,22 +202,25 @@ def test_a_subscribe_while_another_looks_through_the_subscriptions_fails_neither
     for arn in arns[:2]:
         sns.subscribe(TopicArn=harness.res.state_topic, Protocol="sqs", Endpoint=arn)
     looking, looked, errors = threading.Event(), threading.Event(), []
-    find = models.SNSBackend._find_subscription
 
-    def slow_find(self: Any, *args: Any) -> Any:
-        # the first subscribe pauses after the first subscription it looked at until the other is done (or, where
-        # the other waits for it to finish, for half a second)
-        for n, _ in enumerate(self.subscriptions.values()):
-            if n == 0 and threading.current_thread().name == "first":
-                looking.set()
-                looked.wait(0.5)
-        return find(self, *args)
+    class Subscriptions(OrderedDict):  # type: ignore[type-arg]
+        def values(self) -> Any:
+            # the first subscribe pauses after the first subscription it looked at, in `looking_in`, until the
+            # other is done (or, where the other waits for it to finish, for half a second)
+            for n, value in enumerate(super().values()):
+                yield value
+                callers = (sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name)  # (a comprehension's)
+                if n == 0 and threading.current_thread().name == "first" and looking_in in callers:
+                    looking.set()
+                    looked.wait(0.5)
 
-    monkeypatch.setattr(models.SNSBackend, "_find_subscription", slow_find)
+    backend = models.sns_backends[DEFAULT_ACCOUNT_ID]["us-east-1"]
+    monkeypatch.setattr(backend, "subscriptions", Subscriptions(backend.subscriptions))
+    attributes = {"RawMessageDelivery": "true"} if looking_in == "set_subscription_attributes" else {}
 
     def subscribe(arn: str) -> None:
         try:
-            sns.subscribe(TopicArn=harness.res.state_topic, Protocol="sqs", Endpoint=arn)
+            sns.subscribe(TopicArn=harness.res.state_topic, Protocol="sqs", Endpoint=arn, Attributes=attributes)
         except Exception as exc:  # what a participant would have got: a 500
             errors.append(exc)
 
