@@ -20,6 +20,7 @@ import logging
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +31,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qs
 
-from werkzeug.serving import BaseWSGIServer, make_server
+from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
+from werkzeug.wsgi import LimitedStream
 
 from shared import keys
 
@@ -162,6 +164,72 @@ class RequestCounter:
             return Counter(self._objects)
 
 
+class _NothingToRead:
+    """What werkzeug's after-response drain of the socket reads: nothing (on a persistent connection, the bytes
+    still in the socket are the client's next request)."""
+
+    @staticmethod
+    def read(size: int = -1) -> bytes:
+        return b""
+
+
+def persistent(handler: type[WSGIRequestHandler], connections: set[socket.socket]) -> type[WSGIRequestHandler]:
+    """`handler` serving HTTP/1.1 with persistent connections (werkzeug's closes every connection after one
+    response): a client's next request reuses its connection instead of a new TCP connection and a new server
+    thread. Measured (sequential DynamoDB GetItem, S3 GET and PUT of 20 KB, four alternating runs): 4.0-4.5 ms
+    a request against 4.8-5.0 ms, the server's CPU 2.1-2.4 ms a request against 2.9-3.0 ms.
+
+    The body a request's application left unread is read off before the next request is parsed; responses go out
+    without Nagle's delay (a response is two writes, headers then body: with it, the body waited for the client's
+    delayed acknowledgement of the headers, 30 ms a request). Each open connection is in `connections` (for the
+    server's stop to close them: a client must not go on talking to a stopped server's handler threads)."""
+
+    class Persistent(handler):  # type: ignore[valid-type, misc]
+        protocol_version = "HTTP/1.1"  # (werkzeug frames a response without Content-Length by chunks)
+        rfile: Any
+        _socket_in: Any
+
+        def setup(self) -> None:
+            super().setup()
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connections.add(self.connection)
+
+        def finish(self) -> None:
+            connections.discard(self.connection)
+            super().finish()
+
+        def run_wsgi(self) -> None:
+            self._socket_in = self.rfile
+            self.rfile = _NothingToRead()
+            try:
+                super().run_wsgi()
+            finally:
+                self.rfile = self._socket_in
+            body = self.environ.get("wsgi.input")
+            if isinstance(body, LimitedStream):
+                body.exhaust()
+            elif body is not None:  # a chunked request body (werkzeug's dechunking reader)
+                while body.read(1 << 20):
+                    pass
+
+        def make_environ(self) -> dict[str, Any]:
+            self.rfile = self._socket_in
+            try:
+                environ: dict[str, Any] = super().make_environ()
+            finally:
+                self.rfile = _NothingToRead()
+            if not environ.get("wsgi.input_terminated"):  # a body framed by its Content-Length (or none)
+                environ["wsgi.input"] = LimitedStream(self._socket_in, int(environ.get("CONTENT_LENGTH") or 0))
+            return environ
+
+        def send_header(self, keyword: str, value: str) -> None:
+            if keyword.lower() == "connection" and value.lower() == "close" and not self.close_connection:
+                return  # werkzeug's: it closes every connection
+            super().send_header(keyword, value)
+
+    return Persistent
+
+
 # Connections waiting to be accepted. werkzeug listens with a backlog of 128; a thousand participants connecting at
 # once (the load test) overflowed it while the server was busy: the kernel dropped their SYNs, each connect waited
 # seconds for its retransmission, requests timed out and were sent again, and the server's throughput collapsed
@@ -180,6 +248,7 @@ class LocalServer:
         self.requests: RequestCounter | None = None  # with count_requests: every request served, by service
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
+        self._connections: set[socket.socket] = set()  # the clients' open connections
 
     @property
     def endpoint(self) -> str:
@@ -205,7 +274,8 @@ class LocalServer:
         if self.count_requests:
             app = self.requests = RequestCounter(app, self.keep_events)
         try:
-            self._server = make_server(self.host, self.port, app, threaded=True, request_handler=MotoRequestHandler)
+            self._server = make_server(self.host, self.port, app, threaded=True,
+                                       request_handler=persistent(MotoRequestHandler, self._connections))
         except SystemExit:  # werkzeug prints a hint and exits when the port is taken
             raise OSError(f"port {self.port} on {self.host} is already in use") from None
         self._server.daemon_threads = True  # type: ignore[attr-defined]  # ThreadedWSGIServer has it; the stub says Base
@@ -218,6 +288,9 @@ class LocalServer:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+        for connection in list(self._connections):  # their handler threads wait for a next request: end them
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._server, self._thread = None, None

@@ -198,3 +198,30 @@ def test_listens_with_a_backlog_for_a_thousand_connecting_at_once(server: LocalS
     backlog = int(listing.split()[2])  # State Recv-Q Send-Q(= the backlog) Local Peer
     with open("/proc/sys/net/core/somaxconn") as f:
         assert backlog == min(LISTEN_BACKLOG, int(f.read())) and backlog >= 1024, listing
+
+
+def test_a_connection_serves_request_after_request_until_the_server_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    import http.client
+    import json
+
+    from local.server import COUNTS_PATH
+
+    # Given a counting server and one HTTP/1.1 connection to it
+    with LocalServer(count_requests=True) as srv:
+        conn = http.client.HTTPConnection(srv.endpoint.removeprefix("http://"), timeout=10)
+        # When a request carries a body that nothing reads (the counts ignore it), and two more follow
+        answers, sockets = [], []
+        for body in (b"never read by the server", None, None):
+            conn.request("GET", COUNTS_PATH, body=body)
+            resp = conn.getresponse()
+            answers.append((resp.status, resp.getheader("Connection"), json.loads(resp.read())))
+            sockets.append(conn.sock)  # (http.client drops its socket once the server closes the connection)
+        # Then each is answered on the same connection, the unread body not mistaken for a request
+        assert [(status, header) for status, header, _ in answers] == [(200, None)] * 3
+        assert sockets[0] is not None and sockets == [sockets[0]] * 3
+        assert len(srv._connections) == 1
+    # And once the server stops, the connection is closed: nothing answers on it
+    with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+        conn.request("GET", COUNTS_PATH)
+        conn.getresponse()
+    conn.close()
