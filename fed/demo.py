@@ -522,8 +522,11 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
     started = time.monotonic()
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="fed-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    # Events are held until every participant has asked to join only where the first epoch could start without
+    # some of them (fewer needed than started: --kill-one): it admits only who it has heard from.
+    hold = config.min_clients < opts.participants
     stack = LocalStack(config, tick_interval=opts.tick_interval, log_file=workdir / "functions.log",
-                       log_level="INFO", hold_events=True, count_requests=opts.count_requests, server_process=True)
+                       log_level="INFO", hold_events=hold, count_requests=opts.count_requests, server_process=True)
     procs: Participants | None = None
     ok = False
     try:
@@ -548,7 +551,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         procs.spawn(names, extra)
         with console.status(f"starting {len(names)} participant processes"):
             await_joins(stack, names, procs)
-        stack.release_events()  # every participant has asked to join: the first epoch admits them all
+        if hold:
+            stack.release_events()  # every participant has asked to join: the first epoch admits them all
         by_loss = reports_loss(config.task)
         rows = _follow(stack, config, opts, procs, evaluator, console, started, by_loss)
         final = store_for(stack.connection).read_state()
