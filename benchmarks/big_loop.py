@@ -85,9 +85,9 @@ class Timings:
                 self.ingest.append((obj.key, started, time.time(), outcome.accepted))
             return outcome
 
-        def write_aggregate(deps: Any, effect: Any) -> tuple[str, str]:
+        def write_aggregate(deps: Any, effect: Any, *lease: Any) -> tuple[str, str]:
             started = time.time()
-            written = saved[1](deps, effect)
+            written = saved[1](deps, effect, *lease)
             self.aggregations.append((started, time.time()))
             return written
 

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.deps import Deps, ShardRunner
@@ -58,6 +59,24 @@ class AggregationBusy(RuntimeError):
     """Another invocation is aggregating this round (it commits; this one does nothing)."""
 
 
+@dataclass
+class RoundLease:
+    """One tick's hold on the rounds it aggregates, given back once that tick's commit is in or lost
+    (`release`), not when the aggregate is written: a tick that read the state before that commit and claims
+    the round after it would otherwise aggregate the round again (measured at 200 and 1,000 participants, where
+    a tick's reads take seconds: every update read three times, not twice). A claim that succeeds is checked
+    against the state version the tick decided on (`decided_on`): a round committed meanwhile is left alone."""
+
+    holder: str = field(default_factory=lambda: uuid.uuid4().hex)
+    decided_on: int = -1  # the state version the holder's decision was made on; -1: not checked
+    held: list[str] = field(default_factory=list)
+
+    def release(self, deps: Deps) -> None:
+        for name in self.held:
+            deps.store.release(name, self.holder)
+        self.held.clear()
+
+
 def weighted_inputs(
     deps: Deps, round_no: int, base: GlobalModel, inputs: Sequence[AggregateInput | ShardInput]
 ) -> list[WeightedInput]:
@@ -82,20 +101,30 @@ def job_id(plan: Plan, base_digest: str, optimizer_digest: str = "") -> str:
     return hashlib.sha256(plan.header + base_digest.encode() + optimizer_digest.encode()).hexdigest()
 
 
-def write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:
+def write_aggregate(deps: Deps, effect: Aggregate, lease: RoundLease | None = None) -> tuple[str, str]:
     """Compute and store the global model of `effect.round + 1` and, with a server optimizer, the state its
-    step leaves (its piece files, then its index); their digests ("" for no state)."""
+    step leaves (its piece files, then its index); their digests ("" for no state). With `lease`, the round's
+    lease stays held when this returns (the caller releases it after its commit); without, it is released here."""
     head = deps.bucket.head(keys.global_key(deps.config.run_id, effect.round, effect.base_digest))
     size = int(head["ContentLength"]) if head else 0
     if size <= PIECE_BYTES and len(effect.inputs) <= UNLEASED_INPUTS:  # a moment's work: a second tick costs little
         return _write_aggregate(deps, effect)
-    lease, holder = f"aggregate#{effect.round}", uuid.uuid4().hex
-    if not deps.store.claim(lease, holder, time.time() + lease_seconds(size, len(effect.inputs)), time.time()):
+    held = lease or RoundLease()
+    name = f"aggregate#{effect.round}"
+    if not deps.store.claim(name, held.holder, time.time() + lease_seconds(size, len(effect.inputs)), time.time()):
         raise AggregationBusy(f"round {effect.round} is being aggregated by another invocation")
+    if name not in held.held:
+        held.held.append(name)
     try:
-        return _write_aggregate(deps, effect)
-    finally:
-        deps.store.release(lease, holder)
+        if held.decided_on >= 0 and deps.store.read_state().version != held.decided_on:
+            raise AggregationBusy(f"round {effect.round} was committed by another invocation meanwhile")
+        written = _write_aggregate(deps, effect)
+    except BaseException:
+        held.release(deps)  # (another invocation may take the round over at once)
+        raise
+    if lease is None:
+        held.release(deps)
+    return written
 
 
 def _write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from coordinator.aggregation import AggregationBusy, write_aggregate
+from coordinator.aggregation import AggregationBusy, RoundLease, write_aggregate
 from coordinator.catchup import catch_up
 from coordinator.deps import Deps
 from coordinator.models import CorruptInput, copy_global, read_header
@@ -53,7 +53,14 @@ class TickResult:
 
 def run_tick(deps: Deps, now: float | None = None) -> TickResult:
     """One tick, retried on a lost race; `now` fixes the clock (tests), otherwise each attempt reads it anew."""
-    at = now
+    lease = RoundLease()  # held from an aggregation until the commit that records it is in or lost
+    try:
+        return _attempts(deps, now, lease)
+    finally:
+        lease.release(deps)
+
+
+def _attempts(deps: Deps, at: float | None, lease: RoundLease) -> TickResult:
     caught_up = 0
     for attempt in range(1, MAX_ATTEMPTS + 1):
         now = time.time() if at is None else at
@@ -62,6 +69,7 @@ def run_tick(deps: Deps, now: float | None = None) -> TickResult:
             caught_up += found
             snap = deps.store.load_snapshot()
             now = time.time() if at is None else at
+        lease.decided_on = snap.state.version
         decision = tick(snap, deps.config, now)
         first = snap.state.version == 0  # the run's first commit publishes its configuration
         if first and deps.bucket.head(keys.latest_checkpoint_key(deps.config.run_id)) is not None:
@@ -75,7 +83,7 @@ def run_tick(deps: Deps, now: float | None = None) -> TickResult:
             return TickResult(False, snap.state, attempt)
         started = time.perf_counter()
         try:
-            decision = carry_out_before_commit(deps, decision)
+            decision = carry_out_before_commit(deps, decision, lease=lease)
         except AggregationBusy as exc:  # the invocation aggregating the round commits it
             return TickResult(False, snap.state, attempt, notes=(str(exc),))
         except CorruptInput as exc:
@@ -124,8 +132,8 @@ def _exclude(deps: Deps, state: RunState, exc: CorruptInput) -> None:
         deps.store.commit(exclude_input(state, exc.participant, reason), state.version)
 
 
-def carry_out_before_commit(deps: Deps, decision: Decision) -> Decision:
-    """Write every object the new state will point to.
+def carry_out_before_commit(deps: Deps, decision: Decision, lease: RoundLease | None = None) -> Decision:
+    """Write every object the new state will point to (an aggregation under `lease`, if given: see `RoundLease`).
 
     Global models are content-addressed (`keys.global_key`): a tick that loses its commit leaves at most an
     orphan under its own digest, and can never replace the model the winner committed to.
@@ -136,7 +144,7 @@ def carry_out_before_commit(deps: Deps, decision: Decision) -> Decision:
         if isinstance(effect, AdoptInitialModel):
             adopt_initial_model(deps, effect)
         elif isinstance(effect, Aggregate):
-            written, written_state = write_aggregate(deps, effect)
+            written, written_state = write_aggregate(deps, effect, lease)
             decision = resolve(decision, written, written_state)
         elif isinstance(effect, CarryGlobal):
             carried = effect.digest or written

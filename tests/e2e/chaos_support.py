@@ -148,20 +148,20 @@ def install_crash_hooks(rng: random.Random, report: Callable[[str, dict[str, Any
         threading.Event().wait(60)  # the test kills this process long before
         raise SimulatedCrash("not killed while blocked")
 
-    def write_aggregate(deps: Any, effect: Any) -> tuple[str, str]:
+    def write_aggregate(deps: Any, effect: Any, *lease: Any) -> tuple[str, str]:
         if getattr(local, "kill", False) and kill_point == "before_write":
             block(effect.round, kill_point)
-        return original_write(deps, effect)  # type: ignore[no-any-return]
+        return original_write(deps, effect, *lease)  # type: ignore[no-any-return]
 
-    def carry_out_before_commit(deps: Any, decision: Any) -> Any:
+    def carry_out_before_commit(deps: Any, decision: Any, **lease: Any) -> Any:
         rounds = [e.round for e in decision.effects if isinstance(e, Aggregate)]
         if not rounds:
-            return original_carry(deps, decision)
+            return original_carry(deps, decision, **lease)
         with lock:
             attempts[0] += 1
             local.kill = attempts[0] == kill_at
             crash = not local.kill and rng.random() < aggregation_crash_rate
-        result = original_carry(deps, decision)
+        result = original_carry(deps, decision, **lease)
         if local.kill:
             block(rounds[0], kill_point)
         if crash:

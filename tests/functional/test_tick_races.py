@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 import coordinator.tick as coordinator
-from coordinator.tick import run_tick
+from coordinator.aggregation import UNLEASED_INPUTS
+from coordinator.tick import TickResult, run_tick
 from coordinator.verify import verify_run
 from shared import keys
 from shared.wire import digest
@@ -27,24 +28,25 @@ def scaled(x: float) -> dict[str, np.ndarray]:
     return {k: (v * 0 + x).astype(np.float32) for k, v in MODEL.items()}
 
 
-def race(harness: Any, late: str) -> None:
+def race(harness: Any, late: str) -> TickResult:
     """Tick A (deadline passed) holds before writing; `late`'s update is ingested (tick B closes the round
-    with it and commits); then A writes and commits."""
+    with it and commits); then A writes and commits. Returns A's result."""
     deps = harness.deps
     after_deadline = harness.state().deadline + 1
     a_waiting, b_done = threading.Event(), threading.Event()
     original = coordinator.carry_out_before_commit
     a_thread: list[threading.Thread] = []
+    results: list[TickResult] = []
 
-    def held(deps: Any, decision: Any) -> Any:
+    def held(deps: Any, decision: Any, **lease: Any) -> Any:
         if threading.current_thread() is a_thread[0] and not b_done.is_set():
             a_waiting.set()
             assert b_done.wait(20)
-        return original(deps, decision)
+        return original(deps, decision, **lease)
 
     coordinator.carry_out_before_commit = held
     try:
-        a = threading.Thread(target=lambda: run_tick(deps, after_deadline))
+        a = threading.Thread(target=lambda: results.append(run_tick(deps, after_deadline)))
         a_thread.append(a)
         a.start()
         assert a_waiting.wait(20)
@@ -53,6 +55,7 @@ def race(harness: Any, late: str) -> None:
         a.join(30)
     finally:
         coordinator.carry_out_before_commit = original
+    return results[0]
 
 
 def test_the_committed_global_survives_a_racing_tick_with_an_older_snapshot(harness_factory) -> None:  # type: ignore[no-untyped-def]
@@ -113,3 +116,25 @@ def test_an_update_that_cannot_be_read_back_is_left_out_and_the_round_goes_on(ha
     np.testing.assert_allclose(harness.global_model(1)["dense.bias"], 3.0)
     # And the run is not wedged: anyone can still recompute the new global model from the bucket
     assert all(check.ok for check in verify_run(harness.deps))
+
+
+def test_a_tick_that_decided_before_the_round_was_committed_does_not_aggregate_it_again(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    # Given a round of enough updates to be aggregated under its lease, whose deadline passed with all but one in
+    pids = [f"p{i:02d}" for i in range(UNLEASED_INPUTS + 2)]  # (the racing tick sees more than UNLEASED_INPUTS)
+    harness = harness_factory(liveness_timeout=3600, min_clients=len(pids), min_per_round=len(pids),
+                              fraction_per_round=1.0)
+    harness.start(pids)
+    for i, pid in enumerate(pids[:-1]):
+        harness.upload(pid, scaled(i))
+
+    # When a tick that saw them (and would close the round at its deadline) waits while the last update's tick
+    # aggregates the round and commits, and only then claims the round (the lease is free again)
+    late = race(harness, pids[-1])
+
+    # Then it finds the round committed and leaves it alone: one global model written, not two
+    assert not late.committed and any("committed by another invocation" in n for n in late.notes), late
+    state = harness.state()
+    assert state.round == 1 and state.aggregated == 1
+    listed = harness.s3.list_objects_v2(Bucket=harness.res.bucket,
+                                        Prefix=keys.global_prefix(harness.config.run_id, 1))["Contents"]
+    assert [o["Key"] for o in listed] == [keys.global_key(harness.config.run_id, 1, state.global_digest)]
