@@ -260,10 +260,11 @@ class LocalServer:
         # Imported here: moto costs about a second to import and only the local run needs it.
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 
-        from local import moto_dynamodb, moto_ranges, moto_routing, moto_sns, moto_sqs
+        from local import moto_dynamodb, moto_events, moto_ranges, moto_routing, moto_sns, moto_sqs
 
         moto_dynamodb.apply()
         moto_dynamodb.serve_query_results()  # (safe here: SerialDynamoDB serves each request and response whole)
+        moto_events.apply()
         moto_ranges.apply()
         moto_routing.apply()
         moto_sns.apply()

@@ -43,12 +43,13 @@ from participant.decide import (
     Finish,
     Local,
     Train,
+    Wait,
     heartbeat_due,
     next_heartbeat,
 )
 from participant.journal import Journal, JournalKeeper
 from participant.protocol import Outcome, Participant, closed_while_training
-from participant.remote import Retrier
+from participant.remote import Retrier, Stopped
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.messages import Heartbeat, JoinRequest
@@ -183,12 +184,13 @@ class SimRemote:
     (what `participant.remote.Remote` does for the daemon) and its uploads, each retried as the daemon retries
     (`participant.remote.Retrier`: a request the overloaded local server did not answer in time is sent again)."""
 
-    def __init__(self, pid: str, conn: Connection, clients: Clients, signer: Signer) -> None:
+    def __init__(self, pid: str, conn: Connection, clients: Clients, signer: Signer, stop: threading.Event) -> None:
+        """`stop`: set, every request still being retried gives up (raises `participant.remote.Stopped`)."""
         self.pid, self.conn, self.run_id = pid, conn, conn.run_id
         self.s3, self.ddb = clients.s3, clients.ddb
         self.signer = signer
         self.rosters = Rosters(Bucket(conn.bucket, clients.s3), conn.run_id)  # its own: each host reads its own
-        self.retry = Retrier(threading.Event())
+        self.retry = Retrier(stop)
 
     def put(self, key: str, body: bytes) -> None:
         self.retry.call(f"uploading {key}", self.s3.put_object, Bucket=self.conn.bucket, Key=key, Body=body,
@@ -264,7 +266,8 @@ class SimParticipant(Participant):
         round's training takes (the numpy stand-in itself is instant); `push`: listen on a push queue of its own
         (as the daemon does where the run has a state topic), else poll the state."""
         self.signer = Signer.generate()
-        self.remote = SimRemote(pid, conn, clients, self.signer)
+        self.stopped = threading.Event()  # `stop()`: the test is over, whatever state the run is in
+        self.remote = SimRemote(pid, conn, clients, self.signer, self.stopped)
         super().__init__(pid, conn.run_id, self.remote, JournalKeeper(Journal(conn.run_id, pid)), poll_max,
                          rng=random.Random(pid))
         self.conn = conn
@@ -284,6 +287,7 @@ class SimParticipant(Participant):
         self._beats_stop = threading.Event()
         self.clients, self.push = clients, push
         self.update_sent_at = -math.inf  # as the daemon's: no heartbeat within an interval of an update upload
+        self.doing = "starting"  # what it is doing or waiting for (a stalled run's report names it)
 
     @property
     def uploaded(self) -> dict[int, str]:
@@ -300,7 +304,8 @@ class SimParticipant(Participant):
     def run(self, start_after: float = 0.0) -> None:
         """The daemon's life, started `start_after` seconds from now (hosts do not start in the same instant)."""
         try:
-            time.sleep(start_after)
+            if self.stopped.wait(start_after):
+                return
             self.counter.phase.name = "setup"
             self._join()
             self._wait_for_config()
@@ -312,11 +317,18 @@ class SimParticipant(Participant):
                 threading.Thread(target=self._heartbeats, name=f"{self.pid}-heartbeat", daemon=True).start()
             self.deadline = time.monotonic() + self.timeout
             self._loop()
+        except Stopped:  # the test ended it
+            pass
         except BaseException as exc:  # reported by the test (and at once: a long run shows its first failure early)
             self.error = exc
             print(f"  {self.pid} failed: {type(exc).__name__}: {exc}", flush=True)
         finally:
             self._beats_stop.set()
+
+    def stop(self) -> None:
+        """End this participant's thread soon, wherever it is (a request being retried, a pause, a long poll's end)."""
+        self.stopped.set()
+        self._beats_stop.set()
 
     def _heartbeats(self) -> None:
         """The daemon's heartbeat thread: every `heartbeat_every` seconds (jittered as the daemon's), until done."""
@@ -347,11 +359,17 @@ class SimParticipant(Participant):
             return None
 
     def _check_stop(self) -> None:
+        if self.stopped.is_set():
+            raise Stopped()
         if time.monotonic() >= self.deadline:
             raise TimeoutError(f"{self.pid}: the run did not finish within {self.timeout:.0f}s")
 
     def _pause(self, seconds: float) -> None:
-        time.sleep(seconds)
+        if self.stopped.wait(seconds):
+            raise Stopped()
+
+    def _waiting(self, action: Wait, new_reason: bool) -> None:
+        self.doing = f"waiting: {action.reason}"
 
     def _observe(self, state: RunState) -> None:
         if state.phase in (Phase.TRAIN, Phase.WITNESS, Phase.FINISHED) or state.aggregated:
@@ -382,15 +400,17 @@ class SimParticipant(Participant):
         self.actions["initial-model offer"] += 1
 
     def _fetch(self, action: Fetch) -> None:
+        self.doing = f"fetching the global of round {action.round}"
         data = self.remote.get(keys.global_key(self.run_id, action.round, action.digest))
         if data is None or wire.digest(data) != action.digest:
-            time.sleep(1.0)  # not there yet (or not yet the committed one): the daemon waits and asks again
+            self._pause(1.0)  # not there yet (or not yet the committed one): the daemon waits and asks again
             return
         self.held, self.held_model, self.held_data = action.digest, data, data
 
     def _train(self, a: Train) -> bool:
+        self.doing = f"training round {a.round}"
         if self.train_seconds > 0:
-            time.sleep(self.train_seconds)
+            self._pause(self.train_seconds)
         arrays, _ = wire.decode(self.held_data)
         noise = np.random.default_rng(int(hashlib.sha256(f"{a.seed}:{self.pid}".encode()).hexdigest()[:8], 16))
         trained = {k: (v + noise.normal(0, 0.01, v.shape)).astype(v.dtype) for k, v in arrays.items()}

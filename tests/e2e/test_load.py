@@ -120,7 +120,11 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
             while t.is_alive() and time.monotonic() < began + RUN_TIMEOUT + 30 and not any(s.error for s in sims):
                 t.join(5.0)
         wall = time.monotonic() - began
+        stalled = [s for s in sims if s.error is not None or not s.finished_digest]
+        report = stall_report(stack, sims, progress, tmp_path / "stack.log") if stalled else ""
     finally:
+        for s in sims:  # (every one has finished unless the run failed: the rest are not needed any more)
+            s.stop()
         progress.stop()
         stats = dispatcher.stop()
     total = stack.requests() - before - progress.counter.snapshot()
@@ -147,7 +151,9 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
     # Then every participant uploaded in every round, each round counted every update, and each participant saw
     # its updates accepted and the run finish with the committed model
     errors = [f"{s.pid}: {type(s.error).__name__}: {s.error}" for s in sims if s.error is not None]
-    assert not errors, errors[:5]
+    if report:
+        print(report, flush=True)
+    assert not errors, f"{errors[:5]}\n{report}"
     assert not any(t.is_alive() for t in threads), "participants still running"
     assert len(uploaded) == N and lost == 0
     assert state.phase is Phase.FINISHED and state.aggregated == ROUNDS
@@ -169,6 +175,34 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
         expected = np.average(rows, axis=0, weights=weights).astype(value.dtype)
         assert np.allclose(expected, value, rtol=1e-5, atol=1e-6), name
     assert all(check.ok for check in verify_run(deps_from_env()))
+
+
+def stall_report(stack: StackProcess, sims: list[SimParticipant], progress: Progress, stack_log: Path) -> str:
+    """Where a run that did not finish stood: its phase and round, the phases it went through and when, what the
+    participants not done were doing, the ingest queue's backlog, and S3 events the local stand-in failed to deliver
+    (local.moto_events logs each). Printed, and carried by the failing assertion (the end of CI's output)."""
+    lines = ["the run did not finish: " + ", ".join(f"{k} at {v:.0f}s" for k, v in progress.phases.items())]
+    try:
+        state = store_for(stack.connection).read_state()
+        lines.append(f"  state: {state.phase.value}, round {state.round}, {state.aggregated} aggregated, version "
+                     f"{state.version}")
+        if state.phase is Phase.TRAIN:
+            missing = sorted(s.pid for s in sims if not s.uploaded.get(state.round))
+            lines.append(f"  {N - len(missing)} of {N} uploaded round {state.round}; not: {missing[:10]}")
+        sqs = boto3.client("sqs", endpoint_url=stack.endpoint, region_name=stack.connection.region)
+        for url in stack.resources.queue_urls:
+            attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages",
+                                                                           "ApproximateNumberOfMessagesNotVisible"])
+            lines.append(f"  queue {url.rsplit('/', 1)[-1]}: {attrs['Attributes']}")
+    except Exception as exc:  # the stack may be what failed
+        lines.append(f"  the stack did not answer: {type(exc).__name__}: {exc}")
+    doing = Counter(s.doing for s in sims if not s.finished_digest)
+    lines += [f"  {n} participants {what} (e.g. " + ", ".join(s.pid for s in sims if s.doing == what)[:60] + ")"
+              for what, n in doing.most_common(6)]
+    failed = stack_log.read_text(errors="replace").count("delivering the S3 event") if stack_log.exists() else 0
+    lines.append(f"  S3 event deliveries that failed at the local server (its log): {failed}")
+    lines.append(f"  load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    return "\n".join(lines)
 
 
 class Progress:
