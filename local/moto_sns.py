@@ -8,15 +8,20 @@ delivers it (moto passes on the base64 text it keeps, which its SQS cannot take:
 requests in threads, and a subscribe that looked for an existing subscription while another was added failed
 ("OrderedDict mutated during iteration", a 500 to one of a thousand participants opening their queues at once;
 a publish reading them meanwhile would fail the same way), as did the subscribe's setting of its attributes
-(raw delivery: moto looks the new subscription up among all of them, outside the subscribe). Idempotent; used
-by the local stack and the functional tests."""
+(raw delivery: moto looks the new subscription up among all of them, outside the subscribe). And each delivery of
+a publish is its own, as in SNS: moto stopped at the first that failed (the queue of a participant that finished
+and deleted it, its subscription still on the topic), and failed the publish, so that the subscriptions after it
+got nothing. Idempotent; used by the local stack and the functional tests."""
 
 from __future__ import annotations
 
 import base64
 import functools
+import logging
 import threading
 from typing import Any
+
+log = logging.getLogger("local.sns")
 
 _applied = False
 _SUBSCRIPTIONS = threading.RLock()  # held while a backend's subscriptions are changed or listed
@@ -37,9 +42,13 @@ def apply() -> None:
         for subscription in self.sns_backend._get_topic_subscriptions(self):  # every one, not a page of them
             is_raw = str(subscription.attributes.get("RawMessageDelivery")).lower() == "true"
             attributes = raw if is_raw else message_attributes
-            subscription.publish(message, message_id, subject=subject, message_attributes=attributes,
-                                 group_id=group_id, deduplication_id=deduplication_id,
-                                 message_structure=message_structure)
+            try:
+                subscription.publish(message, message_id, subject=subject, message_attributes=attributes,
+                                     group_id=group_id, deduplication_id=deduplication_id,
+                                     message_structure=message_structure)
+            except Exception as exc:  # (each delivery is its own: a deleted queue's fails, the others' do not)
+                log.info("delivering %s to %s failed: %s: %s", message_id, subscription.endpoint,
+                         type(exc).__name__, exc)
         return message_id
 
     models.Topic.publish = publish  # type: ignore[method-assign]

@@ -188,6 +188,18 @@ def test_a_change_reaches_every_participant_queue_past_a_hundred(harness: Harnes
     assert all((p := q.wait(0)) is not None and p.version == version for q in queues)
 
 
+def test_a_change_reaches_every_queue_after_one_whose_participant_finished(harness: Harness) -> None:
+    # Given three participants' queues, the first of them closed (its participant finished: the queue is deleted,
+    # its subscription is still on the topic)
+    first, second, third = (_queue(harness, pid)[0] for pid in ("alice", "bob", "carol"))
+    first.close()
+    # When a commit publishes a change
+    harness.start(["bob", "carol"])
+    version = harness.state().version
+    # Then the queues after the deleted one receive it (SNS delivers to each subscription on its own)
+    assert all((p := q.wait(0)) is not None and p.version == version for q in (second, third))
+
+
 @pytest.mark.parametrize("looking_in", ["_find_subscription", "set_subscription_attributes"])
 def test_a_subscribe_while_another_looks_through_the_subscriptions_fails_neither(
         harness: Harness, monkeypatch: pytest.MonkeyPatch, looking_in: str) -> None:
