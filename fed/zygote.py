@@ -21,6 +21,7 @@ participant outlives the demo. Linux only.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -199,16 +200,25 @@ def threads() -> int:
 
 
 def serve() -> None:
-    """Import PRELOAD, then fork a participant per request until stdin closes."""
+    """Import PRELOAD, then fork a participant per request until stdin closes.
+
+    The imports' objects are moved out of the garbage collector's reach (`gc.freeze`) before any fork: a child's
+    first full collection would otherwise walk every object torch and the tasks made, writing to each one's header,
+    and so copy nearly every page it shares with the zygote. Measured (`fed demo --task flower`, two runs of each):
+    a forked participant's store and clients built in 0.26-0.31 s instead of 0.72-0.78 s. The collector also stays
+    off during the imports, which make objects and free none."""
     stdin = sys.stdin.fileno()
     began = time.perf_counter()
     loaded = []
+    gc.disable()
     for name in PRELOAD:
         try:
             importlib.import_module(name)
             loaded.append(name)
         except ImportError as exc:
             print(f"zygote: not preloaded: {name} ({exc})", file=sys.stderr)
+    gc.freeze()
+    gc.enable()
 
     def say(message: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(message) + "\n")
@@ -218,7 +228,8 @@ def serve() -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (only to wake the select below)
-    say({"ready": loaded, "seconds": round(time.perf_counter() - began, 2), "threads": threads()})
+    say({"ready": loaded, "seconds": round(time.perf_counter() - began, 2), "threads": threads(),
+         "frozen": gc.get_freeze_count()})
     pending = b""
     while True:
         readable, _, _ = select.select([stdin, wake_r], [], [])

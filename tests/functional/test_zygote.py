@@ -36,6 +36,7 @@ def test_a_forked_participant_runs_the_cli_with_its_arguments_and_its_log(zygote
     assert "Join a run and train until it is finished" in log.read_text()
     assert zygote._ready is not None and zygote._ready["threads"] == 1
     assert "torch" in zygote._ready["ready"]
+    assert zygote._ready["frozen"] > 100_000  # torch's objects, out of the children's collections (no copy of them)
 
 
 def test_its_exit_status_and_its_error_are_its_own(zygote: Zygote, tmp_path: Path) -> None:
