@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 from rich.console import Console
 
+from fed.evaluation import EvaluationFailed, Evaluator
 from fed.localrun import RoundFollower, store_for
 from fed.plot import PlotUnavailable, RoundPoint, write_png
 from fed.zygote import Forked, Zygote, ZygoteError, die_with_parent
@@ -39,9 +39,7 @@ from shared import keys
 from shared.config import DataMode, DownloadEncoding, RunConfig, UpdateEncoding
 from shared.delta import MAX_INDEX_BYTES, DeltaIndex
 from shared.state import Phase, RoundSummary
-from shared.wire import digest
 from store.blobs import Bucket, NotFound, s3_client
-from store.connection import Connection
 
 DEMO_RUN_ID = "demo"
 DEFAULT_ROUNDS = 20
@@ -154,70 +152,17 @@ def demo_config(participants: int, rounds: int | None = None, kill_one: bool = F
 # --- evaluation --------------------------------------------------------------------------------------
 
 
-class Evaluator:
-    """The evaluation of a round's global model with the run's task on its held-out set (torch is imported in
-    the background, from the start: `connect` it to the run's bucket once the stack is up)."""
-
-    def __init__(self, config: RunConfig, connection: Connection | None = None) -> None:
-        self.config = config
-        self.bucket: Any = None
-        if connection is not None:
-            self.connect(connection)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._task: Any = None
-        self._model: Any = None
-        threading.Thread(target=self._load, name="evaluator-load", daemon=True).start()
-
-    def connect(self, connection: Connection) -> None:
-        self.bucket = Bucket(connection.bucket, s3_client(connection.endpoint, connection.region))
-
-    def _load(self) -> None:
-        try:
-            import torch
-
-            from participant.task import load_task
-
-            torch.set_num_threads(1)  # the participants need the cores more than the evaluator
-            self._task = load_task(self.config.task)
-            self._model = self._task.build_model(self.config.seed)
-            self._task.evaluate(self._model, torch.device("cpu"))  # load the data set now, not mid-run
-        except BaseException as exc:  # reported when an accuracy is asked for
-            self._error = exc
-        finally:
-            self._ready.set()
-
-    def download_bytes(self, round_no: int, model_digest: str) -> int:
-        """What a participant holding the previous round's global model downloads to get this one: the delta's
-        index and pieces where the round wrote a delta (`download_encoding`), else the whole model."""
-        run_id = self.config.run_id
-        try:
-            raw = self.bucket.get(keys.delta_key(run_id, round_no, model_digest), MAX_INDEX_BYTES).data
-        except NotFound:
-            head = self.bucket.head(keys.global_key(run_id, round_no, model_digest))
-            return int(head["ContentLength"]) if head else 0
-        index = DeltaIndex.decode(raw, model_digest)
-        sizes = (self.bucket.head(keys.delta_key(run_id, round_no, d)) for d in index.pieces)
-        return len(raw) + sum(int(h["ContentLength"]) for h in sizes if h)
-
-    def accuracy(self, round_no: int, model_digest: str) -> float:
-        """Test accuracy of the global model of round `round_no` (the one with this digest)."""
-        return self.evaluate(round_no, model_digest)["test_accuracy"]
-
-    def evaluate(self, round_no: int, model_digest: str) -> dict[str, float]:
-        """The task's evaluation of the global model of round `round_no` (the one with this digest)."""
-        import torch
-
-        from participant.tensors import load_into
-
-        self._ready.wait()
-        if self._error is not None:
-            raise DemoFailed(f"cannot evaluate with task {self.config.task!r}: {self._error}") from self._error
-        data = self.bucket.get(keys.global_key(self.config.run_id, round_no, model_digest)).data
-        if digest(data) != model_digest:
-            raise DemoFailed(f"the global model of round {round_no} does not match the digest the run recorded")
-        load_into(self._model, data)
-        return {k: float(v) for k, v in self._task.evaluate(self._model, torch.device("cpu")).items()}
+def download_bytes(bucket: Bucket, run_id: str, round_no: int, model_digest: str) -> int:
+    """What a participant holding the previous round's global model downloads to get this one: the delta's index
+    and pieces where the round wrote a delta (`download_encoding`), else the whole model."""
+    try:
+        raw = bucket.get(keys.delta_key(run_id, round_no, model_digest), MAX_INDEX_BYTES).data
+    except NotFound:
+        head = bucket.head(keys.global_key(run_id, round_no, model_digest))
+        return int(head["ContentLength"]) if head else 0
+    index = DeltaIndex.decode(raw, model_digest)
+    sizes = (bucket.head(keys.delta_key(run_id, round_no, d)) for d in index.pieces)
+    return len(raw) + sum(int(h["ContentLength"]) for h in sizes if h)
 
 
 # --- participant processes ---------------------------------------------------------------------------
@@ -284,17 +229,25 @@ class Participants:
             log.write_bytes(b"")
             self.procs[name] = Participant(name, self._start(args, env, log), log)
 
-    def _start(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes] | Forked:
+    def start_helper(self, module: str, args: list[str], log: Path) -> subprocess.Popen[bytes] | Forked:
+        """`python -m <module> <args>` (its `main(args)`), forked from the zygote if there is one: a helper of the
+        demo's that needs torch, such as the evaluator (fed/evaluation.py)."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return self._start(args, participant_environment(), log, module)
+
+    def _start(self, args: list[str], env: dict[str, str], log: Path,
+               helper: str = "") -> subprocess.Popen[bytes] | Forked:
         if self.zygote is not None:
             try:
-                return self.zygote.fork(args, env, log)
+                return self.zygote.fork(args, env, log, f"{helper}:main" if helper else "")
             except ZygoteError as exc:
                 logging.getLogger(__name__).warning("spawning participants instead of forking them: %s", exc)
                 self.zygote.stop()
                 self.zygote = None
+        command = [sys.executable, "-m", helper] if helper else participant_command()
         with log.open("ab") as out:
             return subprocess.Popen(
-                [*participant_command(), *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [*command, *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, start_new_session=True,  # Ctrl-C reaches the demo, which stops them in order
                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
             )
@@ -528,14 +481,12 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
     stack = LocalStack(config, tick_interval=opts.tick_interval, log_file=workdir / "functions.log",
                        log_level="INFO", hold_events=hold, count_requests=opts.count_requests, server_process=True)
     procs: Participants | None = None
+    evaluator: Evaluator | None = None
     ok = False
     try:
         connection_file = workdir / "connection.json"
-        # the zygote's imports and the evaluator's overlap the stack's start
-        procs = Participants(connection_file, workdir, forked=True)
-        evaluator = Evaluator(config)
+        procs = Participants(connection_file, workdir, forked=True)  # (the zygote's imports overlap the stack's start)
         stack.start()
-        evaluator.connect(stack.connection)
         stack.connection.save(connection_file)
         console.print(f"[bold]fed demo[/]: {opts.participants} participants, {config.total_rounds} rounds of "
                       f"{config.task} on {stack.endpoint}")
@@ -549,6 +500,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
                 extra[name] += ["--throttle", str(throttle)]
                 console.print(f"{name} trains at {throttle:g} of this host's speed (--throttle {throttle:g})")
         procs.spawn(names, extra)
+        evaluator = Evaluator(config, connection_file, workdir / "logs" / "evaluator.log",
+                              lambda args, log: procs.start_helper("fed.evaluation", args, log))
         with console.status(f"starting {len(names)} participant processes"):
             await_joins(stack, names, procs)
         if hold:
@@ -556,7 +509,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         by_loss = reports_loss(config.task)
         rows = _follow(stack, config, opts, procs, evaluator, console, started, by_loss)
         final = store_for(stack.connection).read_state()
-        final_eval = evaluator.evaluate(final.round, final.global_digest)
+        final_eval = evaluate(evaluator, final.round, final.global_digest)
         final_accuracy = final_eval["test_accuracy"]
         procs.wait_exit(EXIT_GRACE)
         wall = time.monotonic() - started
@@ -606,6 +559,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         ok = True
         return report
     finally:
+        if evaluator is not None:
+            evaluator.stop()
         if procs is not None:
             procs.stop()
         stack.stop()
@@ -691,16 +646,24 @@ def _follow(stack: LocalStack, config: RunConfig, opts: DemoOptions, procs: Part
         time.sleep(0.25)
 
 
+def evaluate(evaluator: Evaluator, round_no: int, model_digest: str) -> dict[str, float]:
+    try:
+        return evaluator.evaluate(round_no, model_digest)
+    except EvaluationFailed as exc:
+        raise DemoFailed(str(exc)) from exc
+
+
 def _row(summary: RoundSummary, evaluator: Evaluator, by_loss: bool = False, store: Any = None) -> RoundRow:
-    evaluation = evaluator.evaluate(summary.round + 1, summary.global_digest)
+    evaluation = evaluate(evaluator, summary.round + 1, summary.global_digest)
     weight = sum(summary.shares.values())
     row = RoundRow(summary.round, len(summary.selected), len(summary.counted), len(summary.refused), summary.loss,
                    evaluation["test_accuracy"], summary.seconds, summary.aggregated, dict(summary.dropped),
                    summary.proofs, len(summary.witnesses),
                    shares={p: round(w / weight, 4) for p, w in sorted(summary.shares.items())} if weight else {},
                    finished=dict(summary.finished), started=summary.started, ended=summary.ended)
-    if summary.global_digest:
-        row.download_bytes = evaluator.download_bytes(summary.round + 1, summary.global_digest)
+    if summary.global_digest and store is not None:
+        row.download_bytes = download_bytes(store.rosters.bucket, store.run_id, summary.round + 1,
+                                            summary.global_digest)
     if store is not None:
         for pid in summary.shares:
             rec = store.update_record(summary.round, pid)

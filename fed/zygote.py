@@ -6,10 +6,11 @@ scikit-learn before it can ask to join: about 3 s of CPU each, so four of them o
 participant per request: each child runs `participant.cli.app` with the arguments, environment and log
 file a `fed-participant` process would have had, and starts in a fraction of a second.
 
-Protocol, JSON lines: the parent writes requests `{"argv": [...], "env": {...}, "log": path}` to the zygote's
-stdin; the zygote answers each with `{"started": pid}` (or `{"error": why}`), and writes `{"exited": pid, "code":
-rc}` when a child ends (rc as subprocess gives it: negative for a signal). Its first line is `{"ready": ...}`,
-once the imports are done.
+Protocol, JSON lines: the parent writes requests `{"argv": [...], "env": {...}, "log": path, "entry": ""}` to the
+zygote's stdin (`entry`, "module:function": a helper such as the demo's evaluator, `fed.evaluation:main`, runs
+instead of the participant); the zygote answers each with `{"started": pid}` (or `{"error": why}`), and writes
+`{"exited": pid, "code": rc}` when a child ends (rc as subprocess gives it: negative for a signal). Its first line
+is `{"ready": ...}`, once the imports are done.
 
 Fork safety: the zygote runs no torch operation (torch starts its thread pools on the first one), and forks only
 while it has exactly one thread (/proc/self/task), else it refuses and the caller spawns a process as before. Each
@@ -125,11 +126,12 @@ class Zygote:
             )
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
-    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> Forked:
-        """A `fed-participant <argv>` process, its output appended to `log`. Raises ZygoteError."""
+    def fork(self, argv: list[str], env: dict[str, str], log: Path, entry: str = "") -> Forked:
+        """A `fed-participant <argv>` process (with `entry`, "module:function", that function called with `argv`
+        instead: it returns the exit status), its output appended to `log`. Raises ZygoteError."""
         assert self.process is not None and self.process.stdin is not None, "start() first"
         self._await(lambda: self._ready is not None, READY_TIMEOUT, "to import torch and the tasks")
-        request = json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n"
+        request = json.dumps({"argv": argv, "env": env, "log": str(log), "entry": entry}) + "\n"
         with self._request:
             try:
                 self.process.stdin.write(request.encode())
@@ -270,15 +272,16 @@ def _fork(request: dict[str, Any], private: tuple[int, ...]) -> dict[str, Any]:
     if pid == 0:  # the participant
         code = 1
         try:
-            code = _participant(request["argv"], request["env"], log, private)
+            code = _child(request["argv"], request["env"], log, private, request.get("entry", ""))
         finally:
             os._exit(code)
     os.close(log)
     return {"started": pid}
 
 
-def _participant(argv: list[str], env: dict[str, str], log: int, private: tuple[int, ...]) -> int:
-    """In the forked child: become `fed-participant <argv>` (its own session, output and environment)."""
+def _child(argv: list[str], env: dict[str, str], log: int, private: tuple[int, ...], entry: str) -> int:
+    """In the forked child: become `fed-participant <argv>`, or run `entry` with `argv` (its own session, output
+    and environment)."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for fd in private:
@@ -298,10 +301,14 @@ def _participant(argv: list[str], env: dict[str, str], log: int, private: tuple[
     sys.argv = ["fed-participant", *argv]
     code = 1
     try:
-        from participant.cli import app
+        if entry:
+            module, function = entry.split(":")
+            code = int(getattr(importlib.import_module(module), function)(argv))
+        else:
+            from participant.cli import app
 
-        app(args=argv, prog_name="fed-participant")
-        code = 0
+            app(args=argv, prog_name="fed-participant")
+            code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - the process's last word, as an uncaught exception would print it
