@@ -6,9 +6,9 @@
 --megabytes is one of participant.tasks.wide's named sizes: 64, 271 or 1070.
 
 For each dtype (the wide digits MLP of participant.tasks.wide: ~1.07 GB of float32, or the same parameters
-in bfloat16) and each shard count K, one run of `--rounds` rounds on a fresh local stack (moto's server in
-this process; ingest and tick in this process's threads as the dispatcher runs them; aggregation shards on
-worker processes) with `--participants` participant processes. Printed per round:
+in bfloat16) and each shard count K, one run of `--rounds` rounds on a fresh local stack (moto's server in a
+process of its own, as `fed local` runs it; ingest and tick in this process's threads as the dispatcher runs them;
+aggregation shards on worker processes) with `--participants` participant processes. Printed per round:
 
 - train / upload / download: each participant's, from its log (the slowest shown);
 - ingest: seconds the ingest function spent on each accepted update (the slowest shown);
@@ -19,8 +19,9 @@ worker processes) with `--participants` participant processes. Printed per round
 
 Then, measured in the same run against the same server and bytes: the data-movement limit (plain boto3
 transfer of the same bytes, numpy's weighted sum of the same arrays), the ratios, and peak resident memory
-of every process: this one (the stack), each participant, each shard worker, and one ingest and one shard
-invocation each run alone in a fresh process (their peak above the process's own baseline).
+of every process: the stack (the server, and this process with the functions), each participant, each shard
+worker, and one ingest and one shard invocation each run alone in a fresh process (their peak above the process's
+own baseline).
 A benchmark, not a test: nothing is asserted.
 """
 
@@ -116,13 +117,23 @@ class Timings:
                 setattr(owner, name, value)
 
 
+def cpu_seconds(pid: int | str) -> float:
+    """User + system CPU seconds a process has used so far (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Watcher(threading.Thread):
-    """Polls the run state (commit times) and every process's peak memory."""
+    """Polls the run state (commit times), every process's peak memory and CPU seconds used so far."""
 
     def __init__(self, read_state: Callable[[], Any], timings: Timings, pids: Callable[[], dict[str, int]]) -> None:
         super().__init__(daemon=True)
         self.read_state, self.timings, self.pids = read_state, timings, pids
         self.peaks: dict[str, int] = defaultdict(int)
+        self.cpu: list[tuple[float, dict[str, float]]] = []  # (time, process name -> CPU seconds so far)
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -130,8 +141,23 @@ class Watcher(threading.Thread):
             with contextlib.suppress(Exception):
                 state = self.read_state()
                 self.timings.commits.setdefault(state.round, time.time())
-            for name, pid in self.pids().items():
+            pids = self.pids()
+            for name, pid in pids.items():
                 self.peaks[name] = max(self.peaks[name], vm(pid, "VmHWM"))
+            self.cpu.append((time.time(), {name: cpu_seconds(pid) for name, pid in pids.items()}))
+
+    def cpu_between(self, began: float, ended: float) -> dict[str, float]:
+        """CPU seconds each kind of process (server, functions, shard workers, participants) used between two
+        times, from the samples nearest them."""
+        inside = [sample for at, sample in self.cpu if began <= at <= ended]
+        if len(inside) < 2:
+            return {}
+        kinds: dict[str, float] = defaultdict(float)
+        for name in inside[-1]:
+            kind = "shard workers" if name.startswith("shard worker") else name
+            kind = "participants" if name.startswith("p") and name[1:].isdigit() else kind
+            kinds[kind] += max(0.0, inside[-1][name] - inside[0].get(name, 0.0))
+        return dict(kinds)
 
 
 def pool_pids() -> dict[str, int]:
@@ -156,6 +182,7 @@ def participant_times(log: Path) -> tuple[dict[int, float], dict[int, float], di
 def one_run(megabytes: float, dtype: str, shards: int, participants: int, rounds: int, workdir: Path) -> dict[str, Any]:
     from fed.demo import Participants, await_joins, check_processes
     from fed.localrun import store_for
+    from local.server import ServerProcess
     from local.stack import LocalStack
     from participant.tasks.wide import wide
     from shared.config import RunConfig
@@ -175,14 +202,16 @@ def one_run(megabytes: float, dtype: str, shards: int, participants: int, rounds
     )
     timings = Timings()
     names = [f"p{i}" for i in range(participants)]
-    with timings.installed(), LocalStack(config, tick_interval=1.0, log_level="WARNING") as stack:
+    with timings.installed(), LocalStack(config, tick_interval=1.0, log_level="WARNING",
+                                         server_process=True) as stack:
+        server_pid = stack.server.pid if isinstance(stack.server, ServerProcess) else os.getpid()
         connection = workdir / f"{config.run_id}.json"
         stack.connection.save(connection)
         procs = Participants(connection, workdir / config.run_id)
         store = store_for(stack.connection)
         watcher = Watcher(store.read_state, timings,
                           lambda: {**{n: p.process.pid for n, p in procs.procs.items()}, **pool_pids(),
-                                   "stack (this process)": os.getpid()})
+                                   "stack: functions (this process)": os.getpid(), "stack: server": server_pid})
         watcher.start()
         began = time.time()
         procs.spawn(names)
@@ -201,7 +230,8 @@ def one_run(megabytes: float, dtype: str, shards: int, participants: int, rounds
         alone = {kind: measure_alone(kind, stack, workdir) for kind in ("ingest", "shard")}
         logs = {n: participant_times(p.log) for n, p in procs.procs.items()}
     return {"config": config, "model_bytes": model_bytes, "timings": timings, "summaries": summaries,
-            "peaks": dict(watcher.peaks), "limit": limit, "alone": alone, "logs": logs,
+            "peaks": dict(watcher.peaks), "cpu": [watcher.cpu_between(b, e) for b, e in timings.aggregations],
+            "limit": limit, "alone": alone, "logs": logs,
             "seconds": time.time() - began}
 
 
@@ -333,6 +363,11 @@ def report(run: dict[str, Any]) -> None:
           f"GB/s, numpy weighted sum {limit['sum_gbps']:.2f} GB/s of update bytes; the coordinator's bytes after "
           f"the last upload at those rates: {moved:.2f}s; coordinator median {med:.2f}s = {med / moved:.2f}x the "
           "limit")
+    for (b, e), cpu in zip(run["timings"].aggregations, run["cpu"], strict=True):
+        if cpu:
+            print(f"aggregation of {e - b:.2f}s: CPU seconds " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(
+                cpu.items())) + f"; all together {sum(cpu.values()):.2f}, i.e. at least "
+                f"{sum(cpu.values()) / (os.cpu_count() or 1):.2f}s on this machine's {os.cpu_count()} cores")
     print("peak resident memory:")
     for name, peak in sorted(run["peaks"].items()):
         print(f"  {name:24}{peak / GB:7.2f} GB")

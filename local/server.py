@@ -260,12 +260,12 @@ class LocalServer:
         # Imported here: moto costs about a second to import and only the local run needs it.
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 
-        from local import moto_dynamodb, moto_events, moto_ranges, moto_routing, moto_sns, moto_sqs
+        from local import moto_dynamodb, moto_events, moto_objects, moto_routing, moto_sns, moto_sqs
 
         moto_dynamodb.apply()
         moto_dynamodb.serve_query_results()  # (safe here: SerialDynamoDB serves each request and response whole)
         moto_events.apply()
-        moto_ranges.apply()
+        moto_objects.apply()
         moto_routing.apply()
         moto_sns.apply()
         moto_sqs.apply()
@@ -323,6 +323,12 @@ class ServerProcess:
         if self._endpoint is None:
             raise RuntimeError("the local server is not running")
         return self._endpoint
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("the local server is not running")
+        return self._process.pid
 
     def start(self, timeout: float = SERVER_START_TIMEOUT) -> ServerProcess:
         cmd = [sys.executable, "-m", "local.server", "--host", self.host, "--port", str(self.port)]

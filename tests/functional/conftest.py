@@ -22,7 +22,7 @@ from coordinator.intake import forget_registered
 from coordinator.tick import run_tick
 from functions import ingest, tick
 from functions.settings import Deps, deps_from_env
-from local import moto_dynamodb, moto_events, moto_ranges, moto_sns, moto_sqs
+from local import moto_dynamodb, moto_events, moto_objects, moto_sns, moto_sqs
 from local.context import LocalContext
 from local.resources import create_resources
 from shared import keys, wire
@@ -54,7 +54,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.setenv(name, value)
     moto_dynamodb.apply()  # a transaction copies the items it names, not its table
     moto_events.apply()  # an S3 event whose delivery raises is logged and delivered again, not dropped
-    moto_ranges.apply()  # ranged GETs read their range only (shard workers and ingest read 8 MiB ranges)
+    moto_objects.apply()  # objects move in blocks: ranged GETs, multipart completion, copies
     moto_sns.apply()  # a publish reaches every subscription, not the first 100
     moto_sqs.apply()  # a send costs the same whatever the queue's backlog
     forget_registered()  # a new AWS: no warm function holds a participant's record from another
