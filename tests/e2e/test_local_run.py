@@ -51,7 +51,9 @@ def test_a_participant_killed_mid_round_is_dropped_and_the_run_finishes(local_ru
     # come in only at the next one, hence two epochs)
     config = e2e_config(min_clients=2, min_per_round=2, min_updates=2, total_rounds=6, rounds_per_epoch=3)
     run = local_run(config)
-    run.start_participants(["p1", "p2", "p3"])
+    # (p3 trains at a tenth of the speed: its update then comes seconds after a round starts, not milliseconds, and
+    # the kill below lands before it; had it come first, the run could end before p3 fell silent)
+    run.start_participants(["p1", "p2", "p3"], extra={"p3": ["--throttle", "0.1"]})
     run.wait_for(lambda: len(run.store.read_state().members) == 3, 60, "all three to be admitted")
 
     # When p3 is killed (SIGKILL) as soon as a round of the last epoch after its first one selects it, before its
