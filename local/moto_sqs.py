@@ -4,8 +4,16 @@ A send thus costs time in proportion to the queue's backlog, and a receive its s
 thousands of events (1,000 participants joining) the S3 uploads that emit them (each sends one through
 EventBridge) and the dispatcher's receives slowed the local server until it spent most of its time there, the
 backlog grew, and the run never caught up. `apply()` makes both read the one value they need, as SQS's cost does
-not grow with the queue. Everything else is served by moto unchanged. Idempotent; used by the local stack and the
-functional tests."""
+not grow with the queue.
+
+And it makes deletes and sends exclude each other. moto deletes a message by walking the queue's list into a new
+list of the other messages and putting that in place of the list, without the lock a send appends under. With two
+deletes at once, the slower one walks the old list while the faster one has put its new list in place and a send
+has appended to that: the slower one's list, put in place last, lacks the message sent (and brings back the one the
+faster one deleted). The local server serves each request in a thread of its own, so at 1,000 participants
+uploading within the same second five S3 events were lost this way, and their updates stayed in the bucket
+unrecorded until the round's deadline (a load test in CI).
+Everything else is served by moto unchanged. Idempotent; used by the local stack and the functional tests."""
 
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ def apply() -> None:
 
     every_attribute: Any = vars(models.Queue)["attributes"].fget
     send = models.SQSBackend.send_message
+    delete = models.Queue.delete_message
 
     def attributes(self: Any) -> dict[str, Any]:
         if not getattr(_state, "sending", False):
@@ -44,7 +53,12 @@ def apply() -> None:
         retention = int(self.get_queue(queue_name).message_retention_period)
         return bool(retention + message.sent_timestamp / 1000 > unix_time())
 
+    def delete_message(self: Any, receipt_handle: str) -> None:
+        with self._messages_lock:  # (the lock a send appends under)
+            delete(self, receipt_handle)
+
     models.Queue.attributes = property(attributes)  # type: ignore[method-assign,assignment]
+    models.Queue.delete_message = delete_message  # type: ignore[method-assign]
     models.SQSBackend.send_message = send_message  # type: ignore[method-assign]
     models.SQSBackend.is_message_valid_based_on_retention_period = (  # type: ignore[method-assign]
         is_message_valid_based_on_retention_period)

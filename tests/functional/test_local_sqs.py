@@ -3,6 +3,8 @@ and SQS behaves as before: counts, deduplication on a FIFO queue, delivery, rete
 
 from __future__ import annotations
 
+import threading
+
 import boto3
 import pytest
 
@@ -63,3 +65,40 @@ def test_a_fifo_queue_still_deduplicates_by_content(aws: None) -> None:
         sqs.send_message(QueueUrl=url, MessageBody=body, MessageGroupId="g")
     # Then the queue holds two messages
     assert counts(sqs, url) == (2, 0)
+
+
+def test_a_message_sent_while_two_are_deleted_is_kept(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a queue with two delivered messages, deleted by two requests at once, and a send between them (the local
+    # server serves each request in a thread of its own): the second delete walks the queue's messages while the
+    # first one replaces the list and the send appends to the new one
+    from moto.sqs import models
+
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    url = sqs.create_queue(QueueName="events")["QueueUrl"]
+    for body in ("first", "second"):
+        sqs.send_message(QueueUrl=url, MessageBody=body)
+    first, second = (m["ReceiptHandle"] for m in sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10)["Messages"])
+    backend = models.sqs_backends["123456789012"]["us-east-1"]
+
+    def delete_and_send() -> None:
+        backend.delete_message("events", first)
+        backend.send_message("events", "sent meanwhile")
+
+    other = threading.Thread(target=delete_and_send)
+    walked = models.Message.had_receipt_handle
+    calls = []
+
+    def walking(self: models.Message, receipt_handle: str) -> bool:
+        calls.append(receipt_handle)
+        if receipt_handle == second and len(calls) == 3:  # (the lookup took two; now the rebuild walks the list)
+            other.start()
+            other.join(0.5)  # a delete and send not held off by this delete are done by now
+        return walked(self, receipt_handle)
+
+    monkeypatch.setattr(models.Message, "had_receipt_handle", walking)
+    # When the second message is deleted
+    backend.delete_message("events", second)
+    other.join()
+    # Then the message sent meanwhile is there to receive, and neither deleted message is
+    bodies = [m["Body"] for m in sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10).get("Messages", [])]
+    assert bodies == ["sent meanwhile"]
