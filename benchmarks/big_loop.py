@@ -76,8 +76,10 @@ class Timings:
         import coordinator.intake as intake
         import coordinator.tick as tick
         from store.blobs import Bucket
+        from store.table import StateStore
 
-        saved = (intake.ingest_object, tick.write_aggregate, Bucket.complete_multipart, Bucket.copy)  # type: ignore[attr-defined]
+        saved = (intake.ingest_object, tick.write_aggregate, Bucket.complete_multipart, Bucket.copy,  # type: ignore[attr-defined]
+                 StateStore.commit)
 
         def ingest_object(deps: Any, obj: Any) -> Any:
             started = time.time()
@@ -101,12 +103,17 @@ class Timings:
                     self.global_writes.append((started, time.time()))
             return call
 
+        def commit(store: Any, state: Any, *args: Any, **kwargs: Any) -> int:
+            version = saved[4](store, state, *args, **kwargs)
+            self.commits.setdefault(state.round, time.time())  # (the first commit of a round: when it began)
+            return int(version)
+
         import functions.ingest  # noqa: F401  (loaded now, so its reference to ingest_object is replaced below)
 
         replaced: list[tuple[Any, str, Any]] = [(m, "ingest_object", ingest_object) for m in list(sys.modules.values())
                                                 if getattr(m, "ingest_object", None) is saved[0]]
         replaced += [(tick, "write_aggregate", write_aggregate), (Bucket, "complete_multipart", timed(saved[2])),
-                     (Bucket, "copy", timed(saved[3]))]
+                     (Bucket, "copy", timed(saved[3])), (StateStore, "commit", commit)]
         originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replaced]
         for owner, name, value in replaced:
             setattr(owner, name, value)
@@ -127,20 +134,18 @@ def cpu_seconds(pid: int | str) -> float:
 
 
 class Watcher(threading.Thread):
-    """Polls the run state (commit times), every process's peak memory and CPU seconds used so far."""
+    """Samples every process's peak memory and CPU seconds used so far (from /proc: no request to the stack, whose
+    CPU it measures)."""
 
-    def __init__(self, read_state: Callable[[], Any], timings: Timings, pids: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, pids: Callable[[], dict[str, int]]) -> None:
         super().__init__(daemon=True)
-        self.read_state, self.timings, self.pids = read_state, timings, pids
+        self.pids = pids
         self.peaks: dict[str, int] = defaultdict(int)
         self.cpu: list[tuple[float, dict[str, float]]] = []  # (time, process name -> CPU seconds so far)
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.05):
-            with contextlib.suppress(Exception):
-                state = self.read_state()
-                self.timings.commits.setdefault(state.round, time.time())
             pids = self.pids()
             for name, pid in pids.items():
                 self.peaks[name] = max(self.peaks[name], vm(pid, "VmHWM"))
@@ -211,8 +216,7 @@ def one_run(megabytes: float, dtype: str, shards: int, participants: int, rounds
         stack.connection.save(connection)
         procs = Participants(connection, workdir / config.run_id)
         store = store_for(stack.connection)
-        watcher = Watcher(store.read_state, timings,
-                          lambda: {**{n: p.process.pid for n, p in procs.procs.items()}, **pool_pids(),
+        watcher = Watcher(lambda: {**{n: p.process.pid for n, p in procs.procs.items()}, **pool_pids(),
                                    "stack: functions (this process)": os.getpid(), "stack: server": server_pid})
         watcher.start()
         began = time.time()
