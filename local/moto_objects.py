@@ -5,11 +5,15 @@ gigabytes of copies in the local server for each request. `apply()` makes it mov
   from the object's spooled file (moto read the whole object and sliced it);
 - behind moto's server (a request context), a whole large object streams from that file in blocks instead of
   being read into memory first;
-- completing a multipart upload writes the parts' files into the new object block by block, and its checksum is
-  computed as the blocks go by (moto joined the parts into one bytearray, copied it to bytes, joined them again
-  for a whole-object checksum and copied that too: four copies of the object in memory, 7.9 GB of server peak in
-  `make bench-big` at 1 GB);
-- a CopyObject writes the source's file into the copy block by block (moto read the source whole);
+- completing a multipart upload makes the new object of the parts' files as they are, no byte copied or read
+  again: each part's checksum for the upload's composite checksum is taken when the part arrives (moto joined the
+  parts into one bytearray, copied it to bytes, joined them again for a whole-object checksum and copied that too:
+  four copies of the object in memory, 7.9 GB of server peak in `make bench-big` at 1 GB; then, written into a new
+  file block by block, still 1 GB written to disk and 1 GB read back for the checksum on the global's serial path);
+- a CopyObject of a large object makes the copy of the source's files (moto read the source whole and wrote it
+  again). Objects are never changed in place, so their files are shared, each closed when the last object made
+  of it is disposed. On this machine writing a GB into the server's temporary files costs ~2.5 CPU-s once a few
+  GB are held (page cache writeback), so each GB not written is seconds of a round at 1 GB;
 - an object's first ETag computation holds the object's lock (moto hashes the file unlocked, so a concurrent
   ranged read moving the file's position would corrupt it).
 
@@ -21,6 +25,8 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -51,17 +57,101 @@ class _RangeView:
             return bytes(self.key._value_buffer.read(max(0, stop - start)))
 
 
-class _Blocks:
-    """A new object's value made of other objects' bytes, in order (a completed upload's parts, a copy's source):
-    written into the new object block by block, never whole in memory. `sources` are each an iterator of blocks;
-    `owned`, files to close once written (the parts' files, taken from them: moto closes the parts' own before it
-    stores the completed object)."""
+class _SharedFile:
+    """A (rolled-over) spooled file that objects' values are made of: a completed upload's part, a copied object's
+    bytes. Closed when the last value using it lets go."""
 
-    def __init__(self, sources: list[Iterator[bytes]], size: int, owned: tuple[Any, ...] = ()) -> None:
-        self.sources, self.size, self.owned = sources, size, owned
+    def __init__(self, file: Any) -> None:
+        file.flush()
+        self.file, self.fd = file, file.fileno()  # (a spooled file still in memory rolls over to disk here)
+        self.users = 0
+        self.lock = threading.Lock()
+
+    def take(self) -> _SharedFile:
+        with self.lock:
+            self.users += 1
+        return self
+
+    def drop(self) -> None:
+        with self.lock:
+            self.users -= 1
+            last = self.users == 0
+        if last:
+            self.file.close()
+
+
+Segments = list[tuple[_SharedFile, int, int]]  # (file, offset in it, length)
+
+
+class _Joined:
+    """A new object's value made of byte ranges of shared files, in order: what `set_value` makes the object's
+    buffer of (`_Span`), no byte copied."""
+
+    def __init__(self, segments: Segments) -> None:
+        self.segments = segments
 
     def __len__(self) -> int:
-        return self.size
+        return sum(length for _, _, length in self.segments)
+
+
+def _pread(fd: int, length: int, offset: int) -> bytes:
+    chunks = []
+    while length > 0:
+        chunk = os.pread(fd, length, offset)
+        if not chunk:
+            raise OSError(f"a shared object file ended {length} bytes early")
+        chunks.append(chunk)
+        length, offset = length - len(chunk), offset + len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _Span:
+    """What a FakeKey keeps in place of its spooled file (`_value_buffer`) when its bytes are ranges of shared
+    files: read-only, positioned as a file is (seek, tell, read), read with `os.pread` (readers of other objects
+    sharing a file never move each other's position). `close` lets go of the files."""
+
+    def __init__(self, segments: Segments) -> None:
+        self.segments = [(shared.take(), offset, length) for shared, offset, length in segments]
+        self.size = sum(length for _, _, length in segments)
+        self.position = 0
+        self.closed = False
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self.closed:
+            raise ValueError("read of a closed object file")
+        end = self.size if size is None or size < 0 else min(self.size, self.position + size)
+        chunks, base = [], 0
+        for shared, offset, length in self.segments:
+            low, high = max(self.position, base), min(end, base + length)
+            if low < high:
+                chunks.append(_pread(shared.fd, high - low, offset + low - base))
+            base += length
+        self.position = max(self.position, end)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for shared, _, _ in self.segments:
+                shared.drop()
+
+
+def _shared(key: Any) -> Segments:
+    """The segments of an object's bytes, its spooled file made shareable first (under the object's lock: readers
+    find its buffer there)."""
+    with key.lock:
+        if not isinstance(key._value_buffer, _Span):
+            span = _Span([(_SharedFile(key._value_buffer), 0, int(key.contentsize))])
+            key._value_buffer = span
+        return list(key._value_buffer.segments)
 
 
 def _read(buffer: Any, size: int) -> Iterator[bytes]:
@@ -158,8 +248,20 @@ class _UploadChecksum:
         return self.kind, base64.b64encode(self.whole.digest()).decode(), 1
 
 
-def _complete(self: Any, body: Any) -> tuple[_Blocks, str, tuple[str, str, int]]:
-    """`FakeMultipart.complete`: the same checks and results, the parts' bytes read once, in blocks."""
+def _part_checksum(upload: Any, value: bytes) -> bytes | None:
+    """A part's own checksum for its upload's composite checksum, taken as it arrives (None: the upload's checksum
+    is of the whole object, computed at completion)."""
+    checksum = _UploadChecksum(upload.metadata.get("x-amz-checksum-algorithm"),
+                               upload.metadata.get("x-amz-checksum-type"))
+    if checksum.kind != "COMPOSITE":
+        return None
+    running = _Running(checksum.algorithm)
+    running.update(value)
+    return running.digest()
+
+
+def _complete(self: Any, body: Any) -> tuple[_Joined, str, tuple[str, str, int]]:
+    """`FakeMultipart.complete`: the same checks and results; the new object is the parts' files as they are."""
     import tempfile
 
     from moto.s3.exceptions import EntityTooSmall, InvalidPart, MalformedXML
@@ -180,22 +282,28 @@ def _complete(self: Any, body: Any) -> tuple[_Blocks, str, tuple[str, str, int]]
     md5s = bytearray()
     for part in parts:
         md5s += bytes.fromhex(part.etag.replace('"', ""))
+        taken = getattr(part, "fed_checksum", None)
+        if checksum.kind == "COMPOSITE" and taken is not None:
+            checksum.of_parts += taken
+            checksum.parts += 1
+            continue
         for block in _read(part._value_buffer, int(part.contentsize)):
             checksum.update(block)
         checksum.end_part()
-    owned = []
+    segments: Segments = []
     for part in parts:  # (the parts' files are the new object's bytes: kept open past moto's closing of the parts)
-        owned.append(part._value_buffer)
+        segments.append((_SharedFile(part._value_buffer), 0, int(part.contentsize)))
         part._value_buffer = tempfile.SpooledTemporaryFile()
-    value = _Blocks([_read(f, int(p.contentsize)) for f, p in zip(owned, parts, strict=True)],
-                    sum(int(p.contentsize) for p in parts), tuple(owned))
-    return value, f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(parts)}", checksum.build()
+    return _Joined(segments), f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(parts)}", \
+        checksum.build()
 
 
 def apply() -> None:
     global _applied
     if _applied:
         return
+    import tempfile
+
     from moto.s3.models import FakeKey, FakeMultipart, S3Backend
     from moto.s3.responses import S3Response
 
@@ -203,11 +311,12 @@ def apply() -> None:
     whole_value: Any = FakeKey.__dict__["value"]  # the property object itself
     original_get_object = S3Response.get_object
     original_copy_object = S3Backend.copy_object
+    original_set_part = FakeMultipart.set_part
 
     def value(self: Any) -> Any:
-        size = int(self.contentsize)
-        if getattr(_state, "copying", None) is self:  # the source of a CopyObject: written into the copy in blocks
-            return _Blocks([_blocks(self)], size)
+        size, held = int(self.contentsize), self._value_buffer
+        if getattr(_state, "copying", None) is self and (size >= STREAM_FROM or isinstance(held, _Span)):
+            return _Joined(_shared(self))  # the source of a CopyObject: the copy is made of its files
         first = getattr(_state, "first", None)
         if first is not None and first < int(self.contentsize):  # a valid range: moto slices the view
             return _RangeView(self)
@@ -216,19 +325,20 @@ def apply() -> None:
         return whole_value.fget(self)
 
     def set_value(self: Any, new_value: Any) -> None:
-        if not isinstance(new_value, _Blocks):
+        if isinstance(self._value_buffer, _Span):  # (bytes written over shared ones go to a file of the object's own)
+            self._value_buffer.close()
+            self._value_buffer = tempfile.SpooledTemporaryFile(self._max_buffer_size)
+        if not isinstance(new_value, _Joined):
             whole_value.fset(self, new_value)
             return
-        self._value_buffer.seek(0)  # (a new object: nobody else holds it yet)
-        self._value_buffer.truncate()
-        try:
-            for source in new_value.sources:
-                for block in source:
-                    self._value_buffer.write(block)
-        finally:
-            for owned in new_value.owned:
-                owned.close()
+        self._value_buffer.close()  # (a new object: nobody else holds it yet)
+        self._value_buffer = _Span(new_value.segments)
         self.contentsize = len(new_value)
+
+    def set_part(self: Any, part_id: int, value: Any) -> Any:
+        part: Any = original_set_part(self, part_id, value)
+        part.fed_checksum = _part_checksum(self, bytes(value))
+        return part
 
     def get_object(self: Any) -> Any:
         from flask import has_request_context
@@ -257,6 +367,7 @@ def apply() -> None:
     FakeKey.value = property(value, set_value)  # type: ignore[method-assign,assignment]
     FakeKey.etag = property(etag)  # type: ignore[method-assign,assignment]
     FakeMultipart.complete = _complete  # type: ignore[method-assign,assignment]
+    FakeMultipart.set_part = set_part  # type: ignore[method-assign]
     S3Response.get_object = get_object  # type: ignore[method-assign]
     S3Backend.copy_object = copy_object  # type: ignore[method-assign]
     _applied = True

@@ -61,7 +61,7 @@ def test_a_completed_upload_is_motos_own_object_etag_and_checksum(aws: None, mon
     upload(s3, "model", parts, **checksum)
     # Then ours gives moto's ETag and checksum, and the stored object is the parts' bytes, as moto's would be
     (value, etag, details), (blocks, our_etag, our_details) = seen[0]
-    assert isinstance(blocks, moto_objects._Blocks) and len(blocks) == len(value)
+    assert isinstance(blocks, moto_objects._Joined) and len(blocks) == len(value)
     assert our_etag == etag and our_details == details
     assert etag == hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest() + "-3"
     assert s3.get_object(Bucket=BUCKET, Key="model")["Body"].read() == value == b"".join(parts)
@@ -99,3 +99,62 @@ def test_a_completed_upload_copied_keeps_its_checksum(aws: None) -> None:
     assert reader.get_object(Bucket=BUCKET, Key="final")["Body"].read() == b"".join(parts)
     copied = s3.head_object(Bucket=BUCKET, Key="final", ChecksumMode="ENABLED")
     assert copied["ChecksumSHA256"] == stored["ChecksumSHA256"]
+
+
+def stored(key: str) -> Any:
+    from moto.s3.models import s3_backends
+
+    return s3_backends["123456789012"]["aws"].get_object(BUCKET, key)
+
+
+def test_a_completed_upload_is_its_parts_files_and_its_composite_checksum_reads_no_part(
+        aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given an upload with a composite SHA-256 checksum, whose parts' bytes completion must not read again
+    s3 = s3_with_bucket()
+    parts = [os.urandom(5 * MiB), os.urandom(6 * MiB), os.urandom(100)]
+
+    def no_read(*_: Any) -> Any:
+        raise AssertionError("completion read a part's bytes")
+
+    monkeypatch.setattr(moto_objects, "_read", no_read)
+    # When it completes
+    upload(s3, "staged", parts, ChecksumAlgorithm="SHA256")
+    # Then its checksum is of the parts' checksums, taken as they arrived, and its bytes are the parts' files
+    of_parts = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in parts)).digest()
+    head = s3.head_object(Bucket=BUCKET, Key="staged", ChecksumMode="ENABLED")
+    assert head["ChecksumSHA256"].split("-")[0] == base64.b64encode(of_parts).decode()
+    span = stored("staged")._value_buffer
+    assert isinstance(span, moto_objects._Span)
+    assert [length for _, _, length in span.segments] == [len(p) for p in parts]
+    whole = b"".join(parts)
+    reader = boto3.client("s3", region_name="us-east-1", config=Config(response_checksum_validation="when_required"))
+    assert reader.get_object(Bucket=BUCKET, Key="staged")["Body"].read() == whole
+    across = f"bytes={5 * MiB - 10}-{11 * MiB + 20}"  # (a range across three parts)
+    assert reader.get_object(Bucket=BUCKET, Key="staged", Range=across)["Body"].read() == \
+        whole[5 * MiB - 10:11 * MiB + 21]
+
+
+def test_a_copy_shares_the_sources_files_which_close_when_neither_is_left(aws: None) -> None:
+    # Given a 20 MiB object (held in a file) and a completed upload (its parts' files)
+    s3 = s3_with_bucket()
+    big = os.urandom(20 * MiB + 5)
+    s3.put_object(Bucket=BUCKET, Key="big", Body=big)
+    parts = [os.urandom(5 * MiB), os.urandom(7)]
+    upload(s3, "staged", parts, ChecksumAlgorithm="SHA256")
+    for source, data in (("big", big), ("staged", b"".join(parts))):
+        # When each is copied
+        s3.copy_object(Bucket=BUCKET, Key=f"{source}-copy", CopySource={"Bucket": BUCKET, "Key": source})
+        # Then the copy is made of the source's files, no byte written again
+        files = [shared for shared, _, _ in stored(source)._value_buffer.segments]
+        assert [shared for shared, _, _ in stored(f"{source}-copy")._value_buffer.segments] == files
+        assert all(shared.users == 2 for shared in files)
+        # And once the source is deleted, the copy still reads its bytes, whole and in ranges
+        s3.delete_object(Bucket=BUCKET, Key=source)
+        reader = boto3.client("s3", region_name="us-east-1",
+                              config=Config(response_checksum_validation="when_required"))
+        assert reader.get_object(Bucket=BUCKET, Key=f"{source}-copy")["Body"].read() == data
+        assert reader.get_object(Bucket=BUCKET, Key=f"{source}-copy", Range="bytes=3-9")["Body"].read() == data[3:10]
+        assert not any(shared.file.closed for shared in files)
+        # And once the copy is deleted too, the files are closed
+        s3.delete_object(Bucket=BUCKET, Key=f"{source}-copy")
+        assert all(shared.file.closed and shared.users == 0 for shared in files)
