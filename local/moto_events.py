@@ -4,18 +4,26 @@ retries a delivery for 24 hours; a lost event here leaves an upload unseen until
 (`coordinator.catchup`, at the round's deadline: a round that waits for every update waits until then). `apply()`
 delivers the same event and, where a delivery raises (a race in the stand-in: moto's server serves requests in
 threads), logs it with its traceback and tries again, a few times: an event may then reach a rule twice, which
-ingest takes as S3's at-least-once delivery. Idempotent; used by the local stack and the functional tests."""
+ingest takes as S3's at-least-once delivery.
+
+And a completed multipart upload is announced once, as S3 does (`ObjectCreated:CompleteMultipartUpload`): moto
+stores the object with its ordinary PUT, which announces `ObjectCreated:Put`, and then announces the completion
+too. Every large upload (a participant's update, the staged global) was thus ingested twice, at once: at 1 GB the
+second ingest streamed and hashed the update again while the round was aggregated, 4-5 CPU-s of each 15 s
+aggregation in `make bench-big`. Idempotent; used by the local stack and the functional tests."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import threading
 from typing import Any
 
 log = logging.getLogger("local.events")
 
 ATTEMPTS = 3
 _applied = False
+_completing = threading.local()
 
 
 def apply() -> None:
@@ -23,8 +31,25 @@ def apply() -> None:
     if _applied:
         return
     from moto.s3 import notifications
+    from moto.s3.models import S3Backend
 
     notifications._send_event_bridge_message = deliver  # send_event looks it up on each call
+    complete, put = S3Backend.complete_multipart_upload, S3Backend.put_object
+
+    def complete_multipart_upload(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _completing.active = True
+        try:
+            return complete(self, *args, **kwargs)
+        finally:
+            _completing.active = False
+
+    def put_object(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_completing, "active", False):  # the completion's own event follows
+            kwargs["disable_notification"] = True
+        return put(self, *args, **kwargs)
+
+    S3Backend.complete_multipart_upload = complete_multipart_upload  # type: ignore[method-assign]
+    S3Backend.put_object = put_object  # type: ignore[method-assign]
     _applied = True
 
 

@@ -68,3 +68,24 @@ def test_an_event_that_cannot_be_delivered_is_logged_as_an_error(
     assert received(sqs, resources.queue_url) == [] and len(attempts) == moto_events.ATTEMPTS
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "attempt 3 of 3" in errors[0].getMessage()
+
+
+def test_a_completed_multipart_upload_is_announced_once(aws: None) -> None:
+    # Given the run's resources
+    resources = create_resources("events")
+    s3, sqs = boto3.client("s3"), boto3.client("sqs")
+    key = keys.update_key("events", 0, "p1")
+    # When an update is uploaded in two parts
+    started = s3.create_multipart_upload(Bucket=resources.bucket, Key=key)
+    parts = [s3.upload_part(Bucket=resources.bucket, Key=key, UploadId=started["UploadId"], PartNumber=n, Body=body)
+             for n, body in ((1, b"x" * 5 * 1024 * 1024), (2, b"y"))]
+    s3.complete_multipart_upload(Bucket=resources.bucket, Key=key, UploadId=started["UploadId"], MultipartUpload={
+        "Parts": [{"PartNumber": n, "ETag": p["ETag"]} for n, p in enumerate(parts, start=1)]})
+    # Then one event reaches the ingest queue, as S3 sends one (moto announced the object's PUT as well)
+    events = received(sqs, resources.queue_url)
+    assert [e["detail"]["object"]["key"] for e in events] == [key]
+    assert events[0]["detail"]["object"]["size"] == 5 * 1024 * 1024 + 1
+    # And an ordinary PUT is still announced
+    s3.put_object(Bucket=resources.bucket, Key=keys.heartbeat_key("events", "p1"), Body=b"{}")
+    assert [e["detail"]["object"]["key"] for e in received(sqs, resources.queue_url)] == [
+        keys.heartbeat_key("events", "p1")]
