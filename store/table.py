@@ -9,7 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from pynamodb.connection import Connection
-from pynamodb.exceptions import DeleteError, DoesNotExist, PutError, TransactWriteError, UpdateError
+from pynamodb.exceptions import (
+    DeleteError,
+    DoesNotExist,
+    PutError,
+    PynamoDBException,
+    TransactWriteError,
+    UpdateError,
+)
 from pynamodb.transactions import TransactWrite
 
 from shared.limits import MAX_ID_CHARS, MAX_KEY_CHARS, MAX_REASON_CHARS, bounded
@@ -59,6 +66,14 @@ __all__ = [
 ]
 
 CONDITION_FAILED = {"ConditionalCheckFailedException", "TransactionCanceledException"}
+
+
+def condition_failed(exc: PynamoDBException) -> bool:
+    """Whether a write failed on its condition (the only failure a caller here turns into an answer). Read from the
+    cause's response: a failure with none (a read timeout, a refused connection) is no condition's, and pynamodb's
+    own `cause_response_code` raises AttributeError there, hiding the timeout behind it."""
+    response = getattr(exc.cause, "response", None) or {}
+    return (response.get("Error") or {}).get("Code") in CONDITION_FAILED
 
 
 class Conflict(Exception):
@@ -133,7 +148,7 @@ class StateStore:
                     for s in summaries:
                         tx.save(self.m.round(self.pk, round_sk(s.round), round=s.round, body=summary_to_body(s)))
         except (PutError, TransactWriteError) as exc:
-            if exc.cause_response_code in CONDITION_FAILED:
+            if condition_failed(exc):
                 raise Conflict(f"state changed since version {expected_version}") from None
             raise
         return expected_version + 1
@@ -146,7 +161,7 @@ class StateStore:
         try:
             item.save(condition=lease.pk.does_not_exist() | (lease.until < now) | (lease.holder == holder))
         except PutError as exc:
-            if exc.cause_response_code in CONDITION_FAILED:
+            if condition_failed(exc):
                 return False
             raise
         return True
@@ -157,7 +172,7 @@ class StateStore:
         try:
             lease(self.pk, lease_sk(name)).delete(condition=lease.holder == holder)
         except DeleteError as exc:
-            if exc.cause_response_code not in CONDITION_FAILED:
+            if not condition_failed(exc):
                 raise
 
     def _connection(self) -> Connection:
@@ -207,7 +222,7 @@ class StateStore:
                 tx.update(counter, actions=[n.add(1)], condition=n.does_not_exist() | (n < limit))
             return "created"
         except TransactWriteError as exc:
-            if exc.cause_response_code not in CONDITION_FAILED:
+            if not condition_failed(exc):
                 raise
         return "exists" if self.participant(pid) is not None else "full"
 
@@ -227,7 +242,7 @@ class StateStore:
             )
             return True
         except UpdateError as exc:
-            if exc.cause_response_code not in CONDITION_FAILED:
+            if not condition_failed(exc):
                 raise
         return self.participant(pid) is not None
 
@@ -259,7 +274,7 @@ class StateStore:
             )
             return "accepted"
         except UpdateError as exc:
-            if exc.cause_response_code not in CONDITION_FAILED:
+            if not condition_failed(exc):
                 raise
         record = self.participant(pid)
         if record is None:
@@ -371,7 +386,7 @@ class StateStore:
             item.save(condition=type(item).pk.does_not_exist())
             return True
         except PutError as exc:
-            if exc.cause_response_code in CONDITION_FAILED:
+            if condition_failed(exc):
                 return False
             raise
 

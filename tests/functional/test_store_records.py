@@ -76,3 +76,30 @@ def test_the_shared_client_is_built_before_any_thread_can_use_it() -> None:
 
     m = Models("a-table", "http://localhost:1", "us-east-1")
     assert m.connection._client is not None
+
+
+def test_a_write_that_times_out_raises_its_timeout_not_an_attribute_error(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a participant, and the table's endpoint timing out on every conditional write (as the local server did
+    # under a thousand participants)
+    from botocore.client import BaseClient
+    from botocore.exceptions import ReadTimeoutError
+    from pynamodb.exceptions import PutError, UpdateError
+
+    harness.start(["alice"])
+    store = harness.deps.store
+    call = BaseClient._make_api_call
+
+    def timing_out(self: Any, operation: str, kwargs: dict[str, Any]) -> Any:
+        if operation in {"UpdateItem", "PutItem"}:
+            raise ReadTimeoutError(endpoint_url="http://127.0.0.1:1/")
+        return call(self, operation, kwargs)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", timing_out)
+    # When a heartbeat moves alice's last contact, and a lease is claimed
+    # Then each raises the write's error caused by the timeout (pynamodb's response code raised AttributeError)
+    with pytest.raises(UpdateError) as update:
+        store.touch("alice", 10.0**10)
+    with pytest.raises(PutError) as put:
+        store.claim("aggregate#0", "holder", 2.0, 1.0)
+    assert all("Read timeout" in str(e.value.cause) for e in (update, put))
