@@ -49,20 +49,21 @@ def test_a_run_with_three_participants_finishes(local_run: Callable[..., Run]) -
 def test_a_participant_killed_mid_round_is_dropped_and_the_run_finishes(local_run: Callable[..., Run]) -> None:
     # Given three participants in a run that can go on with two (an epoch starts once two are in: the third may
     # come in only at the next one, hence two epochs)
-    config = e2e_config(min_clients=2, min_per_round=2, min_updates=2, total_rounds=6, rounds_per_epoch=3)
+    config = e2e_config(min_clients=2, min_per_round=2, min_updates=2, total_rounds=8, rounds_per_epoch=4)
     run = local_run(config)
-    # (p3 trains at a tenth of the speed: its update then comes seconds after a round starts, not milliseconds, and
-    # the kill below lands before it; had it come first, the run could end before p3 fell silent)
+    # (p3 trains at a tenth of the speed, so the kill below mostly lands before its update)
     run.start_participants(["p1", "p2", "p3"], extra={"p3": ["--throttle", "0.1"]})
     run.wait_for(lambda: len(run.store.read_state().members) == 3, 60, "all three to be admitted")
 
-    # When p3 is killed (SIGKILL) as soon as a round of the last epoch after its first one selects it, before its
-    # update arrives
-    last_epoch_second_round = config.total_rounds - config.rounds_per_epoch + 1
+    # When p3 is killed (SIGKILL) as soon as a round of the last epoch after its first one selects it (it has
+    # trained in a round by then), and before the last round: every member trains every round, so a round
+    # after the kill selects p3 even where its update of the kill's round came first, and cannot close until the
+    # coordinator drops it (the run could otherwise end before p3 fell silent)
+    first, last = config.rounds_per_epoch + 1, config.total_rounds - 2
 
     def p3_training() -> bool:
         s = run.store.read_state()
-        return s.phase is Phase.TRAIN and s.round >= last_epoch_second_round and "p3" in s.selected
+        return s.phase is Phase.TRAIN and first <= s.round <= last and "p3" in s.selected
     run.wait_for(p3_training, 60, "a round selecting p3")
     killed_in = run.store.read_state().round
     run.procs.kill("p3")
