@@ -231,6 +231,11 @@ class _UploadChecksum:
         self.of_parts = bytearray()
         self.parts = 0
 
+    @classmethod
+    def of(cls, upload: Any) -> _UploadChecksum:
+        """The checksum a multipart upload (`FakeMultipart`) asked for when it was started."""
+        return cls(upload.metadata.get("x-amz-checksum-algorithm"), upload.metadata.get("x-amz-checksum-type"))
+
     def update(self, block: bytes) -> None:
         (self.part if self.kind == "COMPOSITE" else self.whole).update(block)
 
@@ -238,6 +243,11 @@ class _UploadChecksum:
         if self.kind == "COMPOSITE":
             self.of_parts += self.part.digest()
             self.part = _Running(self.algorithm)
+        self.parts += 1
+
+    def taken_part(self, checksum: bytes) -> None:
+        """A composite checksum's part, its own checksum taken as it arrived (`_part_checksum`)."""
+        self.of_parts += checksum
         self.parts += 1
 
     def build(self) -> tuple[str, str, int]:
@@ -251,8 +261,7 @@ class _UploadChecksum:
 def _part_checksum(upload: Any, value: bytes) -> bytes | None:
     """A part's own checksum for its upload's composite checksum, taken as it arrives (None: the upload's checksum
     is of the whole object, computed at completion)."""
-    checksum = _UploadChecksum(upload.metadata.get("x-amz-checksum-algorithm"),
-                               upload.metadata.get("x-amz-checksum-type"))
+    checksum = _UploadChecksum.of(upload)
     if checksum.kind != "COMPOSITE":
         return None
     running = _Running(checksum.algorithm)
@@ -277,15 +286,13 @@ def _complete(self: Any, body: Any) -> tuple[_Joined, str, tuple[str, str, int]]
         parts.append(part)
     if not parts:
         raise MalformedXML
-    checksum = _UploadChecksum(self.metadata.get("x-amz-checksum-algorithm"),
-                               self.metadata.get("x-amz-checksum-type"))
+    checksum = _UploadChecksum.of(self)
     md5s = bytearray()
     for part in parts:
         md5s += bytes.fromhex(part.etag.replace('"', ""))
         taken = getattr(part, "fed_checksum", None)
         if checksum.kind == "COMPOSITE" and taken is not None:
-            checksum.of_parts += taken
-            checksum.parts += 1
+            checksum.taken_part(taken)
             continue
         for block in _read(part._value_buffer, int(part.contentsize)):
             checksum.update(block)
@@ -318,9 +325,9 @@ def apply() -> None:
         if getattr(_state, "copying", None) is self and (size >= STREAM_FROM or isinstance(held, _Span)):
             return _Joined(_shared(self))  # the source of a CopyObject: the copy is made of its files
         first = getattr(_state, "first", None)
-        if first is not None and first < int(self.contentsize):  # a valid range: moto slices the view
+        if first is not None and first < size:  # a valid range: moto slices the view
             return _RangeView(self)
-        if getattr(_state, "stream", False) and int(self.contentsize) >= STREAM_FROM:
+        if getattr(_state, "stream", False) and size >= STREAM_FROM:
             return _blocks(self)  # the server's response streams it (its content-length is set from the key)
         return whole_value.fget(self)
 
