@@ -49,6 +49,8 @@ class ParticipantItem(_Item):
     info = JSONAttribute(default=dict)
     last_sent = NumberAttribute(default=0)  # `sent_at` of the last join or heartbeat accepted (replays are older)
     heard_at = NumberAttribute(default=0)  # last signed message accepted after the registering join; 0: none
+    # heard from only through the heartbeat its join request found (`coordinator.intake`): no tick saw it eligible
+    unticked = BooleanAttribute(default=False)
     samples = NumberAttribute(default=0)  # local data mode: the sample count registered at join; 0: none
     # training progress from the latest heartbeat (`Heartbeat.progress`) and when it last moved; its measured rate
     progress = JSONAttribute(default=dict)
@@ -281,6 +283,7 @@ def participant_record(item: ParticipantItem) -> ParticipantRecord:
         info=dict(item.info or {}),
         last_sent=float(item.last_sent or 0),
         heard_at=float(item.heard_at or 0),
+        unticked=bool(item.unticked),
         samples=int(item.samples or 0),
         progress=progress_of(item.progress),
         progress_at=float(item.progress_at or 0),

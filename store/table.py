@@ -249,15 +249,16 @@ class StateStore:
     def accept_message(
         self, pid: str, sent_at: float, at: float, ready_epoch: int | None = None, info: dict[str, Any] | None = None,
         progress: dict[str, int] | None = None, progress_moved: bool = False, rate: float | None = None,
+        unticked: bool = False,
     ) -> str:
         """Take a join request's or heartbeat's news if it was sent after the last one accepted from `pid`:
         "accepted", "duplicate" (that very message, delivered again), "stale" (an older message: a replay,
         or overtaken by a newer one) or "unknown" (pid never joined).
 
         One conditional write, so two deliveries of one message, or a replay racing the original, cannot
-        both move `last_seen` forward."""
+        both move `last_seen` forward. `unticked`: taken by a function that does not tick (`ParticipantRecord`)."""
         p = self.m.participant
-        actions = [p.last_sent.set(sent_at), p.last_seen.set(at), p.heard_at.set(at)]
+        actions = [p.last_sent.set(sent_at), p.last_seen.set(at), p.heard_at.set(at), p.unticked.set(unticked)]
         if ready_epoch is not None:
             actions.append(p.ready_epoch.set(ready_epoch))
         if info is not None:

@@ -26,6 +26,9 @@ class ParticipantRecord:
     info: Mapping[str, Any] = field(default_factory=dict)  # participant-supplied, displayed and never trusted
     last_sent: float = 0.0  # `sent_at` of the last join request or heartbeat accepted
     heard_at: float = 0.0  # last signed message accepted after the join that registered it; 0: none yet
+    # Made eligible by the heartbeat its join request found, by the join function, which never ticks: the next
+    # heartbeat ingested ticks for it (`coordinator.intake`)
+    unticked: bool = False
     samples: int = 0  # local data mode: its own data's sample count, registered at join (never changed); 0: none
     progress: tuple[int, int, int] = (-1, 0, 0)  # (round, done, total) of its latest heartbeat; round -1: none
     progress_at: float = 0.0  # when that progress last moved (ingest's clock)

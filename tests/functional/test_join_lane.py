@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import boto3
 import pytest
 
+from coordinator import intake
 from fed.localrun import wait_until
 from local.dispatcher import Dispatcher
 from local.stack import LocalStack
@@ -243,6 +245,40 @@ def test_a_heartbeat_during_a_round_does_not_tick(harness: Harness) -> None:
     assert outsider["accepted"] and outsider["recorded"] and "tick" not in outsider
     assert member["accepted"] and member["recorded"] and "tick" not in member
     assert harness.deps.store.participants()["carol"].proven
+
+
+def test_while_waiting_only_a_heartbeat_that_makes_its_sender_eligible_ticks(harness_factory,  # type: ignore[no-untyped-def]
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a run waiting for three members: alice and bob heard from since they joined, carol only registered
+    h = harness_factory(min_clients=3)
+    h.scheduled_tick()
+    h.join_alive("alice")
+    h.join_alive("bob")
+    h.join("carol")
+    # When alice heartbeats again
+    again = h.heartbeat("alice")
+    # Then it is recorded but does not tick: she was eligible already, so nothing an epoch's start depends on changed
+    # (a thousand eligible participants heartbeating while an epoch could not start cost a tick each, and each tick
+    # reads every participant record: the queue of their heartbeats grew until none arrived in time)
+    assert again["accepted"] and again["recorded"] and "tick" not in again
+    # When carol heartbeats for the first time since she joined
+    first = h.heartbeat("carol")
+    # Then it ticks: she just became eligible, and may complete the admission
+    assert first["accepted"] and "tick" in first
+    # When dave's first heartbeat overtakes his join request, which takes it (the join function never ticks)
+    join = h.put(keys.join_key(h.config.run_id, "dave"), h.join_bytes("dave"))
+    assert h.heartbeat("dave")["accepted"] is False
+    assert h.deliver(join)["accepted"] is True and h.deps.store.participants()["dave"].proven
+    # Then his next heartbeat ticks for him, once
+    assert "tick" in h.heartbeat("dave")
+    assert "tick" not in h.heartbeat("dave")
+    # When bob heartbeats after a silence longer than the liveness timeout
+    later = time.time() + h.config.liveness_timeout + 1
+    monkeypatch.setattr(intake, "time", SimpleNamespace(time=lambda: later))
+    back = h.heartbeat("bob")
+    # Then it ticks: he was no longer eligible, and is again
+    assert back["accepted"] and "tick" in back
+    assert h.state().phase is Phase.WAITING  # (no model offered: no epoch can start)
 
 
 # --- events held until everyone asked to join (`fed demo`, the e2e harness) -----------------------------------
