@@ -159,24 +159,54 @@ class RequestCounter:
             return Counter(self.counts)
 
 
-class Clients:
-    """One S3 and one DynamoDB client shared by all simulated participants (botocore clients are
-    thread-safe; the requests are the same as with a client each)."""
+class _Gated:
+    """A botocore HTTP session that sends at most as many requests at once as its semaphore allows."""
 
-    def __init__(self, conn: Connection, counter: RequestCounter, pool: int = 256) -> None:
-        config = Config(retries={"max_attempts": 8, "mode": "standard"}, max_pool_connections=pool,
+    def __init__(self, session: Any, gate: threading.Semaphore) -> None:
+        self.session, self.gate = session, gate
+
+    def send(self, request: Any) -> Any:
+        with self.gate:
+            return self.session.send(request)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)
+
+
+class Clients:
+    """One S3, DynamoDB, SNS and SQS client shared by all simulated participants (botocore clients are
+    thread-safe; the requests are the same as with a client each).
+
+    Their S3, DynamoDB and SNS requests are sent at most `in_flight` at a time, the rest waiting in this process:
+    a thousand participants on a thousand hosts do not share a server, but here they share one Python process
+    serving one request at a time under its interpreter lock. Left unbounded, a burst (a thousand fetches of the
+    global at an epoch's start) put ~800 requests in the server at once, each a thread contending for that lock:
+    the server slowed until requests timed out, were sent again and added to the pile (load average 140-450,
+    admission taking 800 s instead of 320, heartbeats not arriving in time, a member dropped as silent). Waiting
+    here costs no timeout; the server serves as fast as it can either way. The long polls (SQS) are not bounded:
+    each waits, holding a connection, for a push."""
+
+    def __init__(self, conn: Connection, counter: RequestCounter, pool: int = 256, in_flight: int = 64) -> None:
+        config = Config(retries={"max_attempts": 8, "mode": "standard"}, max_pool_connections=max(pool, in_flight),
                         s3={"addressing_style": "path"})
-        self.s3 = counter.attach(boto3.client("s3", endpoint_url=conn.endpoint, region_name=conn.region,
-                                              config=config))
-        self.ddb = counter.attach(boto3.client("dynamodb", endpoint_url=conn.endpoint, region_name=conn.region,
-                                               config=config))
+        gate = threading.BoundedSemaphore(in_flight)
+        self.s3 = self._gated(counter.attach(boto3.client("s3", endpoint_url=conn.endpoint,
+                                                          region_name=conn.region, config=config)), gate)
+        self.ddb = self._gated(counter.attach(boto3.client("dynamodb", endpoint_url=conn.endpoint,
+                                                           region_name=conn.region, config=config)), gate)
         # (every participant holds a 20 s long poll open at once: a connection each)
         listen = Config(retries={"max_attempts": 8, "mode": "standard"}, max_pool_connections=max(pool, 1100),
                         read_timeout=LONG_POLL_SECONDS + 10)
         self.sqs = counter.attach(boto3.client("sqs", endpoint_url=conn.endpoint, region_name=conn.region,
                                                config=listen))
-        self.sns = counter.attach(boto3.client("sns", endpoint_url=conn.endpoint, region_name=conn.region,
-                                               config=config))
+        self.sns = self._gated(counter.attach(boto3.client("sns", endpoint_url=conn.endpoint,
+                                                           region_name=conn.region, config=config)), gate)
+
+    @staticmethod
+    def _gated(client: Any, gate: threading.Semaphore) -> Any:
+        endpoint = client._endpoint  # noqa: SLF001 - the one place botocore sends a request from
+        endpoint.http_session = _Gated(endpoint.http_session, gate)
+        return client
 
 
 class SimRemote:

@@ -68,6 +68,8 @@ LIVENESS = float(os.environ.get("LOAD_LIVENESS", "900"))
 # Functions running at once (Lambda's concurrency; locally the dispatcher's threads): the coordinator's requests
 # compete with a thousand participants' for one local server, which serves the requests in flight in turn.
 WORKERS, JOIN_WORKERS = int(os.environ.get("LOAD_WORKERS", "8")), int(os.environ.get("LOAD_JOIN_WORKERS", "4"))
+# The participants' requests in flight at the local server at once, long polls apart (`load_support.Clients`).
+IN_FLIGHT = int(os.environ.get("LOAD_IN_FLIGHT", "64"))
 TICK_INTERVAL = 5.0  # the schedule is a safety net; the events drive the run
 RUN_TIMEOUT = float(os.environ.get("LOAD_RUN_TIMEOUT", "2100"))  # round 0 took 271-463 s in CI runs
 # Each round's deadline, well past any round seen here (115-463 s): at it, a tick looks in the bucket for the updates
@@ -99,7 +101,7 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
     config = load_config()
     conn = stack.connection
     counter = RequestCounter()
-    clients = Clients(conn, counter)
+    clients = Clients(conn, counter, in_flight=IN_FLIGHT)
     sims = [SimParticipant(f"sim{i:03d}", conn, clients, counter, config.dataset_size, poll_max=POLL_MAX,
                            timeout=RUN_TIMEOUT, join_retry=JOIN_RETRY, ready_retry=READY_RETRY,
                            heartbeat_every=config.heartbeat_every, heartbeat_after_update=config.heartbeat_after_update,
@@ -306,7 +308,8 @@ def print_figures(wall: float, total: Counter[tuple[str, str]], participants: Co
     sides = {"participants": by_service(participants), "coordinator": by_service(coordinator),
              "total": by_service(total)}
     print(f"\nload test: {N} participants (--poll-max {POLL_MAX:g}s, started over {STAGGER:g}s, re-sending an "
-          f"unrecorded join first after {JOIN_RETRY:g}s, ready after {READY_RETRY:g}s, then doubling), {ROUNDS} "
+          f"unrecorded join first after {JOIN_RETRY:g}s, ready after {READY_RETRY:g}s, then doubling; at most "
+          f"{IN_FLIGHT} requests in flight besides the long polls), {ROUNDS} "
           f"rounds: {wall:.1f}s wall time from the first join to the last participant seeing the run finished; "
           f"updates lost: {lost}")
     print("phases first seen at: " + ", ".join(f"{k} {v:.0f}s" for k, v in phases.items()))
