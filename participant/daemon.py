@@ -251,11 +251,13 @@ class Daemon(Participant):
         return info
 
     def _send_join(self) -> None:
-        request = JoinRequest(run_id=self.run_id, participant=self.pid, public_key=self.signer.public_key,
-                              sent_at=self.sent_at(), info=self._info(),
-                              samples=len(self.own) if self.own is not None else None)
-        self.remote.put_json(keys.join_key(self.run_id, self.pid), request.model_dump(mode="json"),
-                             "sending the join request")
+        info, samples = self._info(), len(self.own) if self.own is not None else None
+
+        def request() -> dict[str, Any]:  # (sent now: each attempt's is)
+            return JoinRequest(run_id=self.run_id, participant=self.pid, public_key=self.signer.public_key,
+                               sent_at=self.sent_at(), info=info, samples=samples).model_dump(mode="json")
+
+        self.remote.put_fresh_json(keys.join_key(self.run_id, self.pid), request, "sending the join request")
 
     def _heartbeats(self) -> None:
         assert self.config is not None
@@ -281,12 +283,16 @@ class Daemon(Participant):
             info = self._info()
             info["activity"] = self.activity
             progress, rate = self.training.progress, self.training.rate
-            beat = Heartbeat(participant=self.pid, sent_at=self.sent_at(), ready_epoch=self.ready_epoch, info=info,
-                             progress=Progress(round=progress[0], done=progress[1], total=progress[2])
-                             if progress is not None else None,
-                             samples_per_second=min(rate, MAX_RATE) if rate and math.isfinite(rate) else None)
-            self.remote.put_json(keys.heartbeat_key(self.run_id, self.pid), beat.model_dump(mode="json"),
-                                 "sending a heartbeat")
+
+            def beat() -> dict[str, Any]:  # (sent now: each attempt's is)
+                return Heartbeat(
+                    participant=self.pid, sent_at=self.sent_at(), ready_epoch=self.ready_epoch, info=info,
+                    progress=Progress(round=progress[0], done=progress[1], total=progress[2])
+                    if progress is not None else None,
+                    samples_per_second=min(rate, MAX_RATE) if rate and math.isfinite(rate) else None,
+                ).model_dump(mode="json")
+
+            self.remote.put_fresh_json(keys.heartbeat_key(self.run_id, self.pid), beat, "sending a heartbeat")
 
     def _send_ready(self, epoch: int) -> None:
         self.ready_epoch = epoch

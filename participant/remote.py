@@ -255,6 +255,18 @@ class Remote:
         data = json.dumps(body, sort_keys=True).encode()
         self.retry.call(what, self.bucket.put, key, data, self.signer.metadata(key, data))
 
+    def put_fresh_json(self, key: str, body: Callable[[], dict[str, Any]], what: str) -> None:
+        """`put_json` of a message that says when it was sent (a heartbeat, a join request), built anew for each
+        attempt: ingest refuses one that arrives more than `max_clock_skew` after it was sent, so a heartbeat
+        retried through minutes of outage would be refused when it finally got through, and its sender dropped as
+        silent an interval later."""
+
+        def once() -> None:
+            data = json.dumps(body(), sort_keys=True).encode()
+            self.bucket.put(key, data, self.signer.metadata(key, data))
+
+        self.retry.call(what, once)
+
     def upload_file(self, key: str, path: Path, what: str, progress: ByteProgress | None = None,
                     content_digest: str | None = None) -> None:
         """Upload a file to `key`, signed over the key and its content digest (`shared.digest`; computed from the

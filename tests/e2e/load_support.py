@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -226,6 +226,15 @@ class SimRemote:
         self.retry.call(f"uploading {key}", self.s3.put_object, Bucket=self.conn.bucket, Key=key, Body=body,
                         Metadata=self.signer.metadata(key, body))
 
+    def put_fresh(self, key: str, body: Callable[[], dict[str, Any]]) -> None:
+        """A message that says when it was sent, built anew for each attempt (`Remote.put_fresh_json`)."""
+
+        def once() -> None:
+            data = json.dumps(body(), sort_keys=True).encode()
+            self.s3.put_object(Bucket=self.conn.bucket, Key=key, Body=data, Metadata=self.signer.metadata(key, data))
+
+        self.retry.call(f"uploading {key}", once)
+
     def get(self, key: str) -> bytes | None:
         def read() -> bytes | None:
             try:
@@ -411,9 +420,9 @@ class SimParticipant(Participant):
 
     def _send_join(self) -> None:
         self.actions["join"] += 1
-        body = JoinRequest(run_id=self.run_id, participant=self.pid, public_key=self.signer.public_key,
-                           sent_at=self.sent_at(), info={"host": "load-test"}).model_dump(mode="json")
-        self.remote.put(keys.join_key(self.run_id, self.pid), json.dumps(body, sort_keys=True).encode())
+        self.remote.put_fresh(keys.join_key(self.run_id, self.pid), lambda: JoinRequest(
+            run_id=self.run_id, participant=self.pid, public_key=self.signer.public_key, sent_at=self.sent_at(),
+            info={"host": "load-test"}).model_dump(mode="json"))
 
     def _send_ready(self, epoch: int) -> None:
         self.ready_epoch = epoch
@@ -421,9 +430,9 @@ class SimParticipant(Participant):
 
     def _beat(self, ready_epoch: int) -> None:
         self.actions["ready report" if ready_epoch else "heartbeat"] += 1
-        body = Heartbeat(participant=self.pid, sent_at=self.sent_at(), ready_epoch=ready_epoch,
-                         info={"activity": "simulated"}).model_dump(mode="json")
-        self.remote.put(keys.heartbeat_key(self.run_id, self.pid), json.dumps(body, sort_keys=True).encode())
+        self.remote.put_fresh(keys.heartbeat_key(self.run_id, self.pid), lambda: Heartbeat(
+            participant=self.pid, sent_at=self.sent_at(), ready_epoch=ready_epoch,
+            info={"activity": "simulated"}).model_dump(mode="json"))
 
     def _offer_model(self) -> None:
         self.remote.put(keys.init_key(self.run_id, self.pid), wire.encode(tiny_model()))

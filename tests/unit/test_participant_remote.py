@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 from pynamodb.exceptions import GetError
 
-from participant.remote import FatalRemoteError, Retrier, Stopped, is_transient
+from participant.remote import FatalRemoteError, Remote, Retrier, Stopped, is_transient
+from shared.signing import Signer, verify
 from store.blobs import NotFound
+from store.connection import Connection
 
 
 def client_error(code: str) -> ClientError:
@@ -78,3 +81,25 @@ def test_stop_interrupts_retrying() -> None:
     with pytest.raises(Stopped):
         Retrier(stop, first_delay=0.001).call("reading", always_down)
     assert calls["n"] == 3
+
+
+def test_a_message_put_fresh_is_built_anew_for_each_attempt() -> None:
+    # Given a participant's remote whose first two uploads fail with transient errors
+    conn = Connection("run", "bucket", "table", "http://127.0.0.1:1", "us-east-1")
+    remote = Remote(conn, "alice", Retrier(threading.Event(), first_delay=0.001, max_delay=0.002), Signer.generate())
+    sent: list[tuple[str, bytes, dict[str, str]]] = []
+    failures: list[BaseException] = [client_error("SlowDown"), EndpointConnectionError(endpoint_url="http://x")]
+
+    def put(key: str, data: bytes, metadata: dict[str, str]) -> None:
+        if failures:
+            raise failures.pop(0)
+        sent.append((key, data, metadata))
+
+    remote.bucket.put = put  # type: ignore[method-assign]
+    built = iter(range(1, 10))
+    # When a message that says when it was sent is put
+    remote.put_fresh_json("k", lambda: {"sent_at": float(next(built))}, "sending a heartbeat")
+    # Then the attempt that got through carries the time of that attempt, signed over what it carries
+    assert [json.loads(data) for _, data, _ in sent] == [{"sent_at": 3.0}]
+    key, data, metadata = sent[0]
+    verify(remote.signer.public_key, key, data, metadata)
