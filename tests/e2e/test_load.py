@@ -18,7 +18,9 @@ these defaults, then a smaller run, 200 over 30 s with 60 s rounds (the requests
 
 The local server is one Python process serving ~150 requests a second and ingesting ~12 updates a second, so a
 round of a thousand lasts minutes here (on AWS nothing of it is one process): measured 1,067-1,179 s for the test,
-rounds of 115-463 s, 0 lost, the global the FedAvg of all 1,000; 1,003 s with the server's connections kept open.
+rounds of 115-463 s, 0 lost, the global the FedAvg of all 1,000; 1,003 s with the server's connections kept open;
+694 s with the participants' requests at most 64 in flight (`load_support.Clients`; Warmup at 315 s, rounds of
+113-138 s).
 """
 
 from __future__ import annotations
