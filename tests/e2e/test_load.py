@@ -11,7 +11,7 @@ server (the local server's request counter); the coordinator's share is the serv
 participants'. Printed: the wall time, and the AWS requests per participant per round by service and
 originator.
 
-`make test-load` runs it at these defaults (about 17 minutes on a 2-core machine); `make test-slow` (CI) runs it at
+`make test-load` runs it at these defaults (about 12 minutes on a 2-core machine); `make test-slow` (CI) runs it at
 these defaults, then a smaller run, 200 over 30 s with 60 s rounds (the requests of a round of a minute):
 
     LOAD_PARTICIPANTS=200 LOAD_STAGGER=30 LOAD_LIVENESS=180 .venv/bin/python -m pytest -s -m slow tests/e2e/test_load.py
