@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not chaos and not slow" tests
 
 # The chaos, flood and load tests; the load test at its defaults, 1,000 participants (about 12 minutes on this 2-core
-# machine: rounds of ~3 minutes, the local server ingesting ~8 updates a second), then at 200 with 60 s rounds (about
+# machine: rounds of ~2 minutes, the local server ingesting ~8 updates a second), then at 200 with 60 s rounds (about
 # 4 minutes): the requests a participant-round costs in a round of a minute.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -s -m "chaos or slow" tests
