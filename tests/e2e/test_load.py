@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -191,12 +192,20 @@ def stall_report(stack: StackProcess, sims: list[SimParticipant], progress: Prog
     (local.moto_events logs each). Printed, and carried by the failing assertion (the end of CI's output)."""
     lines = ["the run did not finish: " + ", ".join(f"{k} at {v:.0f}s" for k, v in progress.phases.items())]
     try:
-        state = store_for(stack.connection).read_state()
+        store = store_for(stack.connection)
+        state = store.read_state()
         lines.append(f"  state: {state.phase.value}, round {state.round}, {state.aggregated} aggregated, version "
                      f"{state.version}")
         if state.phase is Phase.TRAIN:
             missing = sorted(s.pid for s in sims if not s.uploaded.get(state.round))
             lines.append(f"  {N - len(missing)} of {N} uploaded round {state.round}; not: {missing[:10]}")
+        # who was dropped and why, and what ingest refused (a stale heartbeat, a message from no one registered)
+        for summary in store.rounds():
+            if summary.dropped:
+                lines.append(f"  round {summary.round} dropped {len(summary.dropped)}: " + "; ".join(
+                    f"{pid}: {why}" for pid, why in sorted(summary.dropped.items())[:5]))
+        refused = Counter(re.sub(r"\d[\d.]*", "#", r.reason)[:90] for r in store.refusals())
+        lines += [f"  refused {n}x: {reason}" for reason, n in refused.most_common(5)]
         sqs = boto3.client("sqs", endpoint_url=stack.endpoint, region_name=stack.connection.region)
         for url in stack.resources.queue_urls:
             attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages",
