@@ -23,11 +23,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not chaos and not slow" tests
 
-# The chaos, flood and load tests; the load test at its defaults, 1,000 participants (about 12 minutes on this 2-core
-# machine: rounds of ~2 minutes, the local server ingesting ~8 updates a second), then at 200 with 60 s rounds (about
-# 4 minutes): the requests a participant-round costs in a round of a minute.
+# The chaos and flood tests, and the load test at 200 participants with 60 s rounds (about 4 minutes): the requests a
+# participant-round costs in a round of a minute. The load test at 1,000 is `make test-load`: it passes in about 12
+# minutes here, but in some runs the one-process local server collapses under a thousand long polls (tests/e2e/test_load.py,
+# issue 13's notes), and CI must not fail on the stand-in.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -s -m "chaos or slow" tests
+	$(PY) -m pytest -q -s -m "chaos or slow" --ignore tests/e2e/test_load.py tests
 	LOAD_PARTICIPANTS=200 LOAD_STAGGER=30 LOAD_LIVENESS=180 $(PY) -m pytest -q -s -m slow tests/e2e/test_load.py
 
 # The load test alone at its defaults: 1,000 simulated participants, 3 rounds (tests/e2e/test_load.py).
