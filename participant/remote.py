@@ -252,8 +252,7 @@ class Remote:
     # --- writes -----------------------------------------------------------------------------------
 
     def put_json(self, key: str, body: dict[str, Any], what: str) -> None:
-        data = json.dumps(body, sort_keys=True).encode()
-        self.retry.call(what, self.bucket.put, key, data, self.signer.metadata(key, data))
+        self.put_fresh_json(key, lambda: body, what)
 
     def put_fresh_json(self, key: str, body: Callable[[], dict[str, Any]], what: str) -> None:
         """`put_json` of a message that says when it was sent (a heartbeat, a join request), built anew for each

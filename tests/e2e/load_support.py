@@ -184,7 +184,8 @@ class Clients:
     the server slowed until requests timed out, were sent again and added to the pile (load average 140-450,
     admission taking 800 s instead of 320, heartbeats not arriving in time, a member dropped as silent). Waiting
     here costs no timeout; the server serves as fast as it can either way. The long polls (SQS) are not bounded:
-    each waits, holding a connection, for a push."""
+    each waits, holding a connection, for a push (a thousand of them can still stall the server: test_load's
+    docstring)."""
 
     def __init__(self, conn: Connection, counter: RequestCounter, pool: int = 256, in_flight: int = 64) -> None:
         config = Config(retries={"max_attempts": 8, "mode": "standard"}, max_pool_connections=max(pool, in_flight),
@@ -223,17 +224,14 @@ class SimRemote:
         self.retry = Retrier(stop)
 
     def put(self, key: str, body: bytes) -> None:
-        self.retry.call(f"uploading {key}", self.s3.put_object, Bucket=self.conn.bucket, Key=key, Body=body,
-                        Metadata=self.signer.metadata(key, body))
+        self.retry.call(f"uploading {key}", self._put_once, key, body)
 
     def put_fresh(self, key: str, body: Callable[[], dict[str, Any]]) -> None:
         """A message that says when it was sent, built anew for each attempt (`Remote.put_fresh_json`)."""
+        self.retry.call(f"uploading {key}", lambda: self._put_once(key, json.dumps(body(), sort_keys=True).encode()))
 
-        def once() -> None:
-            data = json.dumps(body(), sort_keys=True).encode()
-            self.s3.put_object(Bucket=self.conn.bucket, Key=key, Body=data, Metadata=self.signer.metadata(key, data))
-
-        self.retry.call(f"uploading {key}", once)
+    def _put_once(self, key: str, body: bytes) -> None:
+        self.s3.put_object(Bucket=self.conn.bucket, Key=key, Body=body, Metadata=self.signer.metadata(key, body))
 
     def get(self, key: str) -> bytes | None:
         def read() -> bytes | None:
