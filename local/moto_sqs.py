@@ -13,6 +13,13 @@ has appended to that: the slower one's list, put in place last, lacks the messag
 faster one deleted). The local server serves each request in a thread of its own, so at 1,000 participants
 uploading within the same second five S3 events were lost this way, and their updates stayed in the bucket
 unrecorded until the round's deadline (a load test in CI).
+
+And a long poll on an empty queue sleeps until a message comes or the poll ends, not one second at a time. moto
+wakes every waiting receive once a second to look again, though a send already wakes them: with a thousand
+participants each holding a 20 s poll, that is a thousand wake-ups a second in one Python process, and once enough
+of them wake together their threads queue for the interpreter lock faster than it serves them (a load test whose
+server stopped answering: 875 of its 1,178 threads in long polls). A poll still wakes each second while its
+queue holds a message in flight or delayed, as nothing announces one becoming visible again.
 Everything else is served by moto unchanged. Idempotent; used by the local stack and the functional tests."""
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ def apply() -> None:
     every_attribute: Any = vars(models.Queue)["attributes"].fget
     send = models.SQSBackend.send_message
     delete = models.Queue.delete_message
+    receive = models.SQSBackend.receive_message
 
     def attributes(self: Any) -> dict[str, Any]:
         if not getattr(_state, "sending", False):
@@ -57,8 +65,25 @@ def apply() -> None:
         with self._messages_lock:  # (the lock a send appends under)
             delete(self, receipt_handle)
 
+    def receive_message(self: Any, queue_name: str, count: int, wait_seconds_timeout: int,
+                        *args: Any, **kwargs: Any) -> Any:
+        _state.poll_end = unix_time() + wait_seconds_timeout
+        try:
+            return receive(self, queue_name, count, wait_seconds_timeout, *args, **kwargs)
+        finally:
+            _state.poll_end = None
+
+    def wait_for_messages(self: Any, timeout: int) -> None:
+        poll_end = getattr(_state, "poll_end", None)
+        with self._messages_lock:  # (a send appends and notifies under it)
+            hidden = any(not m.visible or m.delayed for m in self._messages)
+            until_end = timeout if poll_end is None or hidden else max(timeout, poll_end - unix_time() + 0.01)
+            self._messages_lock.wait_for(lambda: self.messages, timeout=until_end)
+
     models.Queue.attributes = property(attributes)  # type: ignore[method-assign,assignment]
     models.Queue.delete_message = delete_message  # type: ignore[method-assign]
+    models.Queue.wait_for_messages = wait_for_messages  # type: ignore[method-assign]
+    models.SQSBackend.receive_message = receive_message  # type: ignore[method-assign]
     models.SQSBackend.send_message = send_message  # type: ignore[method-assign]
     models.SQSBackend.is_message_valid_based_on_retention_period = (  # type: ignore[method-assign]
         is_message_valid_based_on_retention_period)

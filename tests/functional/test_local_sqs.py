@@ -102,3 +102,38 @@ def test_a_message_sent_while_two_are_deleted_is_kept(aws: None, monkeypatch: py
     # Then the message sent meanwhile is there to receive, and neither deleted message is
     bodies = [m["Body"] for m in sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10).get("Messages", [])]
     assert bodies == ["sent meanwhile"]
+
+
+def test_a_long_poll_on_an_empty_queue_looks_again_only_when_a_message_comes(
+        aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given an empty queue whose visible messages are counted each time a receive looks (moto looked once a second)
+    from moto.sqs import models
+
+    moto_sqs.apply()
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    url = sqs.create_queue(QueueName="push")["QueueUrl"]
+    looks = []
+    visible = models.Queue.messages.fget
+    monkeypatch.setattr(models.Queue, "messages", property(lambda q: looks.append(1) or visible(q)))
+    # When a poll of 2 s gets nothing, and another gets a message sent while it waits
+    assert "Messages" not in sqs.receive_message(QueueUrl=url, WaitTimeSeconds=2)
+    quiet = len(looks)
+    sender = threading.Timer(0.5, lambda: sqs.send_message(QueueUrl=url, MessageBody="new round"))
+    sender.start()
+    bodies = [m["Body"] for m in sqs.receive_message(QueueUrl=url, WaitTimeSeconds=20)["Messages"]]
+    sender.join()
+    # Then the quiet poll looked at its start, when it began to wait, and at its end; the other got the message
+    assert quiet <= 3 and bodies == ["new round"]
+
+
+def test_a_long_poll_gets_a_message_that_becomes_visible_again_while_it_waits(aws: None) -> None:
+    # Given a queue whose one message was received and not deleted, hidden for 1 s (nothing announces its return)
+    moto_sqs.apply()
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    url = sqs.create_queue(QueueName="redelivery")["QueueUrl"]
+    sqs.send_message(QueueUrl=url, MessageBody="again")
+    assert len(sqs.receive_message(QueueUrl=url, VisibilityTimeout=1)["Messages"]) == 1
+    # When a poll of 5 s waits
+    response = sqs.receive_message(QueueUrl=url, WaitTimeSeconds=5)
+    # Then it gets the message again within its poll
+    assert [m["Body"] for m in response["Messages"]] == ["again"]
