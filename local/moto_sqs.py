@@ -18,8 +18,9 @@ And a long poll on an empty queue sleeps until a message comes or the poll ends,
 wakes every waiting receive once a second to look again, though a send already wakes them: with a thousand
 participants each holding a 20 s poll, that is a thousand wake-ups a second in one Python process, and once enough
 of them wake together their threads queue for the interpreter lock faster than it serves them (a load test whose
-server stopped answering: 875 of its 1,178 threads in long polls). A poll still wakes each second while its
-queue holds a message in flight or delayed, as nothing announces one becoming visible again.
+server stopped answering: 875 of its 1,178 threads in long polls). A waiting receive wakes when a message is sent
+or a message's visibility is changed, when the first message in flight or delayed is due back, or at the poll's end
+(a participant's queue keeps the changes it received in flight until they expire: they are never due back).
 Everything else is served by moto unchanged. Idempotent; used by the local stack and the functional tests."""
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def apply() -> None:
     send = models.SQSBackend.send_message
     delete = models.Queue.delete_message
     receive = models.SQSBackend.receive_message
+    change = models.SQSBackend.change_message_visibility
 
     def attributes(self: Any) -> dict[str, Any]:
         if not getattr(_state, "sending", False):
@@ -74,16 +76,30 @@ def apply() -> None:
             _state.poll_end = None
 
     def wait_for_messages(self: Any, timeout: int) -> None:
+        """Wait once: for a send or a change of visibility, the first hidden message's return, or the poll's end.
+        (moto's receive looks again after each wait.)"""
         poll_end = getattr(_state, "poll_end", None)
         with self._messages_lock:  # (a send appends and notifies under it)
-            hidden = any(not m.visible or m.delayed for m in self._messages)
-            until_end = timeout if poll_end is None or hidden else max(timeout, poll_end - unix_time() + 0.01)
-            self._messages_lock.wait_for(lambda: self.messages, timeout=until_end)
+            if self.messages:
+                return
+            now = unix_time()
+            until = now + timeout if poll_end is None else poll_end + 0.01
+            for message in self._messages:  # in flight or delayed
+                until = min(until, max(message.visible_at, message.delayed_until) / 1000)
+            if until > now:
+                self._messages_lock.wait(until - now)
+
+    def change_message_visibility(self: Any, queue_name: str, *args: Any, **kwargs: Any) -> None:
+        change(self, queue_name, *args, **kwargs)
+        queue = self.get_queue(queue_name)
+        with queue._messages_lock:  # a message may be visible now, or sooner: waiting receives look again
+            queue._messages_lock.notify_all()
 
     models.Queue.attributes = property(attributes)  # type: ignore[method-assign,assignment]
     models.Queue.delete_message = delete_message  # type: ignore[method-assign]
     models.Queue.wait_for_messages = wait_for_messages  # type: ignore[method-assign]
     models.SQSBackend.receive_message = receive_message  # type: ignore[method-assign]
+    models.SQSBackend.change_message_visibility = change_message_visibility  # type: ignore[method-assign]
     models.SQSBackend.send_message = send_message  # type: ignore[method-assign]
     models.SQSBackend.is_message_valid_based_on_retention_period = (  # type: ignore[method-assign]
         is_message_valid_based_on_retention_period)

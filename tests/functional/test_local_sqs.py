@@ -137,3 +137,39 @@ def test_a_long_poll_gets_a_message_that_becomes_visible_again_while_it_waits(aw
     response = sqs.receive_message(QueueUrl=url, WaitTimeSeconds=5)
     # Then it gets the message again within its poll
     assert [m["Body"] for m in response["Messages"]] == ["again"]
+
+
+def test_a_long_poll_gets_a_message_whose_visibility_is_changed_while_it_waits(aws: None) -> None:
+    # Given a queue whose one message was received and not deleted, hidden for a minute
+    moto_sqs.apply()
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    url = sqs.create_queue(QueueName="retry")["QueueUrl"]
+    sqs.send_message(QueueUrl=url, MessageBody="retry me")
+    handle = sqs.receive_message(QueueUrl=url, VisibilityTimeout=60)["Messages"][0]["ReceiptHandle"]
+    # When a poll of 5 s waits, and meanwhile the message is made visible now (as the local dispatcher does to retry)
+    changer = threading.Timer(0.5, lambda: sqs.change_message_visibility(QueueUrl=url, ReceiptHandle=handle,
+                                                                         VisibilityTimeout=0))
+    changer.start()
+    response = sqs.receive_message(QueueUrl=url, WaitTimeSeconds=5)
+    changer.join()
+    # Then the poll gets it
+    assert [m["Body"] for m in response.get("Messages", [])] == ["retry me"]
+
+
+def test_a_long_poll_on_a_queue_of_changes_received_long_ago_sleeps_until_its_end(
+        aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a participant's queue: the changes it received stay in flight for hours (store.push never deletes them)
+    from moto.sqs import models
+
+    moto_sqs.apply()
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    url = sqs.create_queue(QueueName="participant")["QueueUrl"]
+    sqs.send_message(QueueUrl=url, MessageBody="round 1")
+    assert len(sqs.receive_message(QueueUrl=url, VisibilityTimeout=12 * 3600)["Messages"]) == 1
+    looks = []
+    visible = models.Queue.messages.fget
+    monkeypatch.setattr(models.Queue, "messages", property(lambda q: looks.append(1) or visible(q)))
+    # When a poll of 2 s gets nothing
+    assert "Messages" not in sqs.receive_message(QueueUrl=url, WaitTimeSeconds=2)
+    # Then it looked at its start, when it began to wait, and at its end
+    assert len(looks) <= 3
