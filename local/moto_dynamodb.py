@@ -6,6 +6,17 @@ third of its time went to those copies, and the join lane fell behind. `apply()`
 transaction names, and puts those back when it fails, as DynamoDB's cost does not grow with the table. What a
 transaction does, and refuses, is moto's unchanged. Idempotent; used by the local stack and the functional tests.
 
+And a Query sorts the table's items as Python sorts numbers and strings. moto sorts every item of the table for each
+Query by comparing key objects that cast both their values again at each comparison (twice for the hash key, twice
+for the range key): the run's items share one partition and grow by a thousand a round at 1,000 participants (an
+update record each), so the tick's queries held the local server's DynamoDB lock longer each round — py-spy found
+it sorting there while ingest waited.
+
+And moto writes a response's attribute values by looking each one's every member up in the service model, through
+a generic serializer: a Query of 1,000 participant records took ~0.3 s to write, and writing DynamoDB responses was
+the local server's largest use of its interpreter (a third of it, py-spy, in a round at 1,000 participants).
+`attribute_value` writes them as that serializer does, directly.
+
 moto also deep-copies every item a Query returns. A tick queries every participant record, and at 1,000 participants
 those copies held the local server's DynamoDB lock long enough that requests queued behind it timed out and were
 sent again, until nothing else was served (py-spy: 842 requests waiting on the lock). `serve_query_results()`, for
@@ -14,6 +25,7 @@ served under one lock (`local.server.SerialDynamoDB`), so nothing changes an ite
 
 from __future__ import annotations
 
+import base64
 import copy
 import threading
 from typing import Any
@@ -30,7 +42,10 @@ def apply() -> None:
     from moto.dynamodb.models.dynamo_type import DynamoType
     from moto.dynamodb.models.table import Table
 
+    from moto.core.serialize import BaseJSONSerializer
+
     transact = DynamoDBBackend.transact_write_items
+    structure = BaseJSONSerializer._serialize_type_structure
 
     def table_copy(self: Any, memo: dict[int, Any]) -> Any:
         """The whole table, as deepcopy makes it; within a transaction, the table itself (its items are backed up)."""
@@ -83,9 +98,54 @@ def apply() -> None:
         finally:
             _state.transacting = False
 
+    def all_items(self: Any) -> list[Any]:
+        """Every item in key order, as moto's, sorted on the keys' values rather than by comparing DynamoTypes."""
+        if not self.range_key_attr:
+            return sorted(self.items.values(), key=lambda item: item.hash_key.cast_value)
+        items = [item for partition in self.items.values() for item in partition.values()]
+        return sorted(items, key=lambda item: (item.hash_key.cast_value, item.range_key.cast_value))
+
+    def serialize_structure(self: Any, serialized: Any, value: Any, shape: Any, key: str) -> None:
+        if shape.name != "AttributeValue" or not isinstance(value, dict):
+            return structure(self, serialized, value, shape, key)
+        wire = attribute_value(value)
+        if key:
+            self._default_serialize(serialized, wire, shape, key)
+        else:
+            serialized.update(wire)
+
     Table.__deepcopy__ = table_copy  # type: ignore[attr-defined]
+    BaseJSONSerializer._serialize_type_structure = serialize_structure  # type: ignore[method-assign]
+    Table.all_items = all_items  # type: ignore[method-assign]
     DynamoDBBackend.transact_write_items = transact_write_items  # type: ignore[method-assign]
     _applied = True
+
+
+def attribute_value(value: dict[str, Any]) -> dict[str, Any]:
+    """An attribute value as moto's serializer writes it ({"B": bytes} -> base64 text, numbers as text, maps and
+    lists member by member), without looking each member up in the service model."""
+    wire: dict[str, Any] = {}
+    for kind, v in value.items():
+        if v is None:
+            continue
+        if kind == "B":
+            v = _base64(v)
+        elif kind == "BS":
+            v = [_base64(x) for x in v]
+        elif kind == "M":
+            v = {name: attribute_value(x) for name, x in v.items()}
+        elif kind == "L":
+            v = [attribute_value(x) for x in v]
+        elif kind in ("S", "N"):
+            v = str(v)
+        elif kind in ("SS", "NS"):
+            v = [str(x) for x in v]
+        wire[kind] = v
+    return wire
+
+
+def _base64(value: str | bytes) -> str:
+    return base64.b64encode(value.encode() if isinstance(value, str) else value).strip().decode()
 
 
 _serving = False
