@@ -38,11 +38,10 @@ def apply() -> None:
     global _applied
     if _applied:
         return
+    from moto.core.serialize import BaseJSONSerializer
     from moto.dynamodb.models import DynamoDBBackend
     from moto.dynamodb.models.dynamo_type import DynamoType
     from moto.dynamodb.models.table import Table
-
-    from moto.core.serialize import BaseJSONSerializer
 
     transact = DynamoDBBackend.transact_write_items
     structure = BaseJSONSerializer._serialize_type_structure
