@@ -21,7 +21,8 @@ one process): measured 1,067-1,179 s for the test at first, rounds of 115-463 s;
 requests at most 64 in flight (`load_support.Clients`); but one run in three or four collapsed (load average 1,400,
 875 of the server's 1,178 threads in SQS long polls that moto woke every second). With the local stack's waiting
 receives asleep until something comes (local/moto_sqs.py) the load average stays under 20, and with DynamoDB's
-responses written directly (local/moto_dynamodb.py): 615 s, Warmup at 301 s, rounds of 91-106 s.
+responses written directly (local/moto_dynamodb.py): 615-640 s in three runs (one in fresh-clone CI), Warmup at
+301-318 s, rounds of 91-110 s.
 """
 
 from __future__ import annotations
