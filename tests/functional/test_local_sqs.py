@@ -104,17 +104,23 @@ def test_a_message_sent_while_two_are_deleted_is_kept(aws: None, monkeypatch: py
     assert bodies == ["sent meanwhile"]
 
 
+def counted_looks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time a receive lists a queue's visible messages."""
+    from moto.sqs import models
+
+    looks: list[int] = []
+    visible = models.Queue.messages.fget
+    monkeypatch.setattr(models.Queue, "messages", property(lambda q: looks.append(1) or visible(q)))
+    return looks
+
+
 def test_a_long_poll_on_an_empty_queue_looks_again_only_when_a_message_comes(
         aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given an empty queue whose visible messages are counted each time a receive looks (moto looked once a second)
-    from moto.sqs import models
-
     moto_sqs.apply()
     sqs = boto3.client("sqs", region_name="us-east-1")
     url = sqs.create_queue(QueueName="push")["QueueUrl"]
-    looks = []
-    visible = models.Queue.messages.fget
-    monkeypatch.setattr(models.Queue, "messages", property(lambda q: looks.append(1) or visible(q)))
+    looks = counted_looks(monkeypatch)
     # When a poll of 2 s gets nothing, and another gets a message sent while it waits
     assert "Messages" not in sqs.receive_message(QueueUrl=url, WaitTimeSeconds=2)
     quiet = len(looks)
@@ -159,16 +165,12 @@ def test_a_long_poll_gets_a_message_whose_visibility_is_changed_while_it_waits(a
 def test_a_long_poll_on_a_queue_of_changes_received_long_ago_sleeps_until_its_end(
         aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given a participant's queue: the changes it received stay in flight for hours (store.push never deletes them)
-    from moto.sqs import models
-
     moto_sqs.apply()
     sqs = boto3.client("sqs", region_name="us-east-1")
     url = sqs.create_queue(QueueName="participant")["QueueUrl"]
     sqs.send_message(QueueUrl=url, MessageBody="round 1")
     assert len(sqs.receive_message(QueueUrl=url, VisibilityTimeout=12 * 3600)["Messages"]) == 1
-    looks = []
-    visible = models.Queue.messages.fget
-    monkeypatch.setattr(models.Queue, "messages", property(lambda q: looks.append(1) or visible(q)))
+    looks = counted_looks(monkeypatch)
     # When a poll of 2 s gets nothing
     assert "Messages" not in sqs.receive_message(QueueUrl=url, WaitTimeSeconds=2)
     # Then it looked at its start, when it began to wait, and at its end
