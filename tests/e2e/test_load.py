@@ -20,7 +20,8 @@ The local server is one Python process, so a round of a thousand lasts a minute 
 one process): measured 1,067-1,179 s for the test at first, rounds of 115-463 s; 694-718 s with the participants'
 requests at most 64 in flight (`load_support.Clients`); but one run in three or four collapsed (load average 1,400,
 875 of the server's 1,178 threads in SQS long polls that moto woke every second). With the local stack's waiting
-receives asleep until something comes (local/moto_sqs.py) the load average stays under 20, and with DynamoDB's
+receives asleep until something comes (local/moto_sqs.py) the server answers within ~1 s throughout (the load
+average peaks briefly at a round's start, when this process's participants train at once), and with DynamoDB's
 responses written directly (local/moto_dynamodb.py): 615-640 s in three runs (one in fresh-clone CI), Warmup at
 301-318 s, rounds of 91-110 s.
 """
