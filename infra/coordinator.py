@@ -1,6 +1,6 @@
 """The coordinator: the tick, ingest, join and shard-worker functions, what invokes them, and where failed events go.
 
-    EventBridge "Object Created", all but runs/<run>/join/  -->  ingest (validate, record, tick)
+    EventBridge "Object Created", uploads but runs/<run>/join/  -->  ingest (validate, record, tick)
     EventBridge "Object Created" under runs/<run>/join/  -->  join queue  -->  join (register; no tick)
                                                    (event source mapping, maximum concurrency join_concurrency)
     EventBridge schedule, every TICK_SCHEDULE_MINUTES  -->  tick (deadlines, liveness)
@@ -274,8 +274,8 @@ class Coordinator(Construct):
             self,
             "ObjectCreated",
             rule_name=ingest_rule_name(run_id),
-            description=f"Objects uploaded to the run's bucket but join requests ({join_prefix(run_id)}) go to the "
-            "ingest function.",
+            description=f"Participants' uploads to the run's bucket but join requests ({join_prefix(run_id)}) go to "
+            "the ingest function; the coordinator's own objects go nowhere.",
             # The very dict the local run registers; only its keys are spelled the CDK way here.
             event_pattern=events.EventPattern(**{key.replace("-", "_"): value for key, value in pattern.items()}),
             targets=[self._target(self.ingest)],

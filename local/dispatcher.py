@@ -1,12 +1,12 @@
 """The local stand-in for Lambda's triggers: deliver queued S3 events to `ingest` and `join`, scheduled ticks to `tick`.
 
-On AWS, EventBridge invokes the ingest function for every "Object Created" event of the run's bucket but
-join requests (the main lane), sends join requests to a queue that the join function drains at a bounded
-concurrency (the join lane), and a schedule invokes the tick function every minute. Locally the same two
-rules target two SQS queues; the dispatcher long-polls each with its own workers (`workers` for the main
-lane, `join_workers` for the join lane, so a backlog of joins never occupies a worker heartbeats and
-updates need) and hands each envelope (the message body is exactly the EventBridge event) to the very same
-handler, on thread pools so that deliveries race as Lambda invocations do. A message is deleted only after
+On AWS, EventBridge invokes the ingest function for every "Object Created" event of a participant's upload but
+join requests (the main lane; the coordinator's own objects go nowhere), sends join requests to a queue that the
+join function drains at a bounded concurrency (the join lane), and a schedule invokes the tick function every
+minute. Locally the same two rules target two SQS queues; the dispatcher long-polls each with its own workers
+(`workers` for the main lane, `join_workers` for the join lane, so a backlog of joins never occupies a worker
+heartbeats and updates need) and hands each envelope (the message body is exactly the EventBridge event) to the
+very same handler, on thread pools so that deliveries race as Lambda invocations do. A message is deleted only after
 its handler returned; a handler that raises leaves it on the queue, and it is delivered again once its
 visibility timeout passes (Lambda's retry of a failed async invocation, or the join queue's redelivery).
 While a handler runs, its message's visibility is extended, so a long invocation (an ingest that aggregates a
@@ -26,6 +26,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from botocore.config import Config
 
 from local.context import LocalContext
 from local.resources import LocalResources
+from shared import keys
 from shared.naming import tick_rule_name
 from store.schedule import Schedule
 
@@ -96,6 +98,14 @@ def _as_queue_batch(handler: Handler) -> Handler:
     return invoke
 
 
+def _object_key(event: Any) -> str:
+    """The key an "Object Created" event announces ("" where it names none)."""
+    try:
+        return str(event["detail"]["object"]["key"])
+    except (KeyError, TypeError):
+        return ""
+
+
 @dataclass(frozen=True)
 class Delivery:
     """What to do with one received message. The default: deliver it once, then delete it."""
@@ -126,6 +136,9 @@ class DispatchStats:
     ticks_skipped: int = 0  # scheduled ticks not made: the run had switched its schedule off (idle)
     tick_failures: int = 0
     errors: list[str] = field(default_factory=list)
+    # Events delivered, by lane and by the kind of object they announce ("layout": a key outside the layout): what
+    # each function was invoked for (`shared.keys.UPLOADED_KINDS` only, if the rules route as they should)
+    kinds: Counter[tuple[str, str]] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, error: str = "") -> None:
@@ -134,6 +147,14 @@ class DispatchStats:
             if error:
                 self.errors.append(error)
                 del self.errors[:-20]  # the last few are enough to diagnose
+
+    def delivered_kind(self, lane: str, key: str) -> None:
+        try:
+            kind = keys.parse_key(key).kind.value
+        except keys.KeyError_:
+            kind = "layout"
+        with self._lock:
+            self.kinds[lane, kind] += 1
 
 
 @dataclass
@@ -379,6 +400,7 @@ class Dispatcher:
             else:
                 self._delete(lane, message)
             self.stats.add("delivered")
+            self.stats.delivered_kind(lane.name, _object_key(event))
             if lane.name == JOIN_LANE:
                 self.stats.add("joins_delivered")
         finally:

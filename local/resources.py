@@ -1,8 +1,8 @@
 """Create, on any endpoint (moto here), the resources the CDK stack declares, from the same names.
 
 Bucket (versioned, EventBridge notifications on), table (pk/sk), the state topic participants' queues
-subscribe to (`shared.naming.state_topic_name`), and the two "Object Created" rules: the
-main lane (`shared.naming.object_created_pattern`, everything but join requests), whose target here is an
+subscribe to (`shared.naming.state_topic_name`), and the two "Object Created" rules: the main lane
+(`shared.naming.object_created_pattern`, the participants' uploads but join requests), whose target here is an
 SQS queue the local dispatcher polls (on AWS: the ingest function), and the join lane
 (`join_request_pattern`), whose target is a second queue with its own dispatcher worker (on AWS: a queue the
 join function drains at a bounded concurrency).
@@ -38,7 +38,7 @@ class LocalResources:
     run_id: str
     bucket: str
     table: str
-    queue_url: str  # the main lane: every upload but join requests
+    queue_url: str  # the main lane: every upload but join requests (never the coordinator's own objects)
     endpoint: str | None
     region: str
     join_queue_url: str = ""  # the join lane: runs/<run>/join/

@@ -102,10 +102,14 @@ def heartbeat_key(run_id: str, pid: str) -> str:
     return f"{heartbeat_prefix(run_id)}{validate_participant_id(pid)}"
 
 
+def rounds_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}rounds/"
+
+
 def round_prefix(run_id: str, round_no: int) -> str:
     if round_no < 0:
         raise KeyError_(f"round must be >= 0, got {round_no}")
-    return f"{run_prefix(run_id)}rounds/{round_no:0{ROUND_DIGITS}d}/"
+    return f"{rounds_prefix(run_id)}{round_no:0{ROUND_DIGITS}d}/"
 
 
 def global_key(run_id: str, round_no: int, digest: str) -> str:
@@ -164,9 +168,13 @@ def health_key(run_id: str, round_no: int, pid: str) -> str:
     return f"{round_prefix(run_id, round_no)}health/{validate_participant_id(pid)}"
 
 
+def checkpoints_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}checkpoints/"
+
+
 def checkpoint_prefix(run_id: str, round_no: int) -> str:
     """A checkpoint is named by the round whose global model it keeps: two never share a key."""
-    return f"{run_prefix(run_id)}checkpoints/{round_no:0{ROUND_DIGITS}d}/"
+    return f"{checkpoints_prefix(run_id)}{round_no:0{ROUND_DIGITS}d}/"
 
 
 def checkpoint_global_key(run_id: str, round_no: int) -> str:
@@ -184,14 +192,18 @@ def checkpoint_optimizer_key(run_id: str, round_no: int, digest: str) -> str:
 
 
 def latest_checkpoint_key(run_id: str) -> str:
-    return f"{run_prefix(run_id)}checkpoints/latest.json"
+    return f"{checkpoints_prefix(run_id)}latest.json"
+
+
+def roster_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}roster/"
 
 
 def roster_key(run_id: str, digest: str) -> str:
     """Content-addressed: the per-member part of a run state (`store.rosters`); the state item names it."""
     if not DIGEST_PATTERN.fullmatch(digest):
         raise KeyError_(f"roster digest must be 64 hex characters, got {digest!r}")
-    return f"{run_prefix(run_id)}roster/{digest}"
+    return f"{roster_prefix(run_id)}{digest}"
 
 
 def manifest_key(run_id: str) -> str:
@@ -200,6 +212,26 @@ def manifest_key(run_id: str) -> str:
 
 def config_key(run_id: str) -> str:
     return f"{run_prefix(run_id)}config.json"
+
+
+# Who writes what: participants upload these kinds, each key ending in the uploader's id; the coordinator writes
+# every other kind, at the keys `coordinator_key_patterns` covers.
+UPLOADED_KINDS = frozenset({ObjectKind.JOIN, ObjectKind.INIT, ObjectKind.HEARTBEAT, ObjectKind.UPDATE,
+                            ObjectKind.WITNESS, ObjectKind.HEALTH})
+COORDINATOR_ROUND_FOLDERS = ("global", "optimizer", "delta", "staging")  # rounds/<round>/<folder>/...
+
+
+def coordinator_key_patterns(run_id: str) -> tuple[str, ...]:
+    """Every key the coordinator writes, as patterns in which `*` stands for any text, '/' included (as in
+    EventBridge's and IAM's wildcards): global models, server optimizer state, download deltas, staged aggregates
+    and the shard outcomes beside them, in any round; rosters; checkpoints; manifest; config.
+
+    No uploaded key of the layout matches one: those are join/, init/ and heartbeat/<id>, and rounds/<round>/<id>,
+    rounds/<round>/witness/<id>, rounds/<round>/health/<id>, and an id holds no '/' and is never one of the round
+    folders' names (`RESERVED_IDS`)."""
+    any_round = f"{rounds_prefix(run_id)}*/"
+    return (*(f"{any_round}{folder}/*" for folder in COORDINATOR_ROUND_FOLDERS),
+            f"{roster_prefix(run_id)}*", f"{checkpoints_prefix(run_id)}*", manifest_key(run_id), config_key(run_id))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.keys import join_prefix
+from shared.keys import coordinator_key_patterns, join_prefix
 
 METRICS_NAMESPACE = "FedCoordinator"
 TICK_SCHEDULE_MINUTES = 1
@@ -64,11 +64,18 @@ def participant_queue_prefix(run_id: str) -> str:
     return f"fed-{run_id}{PARTICIPANT_QUEUE_MARK}"
 
 
-# Two lanes for the run's uploads, so that heartbeats and updates never wait behind join requests: the join
+# Two lanes for the participants' uploads, so that heartbeats and updates never wait behind join requests: the join
 # lane takes runs/<run>/join/ and has a bounded number of consumers (on AWS an SQS queue drained by the join
-# function at a maximum concurrency, locally a queue with its own dispatcher worker); the main lane takes every
-# other object of the run's bucket (the bucket is the run's own) straight to ingest. The two patterns are exact
-# complements on the key, so every upload goes down exactly one lane.
+# function at a maximum concurrency, locally a queue with its own dispatcher worker); the main lane takes every other
+# object of the run's bucket (the bucket is the run's own) straight to ingest, except the coordinator's own objects:
+# ingest has nothing to do with them (it records and ticks on uploads only; a waiting tick reads its shards'
+# outcomes from the bucket, not from their events), and each would be an invocation for nothing, counted by the
+# stuck-run alarm as participant activity. Over the uploads the two patterns are exact complements on the key, so
+# every upload goes down exactly one lane; a key outside the layout goes down the main one, whose ingest records its
+# refusal, unless it lies in one of the coordinator's folders (rounds/<r>/global/<id>, which a participant's IAM
+# pattern rounds/*/<id> admits): that one goes nowhere, unrecorded, and changes nothing either way. The operators
+# are ones EventBridge documents for event buses: `prefix`, and `anything-but` with a list of `wildcard`s (`*` stands
+# for any text, '/' included); moto's matcher honours both, so the local stack routes alike.
 
 
 def _object_created(bucket: str, key_filter: dict[str, Any]) -> dict[str, Any]:
@@ -80,9 +87,10 @@ def _object_created(bucket: str, key_filter: dict[str, Any]) -> dict[str, Any]:
 
 
 def object_created_pattern(bucket: str, run_id: str) -> dict[str, Any]:
-    """The main lane: the run's S3 uploads other than join requests (heartbeats, updates, offers, proofs,
-    health reports, and what the coordinator writes), to the ingest function."""
-    return _object_created(bucket, {"anything-but": {"prefix": join_prefix(run_id)}})
+    """The main lane: the run's S3 uploads other than join requests (heartbeats, updates, offers, proofs, health
+    reports), to the ingest function; neither join requests nor anything the coordinator writes."""
+    not_uploads = [f"{join_prefix(run_id)}*", *coordinator_key_patterns(run_id)]
+    return _object_created(bucket, {"anything-but": {"wildcard": not_uploads}})
 
 
 def join_request_pattern(bucket: str, run_id: str) -> dict[str, Any]:
@@ -121,6 +129,7 @@ OUTPUT_TABLE = "TableName"
 OUTPUT_RUN_ID = "RunId"
 OUTPUT_PARTICIPANT_ROLE = "ParticipantRoleArn"
 OUTPUT_STATE_TOPIC = "StateTopicArn"
+OUTPUT_OPERATOR_POLICY = "OperatorPolicyArn"  # what `fed` needs to operate the run: attach it to operators
 
 # The session tag naming a participant; IAM policy variables use it to scope its keys.
 PARTICIPANT_TAG = "participant"

@@ -79,21 +79,29 @@ def drain(stack: LocalStack, url: str) -> list[str]:
     return found
 
 
-def test_join_requests_go_down_the_join_lane_and_everything_else_down_the_main_one() -> None:
-    # Given the local stack's resources, nobody delivering
+def test_join_requests_go_down_the_join_lane_other_uploads_down_the_main_one_and_coordinator_objects_nowhere() -> None:
+    # Given the local stack's resources (moto's EventBridge matching the lanes' patterns), nobody delivering
     config = RunConfig(run_id=RUN, min_clients=2, min_per_round=1, total_rounds=1)
     with LocalStack(config, dispatch=False, log_level="WARNING") as stack:
         assert stack.resources is not None
         up = Uploader(stack)
-        # When a join request, a heartbeat, an update, an offer, a witness proof, a health report, an object the
-        # coordinator writes and a key outside the layout are uploaded
+        # When a join request, a heartbeat, an update, an offer, a witness proof, a health report and keys outside
+        # the layout are uploaded, and an object of every kind the coordinator writes
         up.join("alice")
         others = [keys.heartbeat_key(RUN, "alice"), keys.update_key(RUN, 3, "alice"), keys.init_key(RUN, "alice"),
-                  keys.witness_key(RUN, 3, "alice"), keys.health_key(RUN, 3, "alice"), keys.manifest_key(RUN),
+                  keys.witness_key(RUN, 3, "alice"), keys.health_key(RUN, 3, "alice"),
                   f"{keys.run_prefix(RUN)}joined/alice", f"{keys.run_prefix(RUN)}join"]
-        for key in others:
+        digest = "ab" * 32
+        coordinators = [keys.global_key(RUN, 3, digest), keys.optimizer_key(RUN, 3, digest),
+                        keys.delta_key(RUN, 3, digest), keys.staging_key(RUN, 3, digest),
+                        keys.shard_result_key(RUN, 3, digest, 0), keys.roster_key(RUN, digest),
+                        keys.checkpoint_global_key(RUN, 3), keys.checkpoint_state_key(RUN, 3),
+                        keys.checkpoint_optimizer_key(RUN, 3, digest), keys.latest_checkpoint_key(RUN),
+                        keys.manifest_key(RUN), keys.config_key(RUN)]
+        for key in others + coordinators:
             up.put(key, b"{}", "alice")
-        # Then the join request is queued on the join lane only, every other object on the main lane only
+        # Then the join request is queued on the join lane only, every other upload on the main lane only, and
+        # none of the coordinator's objects on either
         assert drain(stack, stack.resources.join_queue_url) == [keys.join_key(RUN, "alice")]
         assert sorted(drain(stack, stack.resources.queue_url)) == sorted(others)
 

@@ -18,7 +18,7 @@ import pytest
 
 from fed.localrun import wait_until
 from fed.status import collect
-from local.dispatcher import Dispatcher
+from local.dispatcher import MAIN_LANE, Dispatcher
 from local.stack import LocalStack
 from shared import keys, wire
 from shared.config import RunConfig
@@ -106,6 +106,10 @@ def test_a_run_finishes_through_queued_events_and_ticks(stack: LocalStack) -> No
     assert [r.round for r in rounds] == [0, 1, 2]
     assert all(r.aggregated and len(r.counted) == 2 for r in rounds)
     assert stack.dispatcher is not None and stack.dispatcher.stats.failed == 0
+    # And ingest was invoked for the participants' uploads only, never for the objects the coordinator wrote
+    # (rosters, global models, manifest, config, checkpoints: each an invocation for nothing)
+    ingested = {kind for (lane, kind), _ in stack.dispatcher.stats.kinds.items() if lane == MAIN_LANE}
+    assert {"heartbeat", "init", "update"} <= ingested <= set(keys.UPLOADED_KINDS), ingested
     status = collect(stack.connection)
     assert status.phase == "Finished" and status.aggregated == 3
     assert {p.pid: p.state for p in status.participants} == {"alice": "active", "bob": "active"}

@@ -357,8 +357,9 @@ def test_object_created_rule_uses_the_local_runs_pattern_and_targets_ingest(synt
     assert set(rules) == {ingest_rule_name(run), join_rule_name(run)}
     rule = rules[ingest_rule_name(run)]
     assert rule["EventPattern"] == object_created_pattern(bucket, run)  # type: ignore[arg-type]
-    # And it excludes join requests, and nothing else
-    assert rule["EventPattern"]["detail"]["object"]["key"] == [{"anything-but": {"prefix": keys.join_prefix(run)}}]
+    # And it excludes join requests and every key the coordinator writes, and nothing else
+    not_uploads = [f"{keys.join_prefix(run)}*", *keys.coordinator_key_patterns(run)]
+    assert rule["EventPattern"]["detail"]["object"]["key"] == [{"anything-but": {"wildcard": not_uploads}}]
     # And it invokes the ingest function, with undeliverable events kept in the dead-letter queue
     (target,) = rule["Targets"]
     assert target["Arn"] == {"Fn::GetAtt": [function_id(synth, "functions.ingest.handler"), "Arn"]}
