@@ -23,7 +23,8 @@ from infra.settings import FunctionSettings
 
 RUNTIME = lambda_.Runtime.PYTHON_3_14
 assert RUNTIME.name == f"python{bundle.LAMBDA_PYTHON}", "the asset's wheels must target the runtime's Python"
-ARCHITECTURE = lambda_.Architecture.X86_64  # bundle.PLATFORMS are x86_64 wheels
+ARCHITECTURE = lambda_.Architecture.ARM_64  # Graviton: ~20 % less per GB-second; bundle.PLATFORMS are aarch64 wheels
+assert ARCHITECTURE.name == bundle.LAMBDA_ARCHITECTURE, "the asset's wheels must target the runtime's architecture"
 
 
 def function_code(asset_dir: Path | None = None) -> lambda_.Code:

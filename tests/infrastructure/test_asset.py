@@ -1,10 +1,10 @@
 """The Lambda asset: every handler the stack names imports from it alone, in a clean interpreter.
 
-The deployed asset targets the runtime's Python (3.14), whose compiled wheels this machine's 3.11 cannot
-load. So the import test runs against a twin built by the same recipe for the local Python (same pinned
+The deployed asset targets the runtime's Python (3.14) on arm64, whose compiled wheels this machine's 3.11 cannot
+load. So the import test runs against a twin built by the same recipe for the local Python and machine (same pinned
 requirements, same code), and a second test checks that the deployed asset differs from the twin only in
 what it must: the same distributions at the same versions and the same code, with every compiled module
-built for the runtime's Python.
+built for the runtime's Python and architecture.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def deploy_asset() -> Path:
 
 @pytest.fixture(scope="module")
 def twin_asset() -> Path:
-    return bundle.build_asset(LOCAL_PYTHON)
+    return bundle.build_asset(LOCAL_PYTHON, machine=bundle.HOST_MACHINE)
 
 
 def handlers(synth: Synth) -> list[str]:
@@ -87,6 +87,21 @@ def test_every_handler_imports_from_the_asset_in_a_clean_interpreter(
     assert {"functions.tick", "functions.ingest", "numpy", "pynamodb", "aws_lambda_powertools"} <= set(loaded)
 
 
+ELF_MACHINES = {"x86_64": 62, "aarch64": 183}  # an ELF file's e_machine
+
+
+def elf_machines(asset: Path) -> dict[str, int]:
+    """Every ELF file (extension module or bundled shared library) of `asset`, by path: the machine it is built for."""
+    found = {}
+    for path in asset.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            with path.open("rb") as f:
+                head = f.read(20)
+            if head[:4] == b"\x7fELF":
+                found[path.relative_to(asset).as_posix()] = int.from_bytes(head[18:20], "little")
+    return found
+
+
 def distributions(asset: Path) -> set[str]:
     return {p.name.removesuffix(".dist-info") for p in asset.glob("*.dist-info")}
 
@@ -113,15 +128,28 @@ def test_deployed_asset_is_the_twin_built_for_the_runtimes_python(deploy_asset: 
     wrong = [
         p.name
         for p in deploy_asset.rglob("*.so")
-        if re.search(r"\.cpython-\d+", p.name) and f".cpython-{tag}-" not in p.name
+        if re.search(r"\.cpython-\d+", p.name) and f".cpython-{tag}-{bundle.LAMBDA_MACHINE}-linux-gnu.so" not in p.name
     ]
     assert not wrong, wrong
-    assert any(f".cpython-{tag}-x86_64-linux-gnu.so" in p.name for p in deploy_asset.rglob("*.so"))
+    assert any(f".cpython-{tag}-{bundle.LAMBDA_MACHINE}-linux-gnu.so" in p.name for p in deploy_asset.rglob("*.so"))
+    # And for the runtime's architecture: every ELF file, extension modules and the libraries wheels bundle alike
+    deployed, twin = elf_machines(deploy_asset), elf_machines(twin_asset)
+    assert deployed and set(deployed.values()) == {ELF_MACHINES[bundle.LAMBDA_MACHINE]}, deployed
+    assert twin and set(twin.values()) == {ELF_MACHINES[bundle.HOST_MACHINE]}, twin
     # And no byte code of the build interpreter, nor torch, is shipped
     assert not list(deploy_asset.rglob("__pycache__"))
     assert not (deploy_asset / "torch").exists()
     # And it fits Lambda's limit for an unzipped function
     assert bundle.tree_size(deploy_asset) < LAMBDA_UNZIPPED_LIMIT
+
+
+def test_the_functions_run_the_python_and_architecture_the_asset_is_built_for(synth: Synth) -> None:
+    # Given the functions the stack deploys
+    functions = synth.of_type("AWS::Lambda::Function").values()
+    # Then each runs the runtime and the architecture the asset's wheels were installed for
+    assert {f["Properties"]["Runtime"] for f in functions} == {f"python{bundle.LAMBDA_PYTHON}"}
+    assert {tuple(f["Properties"]["Architectures"]) for f in functions} == {(bundle.LAMBDA_ARCHITECTURE,)}
+    assert bundle.PLATFORMS == bundle.platforms(bundle.MACHINES[bundle.LAMBDA_ARCHITECTURE])
 
 
 def test_lambda_requirements_are_pinned_within_the_projects_ranges() -> None:
@@ -157,6 +185,7 @@ def test_asset_cache_is_keyed_by_requirements_and_code(tmp_path: Path) -> None:
     requirements.write_text("numpy==2.4.5\n")
     assert bundle.dependencies_key("3.14", requirements) != key
     assert bundle.dependencies_key("3.13", requirements) != bundle.dependencies_key("3.14", requirements)
+    assert bundle.dependencies_key("3.14", requirements, "x86_64") != bundle.dependencies_key("3.14", requirements)
     # And the asset key follows the code
     repo = tmp_path / "repo"
     for package in bundle.SOURCE_PACKAGES:
