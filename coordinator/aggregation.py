@@ -33,6 +33,7 @@ from shared.plan import Plan
 from shared.server_opt import ServerStep, encode_index
 from shared.state import Aggregate, AggregateInput
 from shared.wire import Manifest
+from store.blobs import UploadGone
 
 log = logging.getLogger("fed-coordinator")
 
@@ -296,11 +297,11 @@ def from_outcome(outcome: dict[str, Any]) -> ShardDone:
 
 def retried(attempt: Callable[[], ShardDone], task: ShardTask) -> ShardDone:
     """A shard task tried up to SHARD_ATTEMPTS times (its work is idempotent); an unreadable input is not
-    retried: the tick leaves that update out."""
+    retried (the tick leaves that update out), nor a task whose upload is gone (no tick waits for it)."""
     for n in range(1, SHARD_ATTEMPTS + 1):
         try:
             return attempt()
-        except CorruptInput:
+        except (CorruptInput, UploadGone):
             raise
         except Exception as exc:
             if n == SHARD_ATTEMPTS:

@@ -5,7 +5,9 @@ Each message is one shard task. The shard is tried up to SHARD_ATTEMPTS times he
 outcome — the pieces written, an input that cannot be read, or the failure — is left in the bucket for the tick
 waiting on it (`keys.shard_result_key`). An invocation that dies (out of memory, timeout) leaves its message to
 be delivered again, and after the queue's maximum receives to the dead-letter queue (alarmed); the waiting tick
-then gives up and a later tick aggregates the round afresh.
+then gives up and a later tick aggregates the round afresh. A task delivered again after that finds its upload
+gone (S3 takes no part for it) and leaves no outcome: no tick waits for it, and the key is the one where the
+later attempt's worker leaves its outcome for the same job (`infra.coordinator.Coordinator`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from functions.observability import logger, traced
 from functions.settings import deps_from_env
 from functions.shard_runners import write_outcome
 from shared.messages import ShardTask, parse_message
+from store.blobs import UploadGone
 
 
 @logger.inject_lambda_context
@@ -37,6 +40,9 @@ def run_queued(deps: Deps, task: ShardTask) -> None:
     logger.info("shard", round=task.round, first=task.first, stop=task.stop)
     try:
         outcome = shard_outcome(deps, task, retry=True)
+    except UploadGone:
+        logger.warning("shard of a finished upload: nobody waits for it", round=task.round, first=task.first)
+        return
     except Exception as exc:  # the tick fails now, and is retried as a tick, rather than wait for its deadline
         logger.exception("shard failed", round=task.round, first=task.first)
         write_outcome(deps.bucket, deps.config.run_id, task, None, failed=f"{type(exc).__name__}: {exc}")

@@ -15,7 +15,7 @@ queue, so that a burst of them never takes the concurrency heartbeats and update
 keeps failing moves from that queue to the dead-letter queue too. Shard tasks wait in the shard queue: a worker
 retries a failing shard itself and reports the failure to the waiting tick, which fails (and is retried,
 dead-lettered and alarmed as a tick); a worker that dies (out of memory, timeout) leaves its message to be
-delivered again, and after shard_max_receives to the dead-letter queue.
+delivered again (six worker timeouts later: `Coordinator`), and after shard_max_receives to the dead-letter queue.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from constructs import Construct
 from infra import layout
 from infra.lambdas import FunctionSpec, coordinator_function
 from infra.nag import acknowledge, arn_ref
-from infra.settings import DeploySettings, FunctionSettings
+from infra.settings import MAX_QUEUE_RETENTION_SECONDS, DeploySettings, FunctionSettings
 from infra.storage import removal_policy
 from shared.config import RunConfig
 from shared.keys import heartbeat_prefix, join_prefix, run_prefix
@@ -188,7 +188,27 @@ def join_statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: str) -> 
 
 class Coordinator(Construct):
     """The functions, the S3-event rule, the tick schedule and the dead-letter queue; the two functions that commit
-    the run state (tick, and ingest, which ticks) publish its changes to `state_topic`."""
+    the run state (tick, and ingest, which ticks) publish its changes to `state_topic`.
+
+    The shard and join queues follow Lambda's advice for a queue event source: a visibility timeout of six times
+    the draining function's timeout, and a redrive to the dead-letter queue after at least five receives. Lambda
+    receives a task before it knows it can invoke the function; throttled (the account's concurrency spent, or the
+    worker's reserved concurrency), it retries the invocation while the task is invisible, then hands it back, and
+    each hand-back counts as a receive. With a visibility of the timeout + 30 s and three receives, a shard task
+    could reach the dead-letter queue without ever having run, while its tick waited for it until its deadline.
+
+    The price is paid when a shard worker dies (out of memory, its timeout): its task is visible again only six
+    timeouts later (90 minutes at 900 s), long after the tick waiting for it gave up (at its own timeout - 30 s:
+    the tick fails, is alarmed, and is retried like any tick) and aborted the staged upload. Nothing waits for the
+    redelivery. The round stays uncommitted in the table; the next tick plans it afresh: the same aggregation job
+    (named by a digest of its inputs, so the same staging key and the same outcome keys), a new multipart upload,
+    new tasks. The old task, delivered again later, does no harm. Its parts go to its own upload, which is gone
+    (aborted; or completed, if the worker died after reporting), so S3 refuses them, and the worker then leaves no
+    outcome (`functions.shard`): it would fall on the key where the current attempt's worker leaves its own. A tick
+    takes an outcome only for the upload it started (`upload_id`), and what else a shard writes (optimizer state
+    and download delta pieces) is content-addressed: the same bytes under the same keys. A task that kills its
+    worker every time reaches the dead-letter queue (alarmed) after shard_max_receives visibility timeouts, so the
+    shard queue keeps a task that long (`DeploySettings.shard_retention_seconds`)."""
 
     def __init__(
         self,
@@ -241,9 +261,9 @@ class Coordinator(Construct):
             "ShardQueue",
             encryption=sqs.QueueEncryption.SQS_MANAGED,
             enforce_ssl=True,
-            # A message is invisible while its shard runs: at least the worker's timeout (Lambda checks it).
-            visibility_timeout=Duration.seconds(settings.shard.timeout_seconds + 30),
-            retention_period=Duration.hours(2),  # a task older than its tick's wait has no one waiting for it
+            # Lambda's advice for a queue event source (see the class docstring for what a late task does)
+            visibility_timeout=Duration.seconds(settings.shard.queue_visibility_seconds),
+            retention_period=Duration.seconds(settings.shard_retention_seconds()),
             dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=settings.shard_max_receives,
                                                   queue=self.dead_letters),
         )
@@ -286,9 +306,9 @@ class Coordinator(Construct):
             "JoinQueue",
             encryption=sqs.QueueEncryption.SQS_MANAGED,
             enforce_ssl=True,
-            # Lambda's advice for a queue event source: six times the function's timeout.
-            visibility_timeout=Duration.seconds(6 * settings.join.timeout_seconds),
-            retention_period=Duration.days(4),
+            # Lambda's advice for a queue event source, as the shard queue's
+            visibility_timeout=Duration.seconds(settings.join.queue_visibility_seconds),
+            retention_period=Duration.seconds(MAX_QUEUE_RETENTION_SECONDS),
             dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=settings.join_max_receives,
                                                   queue=self.dead_letters),
         )

@@ -44,6 +44,16 @@ LOG_RETENTION_DAYS = (
 STACK_NAME_MAX = 128
 FUNCTIONS = ("tick", "ingest", "join", "shard")  # the [deploy] tables holding a FunctionSettings
 
+# Lambda's guidance for a queue it drains (an SQS event source): a visibility timeout of at least six times the
+# function's timeout, and a redrive to the dead-letter queue after at least five receives. Lambda receives a batch
+# before it knows it can invoke the function; throttled, it retries the invocation while the batch is invisible and
+# otherwise hands it back, and each hand-back counts as a receive: fewer would dead-letter a message no invocation
+# ever ran.
+VISIBILITY_TIMEOUTS = 6
+LEAST_RECEIVES = 5
+MAX_QUEUE_RETENTION_SECONDS = 4 * 86400  # a task or join request this old is no one's concern any more
+LEAST_SHARD_RETENTION_SECONDS = 2 * 3600  # beyond any tick's wait for its shards (at most 900 s - 30 s)
+
 
 class FunctionSettings(BaseModel):
     """One Lambda function's size and async-invocation handling."""
@@ -58,6 +68,11 @@ class FunctionSettings(BaseModel):
     )
     retry_attempts: int = Field(2, ge=0, le=2, description="Lambda retries of a failed async invocation.")
     max_event_age_seconds: int = Field(3600, ge=60, le=21600, description="Older async events go to the DLQ.")
+
+    @property
+    def queue_visibility_seconds(self) -> int:
+        """The visibility timeout of a queue this function drains (`VISIBILITY_TIMEOUTS`)."""
+        return VISIBILITY_TIMEOUTS * self.timeout_seconds
 
 
 class DeploySettings(BaseModel):
@@ -101,12 +116,14 @@ class DeploySettings(BaseModel):
         "mapping's maximum concurrency): K = model bytes / shard_bytes shards run at once up to this.",
     )
     shard_max_receives: int = Field(
-        3, ge=1, le=1000, description="Deliveries of a shard task whose worker dies (out of memory, timeout) before "
-        "the dead-letter queue; a shard that fails with an error is retried inside the worker and reported to "
-        "the tick instead.",
+        LEAST_RECEIVES, ge=LEAST_RECEIVES, le=1000, description="Receives of a shard task before the dead-letter "
+        "queue: each death of its worker (out of memory, timeout) and each hand-back by a throttled Lambda counts; "
+        "a shard that fails with an error is retried inside the worker and reported to the tick instead. At least "
+        "5, Lambda's advice for a queue event source.",
     )
     join_max_receives: int = Field(
-        5, ge=1, le=1000, description="Deliveries of a join request that keeps failing before the dead-letter queue."
+        LEAST_RECEIVES, ge=LEAST_RECEIVES, le=1000, description="Receives of a join request that keeps failing (or "
+        "is handed back by a throttled Lambda) before the dead-letter queue; at least 5, Lambda's advice.",
     )
     log_retention_days: int = Field(30, description="Function log retention; a CloudWatch Logs period.")
     retain_data: bool = Field(True, description="Keep bucket, table and logs when the stack is deleted.")
@@ -166,6 +183,13 @@ class DeploySettings(BaseModel):
             if not arn.startswith("arn:"):
                 raise ValueError(f"{arn!r} is not an ARN")
         return value
+
+    def shard_retention_seconds(self) -> int:
+        """How long the shard queue keeps a task: until a task that keeps killing its worker has been received
+        shard_max_receives times (one visibility timeout apart) and moved to the dead-letter queue, where the alarm
+        sees it; at most MAX_QUEUE_RETENTION_SECONDS, and at least well beyond the waiting tick's wait."""
+        until_dead_lettered = (self.shard_max_receives + 1) * self.shard.queue_visibility_seconds
+        return min(MAX_QUEUE_RETENTION_SECONDS, max(LEAST_SHARD_RETENTION_SECONDS, until_dead_lettered))
 
     def stuck_window_seconds(self, config: RunConfig) -> int:
         """The stuck-run alarm's period: a whole number of minutes CloudWatch accepts (60 s to 1 day)."""

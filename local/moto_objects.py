@@ -15,7 +15,10 @@ gigabytes of copies in the local server for each request. `apply()` makes it mov
   of it is disposed. On this machine writing a GB into the server's temporary files costs ~2.5 CPU-s once a few
   GB are held (page cache writeback), so each GB not written is seconds of a round at 1 GB;
 - an object's first ETag computation holds the object's lock (moto hashes the file unlocked, so a concurrent
-  ranged read moving the file's position would corrupt it).
+  ranged read moving the file's position would corrupt it);
+- a part sent to an upload that was completed or aborted is refused with NoSuchUpload, as S3 refuses it (moto
+  failed the request with an internal error): a shard worker delivered after its tick gave up tells its upload is
+  gone from that, and leaves no outcome (`functions.shard`).
 
 The objects, ETags and checksums are moto's own, byte for byte (tests/functional/test_local_objects.py compares
 them). Idempotent; used by the local stack and the functional tests."""
@@ -319,6 +322,7 @@ def apply() -> None:
     original_get_object = S3Response.get_object
     original_copy_object = S3Backend.copy_object
     original_set_part = FakeMultipart.set_part
+    original_upload_part = S3Backend.upload_part
 
     def value(self: Any) -> Any:
         size, held = int(self.contentsize), self._value_buffer
@@ -346,6 +350,13 @@ def apply() -> None:
         part: Any = original_set_part(self, part_id, value)
         part.fed_checksum = _part_checksum(self, bytes(value))
         return part
+
+    def upload_part(self: Any, bucket_name: str, multipart_id: str, *args: Any, **kwargs: Any) -> Any:
+        from moto.s3.exceptions import NoSuchUpload
+
+        if multipart_id not in self.get_bucket(bucket_name).multiparts:
+            raise NoSuchUpload(upload_id=multipart_id)
+        return original_upload_part(self, bucket_name, multipart_id, *args, **kwargs)
 
     def get_object(self: Any) -> Any:
         from flask import has_request_context
@@ -377,4 +388,5 @@ def apply() -> None:
     FakeMultipart.set_part = set_part  # type: ignore[method-assign]
     S3Response.get_object = get_object  # type: ignore[method-assign]
     S3Backend.copy_object = copy_object  # type: ignore[method-assign]
+    S3Backend.upload_part = upload_part  # type: ignore[method-assign]
     _applied = True

@@ -21,6 +21,10 @@ class NotFound(Exception):
     pass
 
 
+class UploadGone(Exception):
+    """A multipart upload that no longer takes parts: it was completed or aborted."""
+
+
 class Tampered(Exception):
     """No stored version of a content-addressed object holds the bytes its digest names."""
 
@@ -157,8 +161,13 @@ class Bucket:
 
     def put_part(self, key: str, upload_id: str, number: int, data: bytes | bytearray, sha256: bytes) -> str:
         """Upload part `number`; S3 checks it against `sha256` (its SHA-256, which the caller has anyway)."""
-        resp = self.client.upload_part(Bucket=self.name, Key=key, UploadId=upload_id, PartNumber=number,
-                                       Body=bytes(data), ChecksumSHA256=base64.b64encode(sha256).decode())
+        try:
+            resp = self.client.upload_part(Bucket=self.name, Key=key, UploadId=upload_id, PartNumber=number,
+                                           Body=bytes(data), ChecksumSHA256=base64.b64encode(sha256).decode())
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] == "NoSuchUpload":
+                raise UploadGone(f"the upload {upload_id} of {key} was completed or aborted") from exc
+            raise
         return str(resp["ETag"]).strip('"')
 
     def complete_multipart(self, key: str, upload_id: str, written: list[tuple[str, bytes]]) -> str:

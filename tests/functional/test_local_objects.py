@@ -11,6 +11,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.config import Config
+from botocore.exceptions import ClientError
 from moto.s3.models import FakeMultipart
 
 from local import moto_objects
@@ -158,3 +159,20 @@ def test_a_copy_shares_the_sources_files_which_close_when_neither_is_left(aws: N
         # And once the copy is deleted too, the files are closed
         s3.delete_object(Bucket=BUCKET, Key=f"{source}-copy")
         assert all(shared.file.closed and shared.users == 0 for shared in files)
+
+
+@pytest.mark.parametrize("ended", ["completed", "aborted"])
+def test_a_part_for_an_upload_that_ended_is_refused_with_no_such_upload(aws: None, ended: str) -> None:
+    # Given a multipart upload that was completed, or aborted
+    s3 = s3_with_bucket()
+    upload_id = s3.create_multipart_upload(Bucket=BUCKET, Key="staged")["UploadId"]
+    etag = s3.upload_part(Bucket=BUCKET, Key="staged", UploadId=upload_id, PartNumber=1, Body=b"x")["ETag"]
+    if ended == "completed":
+        s3.complete_multipart_upload(Bucket=BUCKET, Key="staged", UploadId=upload_id,
+                                     MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]})
+    else:
+        s3.abort_multipart_upload(Bucket=BUCKET, Key="staged", UploadId=upload_id)
+    # When a late writer sends it a part, Then S3's refusal comes back (not a server error)
+    with pytest.raises(ClientError) as refused:
+        s3.upload_part(Bucket=BUCKET, Key="staged", UploadId=upload_id, PartNumber=2, Body=b"y")
+    assert refused.value.response["Error"]["Code"] == "NoSuchUpload"

@@ -2,11 +2,13 @@
 message per shard and waits for the outcomes the shard-worker function leaves in the bucket. A consumer here
 stands in for Lambda's SQS event source (receive, invoke the handler, delete on success). The global model is the
 one the tick computes itself; a worker that dies mid-shard leaves its message to be delivered again and the round
-still gets the same global; a shard that keeps failing fails the tick at once (it is retried as a tick)."""
+still gets the same global; a shard that keeps failing fails the tick at once (it is retried as a tick); a task
+delivered again after its tick gave up does no harm."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,9 +20,10 @@ import pytest
 from coordinator.aggregation import write_aggregate
 from coordinator.deps import Deps
 from functions import shard
-from functions.shard_runners import queue_runner
+from functions.shard_runners import ShardWaitTimeout, queue_runner, result_key
 from local.context import LocalContext
 from shared.digest import PIECE_BYTES
+from shared.messages import ShardDone, ShardTask
 from shared.state import Aggregate, AggregateInput
 from tests.functional.conftest import Harness
 from tests.functional.test_large_models import PIDS, run_one_round
@@ -139,3 +142,30 @@ def test_an_abort_that_fails_does_not_hide_the_shard_failure(queued: Any, monkey
             write_aggregate(with_queue(h, url, wait=600), effect)
     finally:
         source.close()
+
+
+def test_a_task_delivered_after_its_tick_gave_up_leaves_the_later_attempts_outcome_alone(queued: Any) -> None:
+    # Given the shard tasks of an aggregation whose tick gave up waiting (its workers died; the staged upload was
+    # aborted), and a later tick that aggregated the same job (the same outcome keys) with a new upload
+    h, url, effect = queued
+    sent: list[ShardTask] = []
+
+    def gave_up(tasks: Any) -> list[ShardDone]:
+        sent.extend(tasks)
+        raise ShardWaitTimeout("the shards did not report in time")
+
+    with pytest.raises(ShardWaitTimeout):
+        write_aggregate(dataclasses.replace(h.deps, shard_runner=gave_up), effect)
+    source = EventSource(url)
+    try:
+        assert write_aggregate(with_queue(h, url), effect)[0] == h.global_digest(1)
+    finally:
+        source.close()
+    stale = sent[0]
+    key = result_key(h.config.run_id, stale)
+    current = h.deps.bucket.get(key).data
+    assert json.loads(current)["upload_id"] != stale.upload_id
+    # When an old task is delivered again (six worker timeouts after its worker died, on AWS)
+    assert shard.handler({"Records": [{"body": stale.model_dump_json()}]}, LocalContext()) == {"shards": 1}
+    # Then S3 takes no part for its upload, and it leaves no outcome: the later attempt's is still there
+    assert h.deps.bucket.get(key).data == current

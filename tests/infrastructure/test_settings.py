@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.settings import DeploySettings, load_deploy, stack_name_for
+from infra.settings import DeploySettings, FunctionSettings, load_deploy, stack_name_for
 from shared.config import ConfigError, RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,6 +45,9 @@ def test_a_run_file_without_deploy_table_uses_the_defaults(tmp_path: Path) -> No
         ('[run]\nrun_id = "r1x"\n[deploy]\nstack_name = "1bad_name"\n', "deploy.stack_name"),
         ('[run]\nrun_id = "r1x"\n[deploy]\nparticipant_principals = ["role/x"]\n', "deploy.participant_principals"),
         ('run_id = "r1x"\n[deploy]\nretain_data = false\n', "under [run]"),
+        # fewer than Lambda's five receives: a throttled Lambda's hand-backs alone could dead-letter a message
+        ('[run]\nrun_id = "r1x"\n[deploy]\nshard_max_receives = 3\n', "deploy.shard_max_receives"),
+        ('[run]\nrun_id = "r1x"\n[deploy]\njoin_max_receives = 4\n', "deploy.join_max_receives"),
     ],
 )
 def test_bad_deploy_settings_are_refused_naming_the_field(tmp_path: Path, text: str, message: str) -> None:
@@ -75,6 +78,14 @@ def test_the_shard_worker_and_the_ticks_have_their_own_defaults() -> None:
     assert settings.shard.reserved_concurrency is None
     # And both functions that tick (and so may wait for an aggregation's shards) may run as long
     assert settings.tick.timeout_seconds == settings.ingest.timeout_seconds == 900
+    # And the queues the shard and join functions drain redeliver as Lambda advises for a queue event source: six
+    # function timeouts of visibility, five receives before the dead-letter queue; the shard queue keeps a task until
+    # then (90 minutes apart: 9 hours), far beyond the 870 s a tick waits for its shards
+    assert settings.shard.queue_visibility_seconds == 5400 and settings.join.queue_visibility_seconds == 360
+    assert settings.shard_max_receives == settings.join_max_receives == 5
+    assert settings.shard_retention_seconds() == 6 * 5400
+    assert DeploySettings(shard=FunctionSettings(timeout_seconds=10)).shard_retention_seconds() == 2 * 3600
+    assert DeploySettings(shard_max_receives=1000).shard_retention_seconds() == 4 * 86400
 
 
 def test_a_function_table_overrides_only_the_keys_it_names(tmp_path: Path) -> None:

@@ -386,7 +386,8 @@ def test_join_requests_have_their_own_rule_and_queue_drained_at_a_bounded_concur
     assert queue["SqsManagedSseEnabled"] is True
     assert queue["RedrivePolicy"] == {"deadLetterTargetArn": {"Fn::GetAtt": [dlq, "Arn"]},
                                       "maxReceiveCount": synth.settings.join_max_receives}
-    assert queue["VisibilityTimeout"] >= 6 * synth.settings.join.timeout_seconds
+    assert queue["RedrivePolicy"]["maxReceiveCount"] >= 5  # Lambda's advice, as for the shard queue
+    assert queue["VisibilityTimeout"] == 6 * synth.settings.join.timeout_seconds
     # And only the join function drains it, at most join_concurrency invocations at once, reporting failures
     # record by record
     (mapping,) = [m for m in synth.of_type("AWS::Lambda::EventSourceMapping").values()
@@ -462,15 +463,23 @@ def test_the_shard_worker_runs_the_configured_size_and_is_fed_only_by_the_ticks_
                for r in synth.of_type("AWS::Events::Rule").values())  # fmt: skip
     assert not [r for r in synth.of_type("AWS::IAM::Role")
                 if "lambda:InvokeFunction" in grants(role_statements(synth, r))]
-    # And the queue is encrypted, TLS only, hides a running task for the worker's timeout, and moves a task whose
-    # worker keeps dying to the dead-letter queue (alarmed)
+    # And the queue is encrypted, TLS only, and follows Lambda's advice for a queue event source: it hides a received
+    # task for six times the worker's timeout, and moves a task to the dead-letter queue (alarmed) only after at
+    # least five receives (a throttled Lambda hands a task back, and each hand-back counts)
     queue_id = synth.logical_id(synth.stack.coordinator.shard_queue)
     dlq = synth.logical_id(synth.stack.coordinator.dead_letters)
     queue = synth.resources[queue_id]["Properties"]
     assert queue["SqsManagedSseEnabled"] is True
     assert queue["RedrivePolicy"] == {"deadLetterTargetArn": {"Fn::GetAtt": [dlq, "Arn"]},
                                       "maxReceiveCount": synth.settings.shard_max_receives}
-    assert queue["VisibilityTimeout"] >= synth.settings.shard.timeout_seconds
+    assert queue["RedrivePolicy"]["maxReceiveCount"] >= 5
+    visibility = queue["VisibilityTimeout"]
+    assert visibility == 6 * synth.settings.shard.timeout_seconds == 3600
+    # And it keeps a task until one that kills its worker every time has been dead-lettered, longer than any tick
+    # waits for its shards
+    waits = [int(synth.resources[function_id(synth, f"functions.{name}.handler")]["Properties"]["Environment"]
+                 ["Variables"][ENV_SHARD_WAIT]) for name in ("tick", "ingest")]
+    assert queue["MessageRetentionPeriod"] >= synth.settings.shard_max_receives * visibility > max(waits)
     # And the shard worker drains it one task an invocation, at most shard_concurrency at once
     (mapping,) = [m for m in synth.of_type("AWS::Lambda::EventSourceMapping").values()
                   if m["Properties"]["FunctionName"] == {"Ref": shard}]
