@@ -31,6 +31,7 @@ from shared.naming import (
     table_name,
     tick_rule_name,
 )
+from store.blobs import s3_client
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def client(service: str, endpoint: str | None, region: str) -> Any:
 def create_resources(run_id: str, endpoint: str | None = None, region: str = "us-east-1") -> LocalResources:
     """Idempotent: an existing resource is reused."""
     bucket, table = local_bucket_name(run_id), table_name(run_id)
-    s3 = client("s3", endpoint, region)
+    s3 = s3_client(endpoint, region)
     try:
         s3.create_bucket(Bucket=bucket)
     except ClientError as exc:

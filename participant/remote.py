@@ -37,7 +37,7 @@ from shared.config import RunConfig
 from shared.digest import digest, digest_file
 from shared.signing import SignatureError, Signer, verify_digest
 from shared.state import RoundSummary, RunState
-from store.blobs import Bucket, NotFound
+from store.blobs import Bucket, NotFound, s3_addressing
 from store.connection import Connection
 from store.push import Pushed
 from store.table import StateStore
@@ -131,7 +131,7 @@ def participant_s3_client(endpoint: str | None, region: str) -> Any:
         max_pool_connections=TRANSFER_THREADS + 4,  # a transfer's parts, and heartbeats beside them
         connect_timeout=5,
         read_timeout=60,
-        s3={"addressing_style": "path"},
+        s3=s3_addressing(endpoint),
         # models are checked by their content digest; a global model written in parts has a checksum of its
         # parts' checksums, which is not a checksum of the bytes a GET returns
         response_checksum_validation="when_required",

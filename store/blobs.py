@@ -41,12 +41,20 @@ class Blob:
     last_modified: float = 0.0  # when S3 stored it (seconds since the epoch); 0: not known
 
 
+def s3_addressing(endpoint: str | None) -> dict[str, str]:
+    """How an S3 client names the bucket in its requests (botocore's `s3` config), for every S3 client of the
+    product: on AWS (no endpoint) in the host name, bucket.s3.<region>.amazonaws.com, as AWS wants (it deprecated
+    path-style requests); at a custom endpoint (the local stack's moto server on 127.0.0.1, which has no host name
+    per bucket) in the path."""
+    return {"addressing_style": "path" if endpoint else "virtual"}
+
+
 def s3_client(endpoint: str | None = None, region: str = "us-east-1") -> Any:
     # Checksums are sent as headers where we have them (parts carry their SHA-256, which is their digest piece
     # hash); botocore's default would stream every large body through a CRC in aws-chunked encoding instead.
     # Reads are checked by our own digest (a multipart object's checksum is of its parts, not of its bytes).
     # Connections: an aggregation reads up to 2 x STREAMS ranges at once (`shared.aggregate`), beside its uploads.
-    config = Config(retries={"max_attempts": 8, "mode": "standard"}, s3={"addressing_style": "path"},
+    config = Config(retries={"max_attempts": 8, "mode": "standard"}, s3=s3_addressing(endpoint),
                     request_checksum_calculation="when_required", response_checksum_validation="when_required",
                     max_pool_connections=32)
     return boto3.client("s3", endpoint_url=endpoint, region_name=region, config=config)
