@@ -8,18 +8,21 @@ from constructs import Construct
 from infra.settings import DeploySettings
 from infra.storage import removal_policy
 from shared.config import RunConfig
-from shared.naming import TABLE_HASH_KEY, TABLE_RANGE_KEY, table_name
+from shared.naming import TABLE_HASH_KEY, TABLE_RANGE_KEY
 
 
 class StateTable(Construct):
-    """On-demand (idle costs nothing), point-in-time recovery, deletion protection as configured."""
+    """On-demand (idle costs nothing), point-in-time recovery, deletion protection as configured.
+
+    CloudFormation names the table (<stack>-StateTable...-<suffix>): the table is retained when the stack is deleted
+    (`retain_data`), and a name of ours would still be held by it, so that deploying the same run again would fail.
+    The functions read the name from their environment, participants and operators from the stack's outputs."""
 
     def __init__(self, scope: Construct, id: str, *, config: RunConfig, settings: DeploySettings) -> None:
         super().__init__(scope, id)
         self.table = dynamodb.Table(
             self,
             "Table",
-            table_name=table_name(config.run_id),  # the name the local run uses too
             partition_key=dynamodb.Attribute(name=TABLE_HASH_KEY, type=dynamodb.AttributeType.STRING),
             sort_key=dynamodb.Attribute(name=TABLE_RANGE_KEY, type=dynamodb.AttributeType.STRING),
             billing_mode=dynamodb.BillingMode.PAY_PER_REQUEST,

@@ -15,6 +15,8 @@ def local_bucket_name(run_id: str) -> str:
 
 
 def table_name(run_id: str) -> str:
+    """The local stack's state table. On AWS CloudFormation names it (a retained table keeps its name after the
+    stack is gone); functions find it in their environment (ENV_TABLE), participants in the outputs (OUTPUT_TABLE)."""
     return f"fed-{run_id}-state"
 
 

@@ -51,7 +51,6 @@ from shared.naming import (
     object_created_pattern,
     participant_queue_name,
     state_topic_name,
-    table_name,
     tick_rule_name,
 )
 from shared.table_keys import run_pk
@@ -175,8 +174,9 @@ def test_table_is_on_demand_with_point_in_time_recovery(synth: Synth) -> None:
     # Given the run's table
     (table,) = synth.of_type("AWS::DynamoDB::Table").values()
     props = table["Properties"]
-    # Then its name and keys are the ones the local run and the functions use
-    assert props["TableName"] == table_name(synth.config.run_id)
+    # Then CloudFormation names it (the functions read the name from their environment, participants from the
+    # stack's outputs), and its keys are the ones the local run and the functions use
+    assert "TableName" not in props
     assert props["KeySchema"] == [
         {"AttributeName": TABLE_HASH_KEY, "KeyType": "HASH"},
         {"AttributeName": TABLE_RANGE_KEY, "KeyType": "RANGE"},
@@ -189,6 +189,21 @@ def test_table_is_on_demand_with_point_in_time_recovery(synth: Synth) -> None:
     assert props["BillingMode"] == "PAY_PER_REQUEST"
     assert props["PointInTimeRecoverySpecification"] == {"PointInTimeRecoveryEnabled": True}
     assert props["DeletionProtectionEnabled"] is synth.settings.table_deletion_protection
+
+
+RETAINING = {"Retain", "RetainExceptOnCreate", "Snapshot"}
+
+
+def test_no_resource_the_stack_leaves_behind_holds_a_fixed_name(synth: Synth) -> None:
+    # Given the resources a deleted stack leaves behind (data kept: the bucket, its access logs, the table, the
+    # functions' logs), and those a replacement leaves behind
+    kept = {rid: r for rid, r in synth.resources.items()
+            if r.get("DeletionPolicy") in RETAINING or r.get("UpdateReplacePolicy") in RETAINING}
+    assert {r["Type"] for r in kept.values()} >= {"AWS::S3::Bucket", "AWS::DynamoDB::Table", "AWS::Logs::LogGroup"}
+    # Then none has a name of ours: CloudFormation names each, so the same run deployed again after `cdk destroy`
+    # (or a replacement) makes new ones beside them instead of failing on a name they still hold
+    named = {rid: [p for p in r.get("Properties", {}) if p.endswith("Name")] for rid, r in kept.items()}
+    assert not {rid: props for rid, props in named.items() if props}, named
 
 
 def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> None:
