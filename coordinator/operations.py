@@ -28,6 +28,14 @@ class OperationError(RuntimeError):
 
 
 def set_paused(deps: Deps, paused: bool) -> TickResult:
+    """Request the pause (or resume) and tick: as the coordinator, which alone carries the request out."""
+    request_pause(deps, paused)
+    return run_tick(deps)
+
+
+def request_pause(deps: Deps, paused: bool) -> None:
+    """Record the operator's request on the run state (and switch the tick schedule on for a resume); the next tick
+    carries it out: closes the open round and pauses, or starts waiting for members again."""
     for _ in range(MAX_ATTEMPTS):
         state = deps.store.read_state()
         if state.version == 0:
@@ -44,7 +52,6 @@ def set_paused(deps: Deps, paused: bool) -> TickResult:
             continue
     else:
         raise OperationError("the state kept changing; try again")
-    return run_tick(deps)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import click
 import typer
 from rich.console import Console
 
@@ -302,8 +303,12 @@ def _connect(connection_file: Path | None, stack: str | None, region: str | None
         raise typer.Exit(2)
     if conn.endpoint:
         from local.stack import client_environment
+        from store.trace import OPERATOR, acting_as, install_from_env
 
         os.environ.update(client_environment(conn.region))
+        install_from_env()
+        # The local stack judges this command's requests as the operator policy's (`local.access`), as AWS would.
+        click.get_current_context().with_resource(acting_as(OPERATOR))
         if not _reachable(conn.endpoint):
             err.print(f"[red]nothing answers at {conn.endpoint}[/]: is `fed local` (or `fed demo`) still running?")
             raise typer.Exit(1)
@@ -325,19 +330,25 @@ def _deps(conn: Connection):  # type: ignore[no-untyped-def]
 
 def _set_paused(run: str | None, connection_file: Path | None, stack: str | None, region: str | None,
                 paused: bool) -> None:
-    from coordinator.operations import OperationError, set_paused
+    from coordinator.operations import OperationError, request_pause
+    from fed.operate import OperateError, tick_now
 
     conn = _connect(connection_file, stack, region, run)
     deps = _deps(conn)
     try:
-        result = set_paused(deps, paused)
-    except OperationError as exc:
+        request_pause(deps, paused)
+        ticked = tick_now(conn, deps)
+    except (OperationError, OperateError) as exc:
         err.print(f"[red]cannot {'pause' if paused else 'resume'} run {conn.run_id}: {exc}[/]")
         raise typer.Exit(1) from None
     except Exception as exc:  # an endpoint that is gone, a table that does not exist
         err.print(f"[red]cannot {'pause' if paused else 'resume'} run {conn.run_id}: {type(exc).__name__}: {exc}[/]")
         raise typer.Exit(1) from None
-    s = result.state
+    if ticked is None:
+        console.print(f"run {conn.run_id}: {'pause' if paused else 'resume'} requested; the next scheduled tick "
+                      "carries it out (the stack names no tick function to invoke now).")
+        return
+    s = deps.store.read_state()
     if paused:
         console.print(f"run {conn.run_id} paused: phase {s.phase}, epoch {s.epoch}, round {s.round}, "
                       f"{s.aggregated} round(s) aggregated. Participants keep polling; `fed run resume` goes on.")

@@ -8,6 +8,7 @@ file, or a deployed stack's outputs) and the run's configuration as its first ti
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from coordinator.deps import Deps
@@ -77,3 +78,41 @@ class VerifyLine:
         return {"round": self.round, "recorded": self.recorded, "recomputed": self.recomputed,
                 "stored": self.stored, "ok": self.ok, "problem": self.problem, "expired": self.expired,
                 "passes": self.passes, "optimizer_state": self.optimizer}
+
+
+@dataclass(frozen=True)
+class Ticked:
+    """What the coordinator's tick reported: committed, phase, epoch, round (the tick function's own summary)."""
+
+    committed: bool
+    phase: str
+    epoch: int
+    round: int
+
+
+def tick_now(conn: Connection, deps: Deps) -> Ticked | None:
+    """Have the coordinator tick now, as the coordinator: on AWS by invoking the tick function (the operator never
+    holds the coordinator's rights), locally by running the tick in this process as the tick function's role (the
+    local stack's stand-in for Lambda runs handlers where it is). None when there is nothing to invoke (a stack
+    without the output): the next scheduled tick carries the request out."""
+    if conn.endpoint:
+        from coordinator.tick import run_tick
+        from store.trace import acting_as, function
+
+        with acting_as(function("tick")):
+            result = run_tick(deps)
+        s = result.state
+        return Ticked(result.committed, s.phase.value, s.epoch, s.round)
+    if not conn.tick_function:
+        return None
+    import boto3
+
+    client = boto3.client("lambda", region_name=conn.region)
+    resp = client.invoke(FunctionName=conn.tick_function, InvocationType="RequestResponse",
+                         Payload=json.dumps({"source": "fed.operator", "detail-type": "operator request"}).encode())
+    payload = json.loads(resp["Payload"].read() or b"{}")
+    if resp.get("FunctionError"):
+        raise OperateError(f"the tick function failed: {str(payload)[:500]}")
+    return Ticked(bool(payload.get("committed")), str(payload.get("phase", "?")), int(payload.get("epoch", 0)),
+                  int(payload.get("round", 0)))
+

@@ -23,6 +23,7 @@ from functions.settings import deps_from_env
 from functions.shard_runners import write_outcome
 from shared.messages import ShardTask, parse_message
 from store.blobs import UploadGone
+from store.trace import acting_as, function, install_from_env
 
 
 @logger.inject_lambda_context
@@ -51,5 +52,7 @@ def run_queued(deps: Deps, task: ShardTask) -> None:
 
 
 def run_task_json(task_json: str) -> dict[str, object]:
-    """A shard in a worker process (the local stack's stand-in for the shard-worker function)."""
-    return shard_outcome(deps_from_env(), parse_message(ShardTask, task_json))
+    """A shard in a worker process (the local stack's stand-in for the shard-worker function, and its role)."""
+    install_from_env()
+    with acting_as(function("shard")):
+        return shard_outcome(deps_from_env(), parse_message(ShardTask, task_json))

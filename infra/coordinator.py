@@ -57,14 +57,25 @@ from shared.naming import (
 )
 
 # DynamoDB actions the coordinator uses. A TransactWriteItems call has no IAM action of its own: IAM
-# authorizes each of its parts (Put, Update, ConditionCheck), so those are what is granted.
+# authorizes each of its parts (here Puts and Updates), so those are what is granted. DeleteItem gives a lease back
+# (`store.table.StateStore.release`: the round's aggregation lease, once the round is committed).
 STATE_ACTIONS = (
     "dynamodb:GetItem",
     "dynamodb:Query",
     "dynamodb:PutItem",
     "dynamodb:UpdateItem",
-    "dynamodb:ConditionCheckItem",
+    "dynamodb:DeleteItem",
 )
+
+
+def list_bucket(bucket: s3.IBucket, *actions: str) -> iam.PolicyStatement:
+    """s3:ListBucket on the run's bucket (its own: every key in it is the run's), with no s3:prefix condition.
+
+    Without ListBucket, S3 answers a read of a missing key 403 AccessDenied instead of 404, and the coordinator
+    reads keys that may be missing (a checkpoint, a shard's outcome, a heartbeat). Whether S3 judges that check with
+    the missing key as s3:prefix is not documented, so a grant limited by s3:prefix is not relied on."""
+    return iam.PolicyStatement(sid="ListRunBucket", actions=["s3:ListBucket", *actions],
+                               resources=[bucket.bucket_arn])
 
 
 def coordinator_statements(
@@ -94,13 +105,9 @@ def coordinator_statements(
             actions=["s3:GetObject", "s3:GetObjectVersion"],
             resources=[bucket.arn_for_objects(f"{prefix}*")],
         ),
-        iam.PolicyStatement(
-            sid="ListRunPrefix",
-            # Without ListBucket, reading a missing key is AccessDenied (403) rather than NoSuchKey (404).
-            actions=["s3:ListBucket"],
-            resources=[bucket.bucket_arn],
-            conditions={"StringLike": {"s3:prefix": [f"{prefix}*"]}},
-        ),
+        # ListBucketVersions: a verified read (`store.blobs.Bucket.verified_version`) of an object the coordinator
+        # wrote looks for its own version among later ones written over it (reported as tampered if none is).
+        list_bucket(bucket, "s3:ListBucketVersions"),
         iam.PolicyStatement(
             sid="WriteCoordinatorObjects",
             # Global models: a small one PUT whole, a large one the destination of the CopyObject from staging.
@@ -139,14 +146,8 @@ def shard_statements(bucket: s3.IBucket, run_id: str) -> list[iam.PolicyStatemen
             actions=["s3:GetObject", "s3:GetObjectVersion"],
             resources=[bucket.arn_for_objects(rounds)],
         ),
-        iam.PolicyStatement(
-            sid="ListRoundsPrefix",
-            # Without ListBucket, reading a missing key is AccessDenied (403), not NoSuchKey (404): the worker
-            # reports a missing input (left out of the round) rather than failing the aggregation.
-            actions=["s3:ListBucket"],
-            resources=[bucket.bucket_arn],
-            conditions={"StringLike": {"s3:prefix": [rounds]}},
-        ),
+        # (a missing input is then reported as missing, left out of the round, rather than failing the aggregation)
+        list_bucket(bucket),
         iam.PolicyStatement(
             sid="UploadStagedParts",
             # UploadPart is authorized as s3:PutObject; creating, completing and aborting the upload is the tick's.
@@ -175,13 +176,7 @@ def join_statements(bucket: s3.IBucket, table: dynamodb.ITable, run_id: str) -> 
             resources=[bucket.arn_for_objects(f"{join_prefix(run_id)}*"),
                        bucket.arn_for_objects(f"{heartbeat_prefix(run_id)}*")],
         ),
-        iam.PolicyStatement(
-            sid="ListRunPrefix",
-            # Without ListBucket, reading a missing key (no heartbeat yet) is AccessDenied (403), not NoSuchKey.
-            actions=["s3:ListBucket"],
-            resources=[bucket.bucket_arn],
-            conditions={"StringLike": {"s3:prefix": [f"{run_prefix(run_id)}*"]}},
-        ),
+        list_bucket(bucket),  # (no heartbeat yet is then a 404, not a 403)
         iam.PolicyStatement(sid="Participants", actions=list(JOIN_STATE_ACTIONS), resources=[table.table_arn]),
     ]
 

@@ -84,6 +84,12 @@ def rosters(run_id: str) -> str:
     return keys.roster_key(run_id, _JOB).replace(_JOB, "*")
 
 
+def coordinator_round_objects(run_id: str) -> list[str]:
+    """What the coordinator alone writes below rounds/<round>/: global models, staged aggregates and their shards'
+    outcomes, optimizer state and download deltas (each a reserved name, so no participant id)."""
+    return [global_models(run_id), staging_objects(run_id), optimizer_objects(run_id), delta_objects(run_id)]
+
+
 def coordinator_writes(run_id: str) -> list[str]:
     """Objects only the coordinator writes: global models, optimizer state, download deltas, rosters, manifest,
     published config, checkpoints."""

@@ -45,17 +45,16 @@ TRUST_CONDITIONS = {
 }
 
 
-# What a participant does with its own queue: create it (SSE-SQS, the default for new queues: IAM has no condition
-# key for a queue's attributes, so that cannot be demanded here), give it the policy that lets the state topic send
-# to it, long-poll it, delete what it has read, and delete the queue when it leaves.
+# What a participant does with its own queue (`store.push`): create it (SSE-SQS, the default for new queues: IAM has
+# no condition key for a queue's attributes, so that cannot be demanded here), give it the policy that lets the state
+# topic send to it, long-poll it, and delete the queue when it leaves. It never deletes a message (a received state
+# stays in flight until the queue's short retention drops it), so it is not granted DeleteMessage.
 QUEUE_ACTIONS = (
     "sqs:CreateQueue",
     "sqs:GetQueueUrl",
     "sqs:GetQueueAttributes",
     "sqs:SetQueueAttributes",
     "sqs:ReceiveMessage",
-    "sqs:DeleteMessage",
-    "sqs:ChangeMessageVisibility",
     "sqs:DeleteQueue",
 )
 # The AWS SDKs always call SQS and SNS over HTTPS; a request without TLS is not this participant's.
@@ -190,18 +189,33 @@ class ParticipantAccess(Construct):
                 resources=[bucket.arn_for_objects(key) for key in layout.participant_writes(run_id)],
                 conditions=id_conditions(TAG),
             ),
+            # IAM's `*` spans `/`, so rounds/*/<own id> also matches a key the coordinator writes below a round whose
+            # last segment can be a participant id (a shard's outcome, rounds/<r>/staging/<job>/000000, is one for the
+            # participant "000000"): no participant writes below the coordinator's names, nor reads what is staged
+            # (a shard's outcome names the aggregate's upload).
+            iam.PolicyStatement(
+                sid="NoCoordinatorWrites",
+                effect=iam.Effect.DENY,
+                actions=["s3:PutObject", "s3:AbortMultipartUpload"],
+                resources=[bucket.arn_for_objects(key) for key in layout.coordinator_round_objects(run_id)],
+            ),
+            iam.PolicyStatement(
+                sid="NoStagedReads",
+                effect=iam.Effect.DENY,
+                actions=["s3:GetObject", "s3:GetObjectVersion"],
+                resources=[bucket.arn_for_objects(layout.staging_objects(run_id))],
+            ),
             iam.PolicyStatement(
                 sid="ReadModelsAndConfig",
                 actions=["s3:GetObject"],
                 resources=[bucket.arn_for_objects(key) for key in layout.participant_reads(run_id, witnessing)],
             ),
-            *(
-                # A witness downloads each update by the version the coordinator accepted (GetObject with a
-                # VersionId needs s3:GetObjectVersion), so an upload that replaced it cannot be evaluated instead.
-                [iam.PolicyStatement(sid="ReadAcceptedUpdateVersions", actions=["s3:GetObjectVersion"],
-                                     resources=[bucket.arn_for_objects(layout.round_objects(run_id))])]
-                if witnessing else []
-            ),
+            # A witness downloads each update by the version the coordinator accepted (GetObject with a VersionId
+            # needs s3:GetObjectVersion), so an upload that replaced it cannot be evaluated instead; a participant
+            # restarted after uploading reads its own update back by the version it uploaded.
+            iam.PolicyStatement(sid="ReadUpdateVersions", actions=["s3:GetObjectVersion"],
+                                resources=[bucket.arn_for_objects(layout.round_objects(run_id) if witnessing
+                                                                  else layout.own_updates(run_id))]),
             iam.PolicyStatement(
                 sid="ReadStackOutputs",
                 # `fed-participant start --stack NAME` finds bucket, table and run id in this stack's outputs,

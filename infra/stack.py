@@ -12,12 +12,21 @@ from infra.coordinator import Coordinator
 from infra.lambdas import function_code
 from infra.notifications import StateTopic
 from infra.observability import Observability
+from infra.operators import OperatorAccess
 from infra.participants import ParticipantAccess
 from infra.settings import DeploySettings
 from infra.storage import Storage
 from infra.table import StateTable
 from shared.config import RunConfig
-from shared.naming import OUTPUT_BUCKET, OUTPUT_PARTICIPANT_ROLE, OUTPUT_RUN_ID, OUTPUT_STATE_TOPIC, OUTPUT_TABLE
+from shared.naming import (
+    OUTPUT_BUCKET,
+    OUTPUT_OPERATOR_POLICY,
+    OUTPUT_PARTICIPANT_ROLE,
+    OUTPUT_RUN_ID,
+    OUTPUT_STATE_TOPIC,
+    OUTPUT_TABLE,
+    OUTPUT_TICK_FUNCTION,
+)
 
 
 class FedRunStack(Stack):
@@ -48,6 +57,12 @@ class FedRunStack(Stack):
         self.participants = ParticipantAccess(
             self, "Participants", config=config, settings=settings, bucket=bucket, table=table, state_topic=topic
         )
+        self.operators = OperatorAccess(
+            self, "Operators", config=config, bucket=bucket, table=table, tick=self.coordinator.tick,
+            functions=self.coordinator.functions, schedule=self.coordinator.schedule,
+            roles=[fn.role for fn in self.coordinator.functions if fn.role is not None],
+            participant_role=self.participants.role,
+        )  # fmt: skip
         self.notifications.admit(
             publishers=[fn.role for fn in self.coordinator.committers if fn.role is not None],
             subscriber=self.participants.role, own_queue_arn=self.participants.own_queue_arn,
@@ -69,3 +84,8 @@ class FedRunStack(Stack):
             self, OUTPUT_STATE_TOPIC, value=topic.topic_arn,
             description="Subscribe the participant's own queue fed-<run>-p-<id> (SQS, raw delivery)",
         )  # fmt: skip
+        # `fed` (operators) reads these two: the policy to attach to whoever operates the run, the tick to invoke.
+        CfnOutput(self, OUTPUT_OPERATOR_POLICY, value=self.operators.policy.managed_policy_arn,
+                  description="Attach to the operators' roles: what every `fed` command needs")
+        CfnOutput(self, OUTPUT_TICK_FUNCTION, value=self.coordinator.tick.function_name,
+                  description="The tick function `fed run pause|resume` invokes")

@@ -20,6 +20,7 @@ invocations at once, or deliver it again a while after it succeeded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -41,6 +42,9 @@ from local.resources import LocalResources
 from shared import keys
 from shared.naming import tick_rule_name
 from store.schedule import Schedule
+from store.trace import acting_as, function
+
+FUNCTION_TICK, FUNCTION_INGEST, FUNCTION_JOIN = function("tick"), function("ingest"), function("join")
 
 log = logging.getLogger("fed.local.dispatcher")
 
@@ -63,6 +67,10 @@ def scheduled_event(region: str, rule: str, at: float | None = None) -> dict[str
         "resources": [f"arn:aws:events:{region}:123456789012:rule/{rule}"],
         "detail": {},
     }
+
+
+def _polling_as(lane: Lane) -> contextlib.AbstractContextManager[None]:
+    return acting_as(lane.polls_as) if lane.polls_as else contextlib.nullcontext()
 
 
 def _local_invocation(handler: Handler) -> Handler:
@@ -166,6 +174,8 @@ class Lane:
     workers: int
     function: str  # the Lambda function it stands in for (the invocation context's name)
     handler: Handler | None = None
+    principal: str = ""  # whom the handler runs as (its role on AWS: `store.trace`)
+    polls_as: str | None = None  # whom its queue is polled as: on AWS, an event source mapping uses the function's role
     slots: threading.Semaphore = field(init=False, repr=False)
     delivering: threading.Event = field(default_factory=threading.Event, repr=False)
     pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
@@ -205,9 +215,13 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.poll_wait = poll_wait
         self._tick = tick
-        self.lanes = [Lane(MAIN_LANE, resources.queue_url, workers, "fed-local-ingest", ingest)]
+        # The main lane stands in for EventBridge invoking ingest (AWS's own doing); the join lane for the join
+        # function's event source mapping, which polls the join queue with the join function's role.
+        self.lanes = [Lane(MAIN_LANE, resources.queue_url, workers, "fed-local-ingest", ingest,
+                           principal=FUNCTION_INGEST)]
         if resources.join_queue_url:
-            self.lanes.append(Lane(JOIN_LANE, resources.join_queue_url, join_workers, "fed-local-join", join))
+            self.lanes.append(Lane(JOIN_LANE, resources.join_queue_url, join_workers, "fed-local-join", join,
+                                   principal=FUNCTION_JOIN, polls_as=FUNCTION_JOIN))
         self.faults = faults
         self._injected: dict[str, int] = {}  # message id -> receives caused by the fault plan, not by failures
         self._injected_lock = threading.Lock()
@@ -333,6 +347,10 @@ class Dispatcher:
             lane.slots.release()
 
     def _receive(self, lane: Lane, most: int) -> list[dict[str, Any]]:
+        with _polling_as(lane):
+            return self._receive_now(lane, most)
+
+    def _receive_now(self, lane: Lane, most: int) -> list[dict[str, Any]]:
         resp = self._sqs.receive_message(
             QueueUrl=lane.queue_url,
             MaxNumberOfMessages=most,
@@ -350,8 +368,9 @@ class Dispatcher:
                 for lane, receipt, began in list(self._running.values()):
                     if time.monotonic() - began >= period:
                         try:
-                            self._sqs.change_message_visibility(QueueUrl=lane.queue_url, ReceiptHandle=receipt,
-                                                                VisibilityTimeout=self.visibility_timeout)
+                            with _polling_as(lane):
+                                self._sqs.change_message_visibility(QueueUrl=lane.queue_url, ReceiptHandle=receipt,
+                                                                    VisibilityTimeout=self.visibility_timeout)
                         except Exception as exc:  # it may come back while running: ingest is idempotent
                             log.warning("could not extend a running message's visibility: %s", exc)
 
@@ -411,13 +430,15 @@ class Dispatcher:
         handler = lane.handler
         assert handler is not None
         if copies <= 1:
-            handler(event, LocalContext(function_name=lane.function))
+            with acting_as(lane.principal):
+                handler(event, LocalContext(function_name=lane.function))
             return
         errors: list[BaseException] = []
 
         def one() -> None:
             try:
-                handler(event, LocalContext(function_name=lane.function))
+                with acting_as(lane.principal):
+                    handler(event, LocalContext(function_name=lane.function))
             except BaseException as exc:  # re-raised in the delivering thread
                 errors.append(exc)
 
@@ -437,9 +458,10 @@ class Dispatcher:
             mid = message.get("MessageId", "")
             self._injected[mid] = self._injected.get(mid, 0) + 1
         try:
-            self._sqs.change_message_visibility(
-                QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=seconds
-            )
+            with _polling_as(lane):
+                self._sqs.change_message_visibility(
+                    QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=seconds
+                )
         except Exception as exc:  # it comes back after the visibility timeout anyway
             log.warning("could not requeue a message: %s", exc)
 
@@ -448,7 +470,8 @@ class Dispatcher:
         with self._injected_lock:
             self._injected.pop(message.get("MessageId", ""), None)
         try:
-            self._sqs.delete_message(QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"])
+            with _polling_as(lane):
+                self._sqs.delete_message(QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"])
         except Exception as exc:  # a duplicate delivery later is harmless: ingest is idempotent
             log.warning("could not delete a delivered message: %s", exc)
 
@@ -474,5 +497,6 @@ class Dispatcher:
         if schedule.enabled() is False:  # switched off by the run (finished, or paused): like EventBridge
             self.stats.add("ticks_skipped")
             return
-        self._tick(scheduled_event(self.resources.region, rule), LocalContext(function_name="fed-local-tick"))
+        with acting_as(FUNCTION_TICK):
+            self._tick(scheduled_event(self.resources.region, rule), LocalContext(function_name="fed-local-tick"))
         self.stats.add("ticks")

@@ -34,6 +34,8 @@ from urllib.parse import parse_qs
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 from werkzeug.wsgi import LimitedStream
 
+from local.access.control import ACCESS_PATH, AccessMiddleware
+from local.access.model import AccessModel
 from shared import keys
 
 LOOPBACK = "127.0.0.1"
@@ -246,6 +248,7 @@ class LocalServer:
         self.host, self.port = host, port
         self.count_requests, self.keep_events = count_requests, keep_events
         self.requests: RequestCounter | None = None  # with count_requests: every request served, by service
+        self.access: AccessMiddleware | None = None  # the access check, once `enable_access` tells it the run
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._connections: set[socket.socket] = set()  # the clients' open connections
@@ -271,7 +274,8 @@ class LocalServer:
         moto_sqs.apply()
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log line per request
-        app: WSGIApp = SerialDynamoDB(DomainDispatcherApplication(create_backend_app))
+        self.access = AccessMiddleware(SerialDynamoDB(DomainDispatcherApplication(create_backend_app)))
+        app: WSGIApp = self.access
         if self.count_requests:
             app = self.requests = RequestCounter(app, self.keep_events)
         try:
@@ -284,6 +288,12 @@ class LocalServer:
         self._thread = threading.Thread(target=self._server.serve_forever, name="moto-server", daemon=True)
         self._thread.start()
         return self
+
+    def enable_access(self, model: AccessModel, enforce: bool) -> None:
+        """Judge every request from now on against `model` (`local.access`)."""
+        if self.access is None:
+            raise RuntimeError("the local server is not running")
+        self.access.configure(model, enforce)
 
     def stop(self) -> None:
         if self._server is not None:
@@ -346,6 +356,13 @@ class ServerProcess:
         if self.count_requests:
             self.requests = RemoteCounter(self._endpoint)
         return self
+
+    def enable_access(self, model: AccessModel, enforce: bool) -> None:
+        """Judge every request from now on against `model` (`local.access`), in the server's process."""
+        body = json.dumps({"model": model.to_json(), "enforce": enforce}).encode()
+        request = urllib.request.Request(f"{self.endpoint}{ACCESS_PATH}", data=body, method="POST")
+        with urllib.request.urlopen(request, timeout=120) as resp:  # noqa: S310 - our own server on loopback
+            resp.read()
 
     def stop(self) -> None:
         if self._process is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from local import access
 from local.dispatcher import Dispatcher, FaultPlan
 from local.resources import LocalResources, create_resources
 from local.server import LocalServer, ServerProcess
@@ -29,6 +30,10 @@ from shared.naming import (
     ENV_TABLE,
 )
 from store.connection import Connection
+from store.trace import ENV_TRACE
+from store.trace import install as install_trace
+
+log = logging.getLogger("fed.local")
 
 LOCAL_REGION = "us-east-1"
 
@@ -101,6 +106,7 @@ class LocalStack:
     server_process: bool = False  # True: the server runs in a process of its own (`local.server.ServerProcess`)
     server: LocalServer | ServerProcess | None = field(default=None, init=False)
     resources: LocalResources | None = field(default=None, init=False)
+    access: str = field(default="", init=False)  # how the access check runs (`local.access.enable_on`)
     dispatcher: Dispatcher | None = field(default=None, init=False)
     _saved_env: dict[str, str | None] = field(default_factory=dict, init=False, repr=False)
     _log_stream: IO[str] | None = field(default=None, init=False, repr=False)
@@ -127,6 +133,11 @@ class LocalStack:
             self.server = kind(self.port, count_requests=self.count_requests, keep_events=self.count_requests).start()
             _reset_moto(self.server.endpoint)  # a fresh run, even if this process ran one before
             self.resources = create_resources(self.config.run_id, self.server.endpoint, self.region)
+            self.access = access.enable_on(self.server, self.config, self.region, self.server.endpoint)
+            log.info("%s", self.access)
+            if self.access.startswith("access check on"):
+                self._set_env({ENV_TRACE: "1"})  # this process's functions and the participants it starts
+                install_trace()
             self._set_env(function_environment(self.resources, self.config, self.log_level))
             if self.log_file is not None:
                 self.log_file.parent.mkdir(parents=True, exist_ok=True)

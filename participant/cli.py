@@ -16,6 +16,7 @@ import typer
 
 from shared.keys import KeyError_, validate_participant_id
 from store.connection import DEFAULT_LOCAL_FILE, Connection, ConnectionError_
+from store.trace import install_from_env
 
 log = logging.getLogger("participant")
 
@@ -63,12 +64,15 @@ EXAMPLES += (
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
-def use_local_credentials(endpoint: str | None) -> bool:
+def use_local_credentials(endpoint: str | None, pid: str = "") -> bool:
     """Against a loopback endpoint (moto, `fed local`) use throwaway credentials: moto accepts any, and
-    real keys from the environment or a profile are never sent to it. Returns whether it did."""
+    real keys from the environment or a profile are never sent to it. Their key id names the participant
+    (participant-<id>), as the session tag does on AWS: the local stack judges its requests as the participant
+    role's (`local.access`). Returns whether it did."""
     if not endpoint or urlparse(endpoint).hostname not in LOCAL_HOSTS:
         return False
-    os.environ.update(AWS_ACCESS_KEY_ID="local", AWS_SECRET_ACCESS_KEY="local", AWS_EC2_METADATA_DISABLED="true")
+    key = f"participant-{pid}" if pid else "local"
+    os.environ.update(AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY="local", AWS_EC2_METADATA_DISABLED="true")
     for name in ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE"):
         os.environ.pop(name, None)
     return True
@@ -192,7 +196,8 @@ def start(
         _fail(f"cannot read stack {stack}: {exc}")
     if run and run != conn.run_id:
         _fail(f"--run {run}: the connection ({stack or connection}) is for run {conn.run_id!r}")
-    use_local_credentials(conn.endpoint)
+    if use_local_credentials(conn.endpoint, pid):
+        install_from_env()  # the local stack's access check: the code path of each request
 
     from participant.daemon import Daemon, Options, default_state_dir
     from participant.protocol import ParticipantError

@@ -37,7 +37,7 @@ from shared.config import RunConfig
 from shared.digest import digest, digest_file
 from shared.signing import SignatureError, Signer, verify_digest
 from shared.state import RoundSummary, RunState
-from store.blobs import Bucket, NotFound, s3_addressing
+from store.blobs import MISSING_CODES, UNLISTED_MISSING_CODES, Bucket, NotFound, s3_addressing
 from store.connection import Connection
 from store.push import Pushed
 from store.table import StateStore
@@ -53,6 +53,7 @@ FATAL_CODES = frozenset({
     "AccessDenied", "AccessDeniedException", "InvalidAccessKeyId", "SignatureDoesNotMatch",
     "UnrecognizedClientException", "InvalidClientTokenId", "ExpiredToken", "ExpiredTokenException",
     "MissingAuthenticationToken", "InvalidSignatureException",
+    "403", "Forbidden",  # a HEAD's AccessDenied has no body, only its status (a missing key's 403 never gets here)
 })
 PART_BYTES = 8 * 1024 * 1024  # one part of a multipart upload, one ranged GET of a download
 MULTIPART_THRESHOLD = 2 * PART_BYTES  # smaller objects go in one PUT or GET
@@ -147,7 +148,8 @@ class Remote:
         self.retry = retrier
         self.signer = signer  # every upload carries its signature (shared/signing.py)
         self.client = participant_s3_client(conn.endpoint, conn.region)
-        self.bucket = Bucket(conn.bucket, self.client)
+        # A participant may not list the bucket: S3 answers its read of a missing key 403, which means "not there".
+        self.bucket = Bucket(conn.bucket, self.client, unlisted=True)
         self.store = StateStore.of(conn, self.bucket)
 
     # --- reads ------------------------------------------------------------------------------------
@@ -245,7 +247,7 @@ class Remote:
             self._transfer(lambda manager, subscribers: manager.download(
                 self.conn.bucket, key, out, extra_args=extra, subscribers=subscribers), progress, 0)
         except ClientError as exc:
-            if _error_code(exc) in {"NoSuchKey", "NoSuchVersion", "404"}:
+            if _error_code(exc) in MISSING_CODES | UNLISTED_MISSING_CODES:  # (403: see Bucket's `unlisted`)
                 raise NotFound(key) from None
             raise
 

@@ -132,6 +132,7 @@ OUTPUT_RUN_ID = "RunId"
 OUTPUT_PARTICIPANT_ROLE = "ParticipantRoleArn"
 OUTPUT_STATE_TOPIC = "StateTopicArn"
 OUTPUT_OPERATOR_POLICY = "OperatorPolicyArn"  # what `fed` needs to operate the run: attach it to operators
+OUTPUT_TICK_FUNCTION = "TickFunctionName"  # `fed run pause|resume` invokes it
 
 # The session tag naming a participant; IAM policy variables use it to scope its keys.
 PARTICIPANT_TAG = "participant"

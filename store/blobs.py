@@ -80,10 +80,25 @@ class RangeReader:
         self.body.close()
 
 
+# The codes S3 answers a read of a missing key (or version) with, and those it answers instead to a caller that may
+# not list the bucket (s3:ListBucket): so that such a caller cannot tell which keys exist.
+MISSING_CODES = frozenset({"NoSuchKey", "NoSuchVersion", "404", "NotFound"})
+UNLISTED_MISSING_CODES = frozenset({"AccessDenied", "403", "Forbidden"})
+
+
 class Bucket:
-    def __init__(self, name: str, client: Any) -> None:
+    """`unlisted`: the caller holds no s3:ListBucket (a participant), so S3 answers a read of a missing key with 403
+    AccessDenied, and that answer, for a key the caller may read, means "not there" (and listing versions is not
+    possible: a verified read that finds the current version altered reports it as tampered)."""
+
+    def __init__(self, name: str, client: Any, unlisted: bool = False) -> None:
         self.name = name
         self.client = client
+        self.unlisted = unlisted
+
+    def _missing(self, exc: ClientError) -> bool:
+        code = exc.response["Error"]["Code"]
+        return code in MISSING_CODES or (self.unlisted and code in UNLISTED_MISSING_CODES)
 
     def _get_object(self, key: str, version_id: str = "", **extra: Any) -> dict[str, Any]:
         """GetObject (a given version if named); NotFound for a missing key, version or range."""
@@ -92,7 +107,7 @@ class Bucket:
         try:
             return dict(self.client.get_object(Bucket=self.name, Key=key, **extra))
         except ClientError as exc:
-            if exc.response["Error"]["Code"] in {"NoSuchKey", "NoSuchVersion", "404", "InvalidRange"}:
+            if self._missing(exc) or exc.response["Error"]["Code"] == "InvalidRange":
                 raise NotFound(f"{key}: {exc}" if "Range" in extra else key) from None
             raise
 
@@ -137,6 +152,8 @@ class Bucket:
         current = self.digest_of(key)
         if current[0] == want:
             return current[1], current[2]
+        if self.unlisted:
+            raise Tampered(f"{key[:200]} does not match its digest {want[:64]}")
         pages = self.client.get_paginator("list_object_versions").paginate(Bucket=self.name, Prefix=key)
         versions = [v for page in pages for v in page.get("Versions", []) if v["Key"] == key]
         for v in sorted(versions, key=lambda v: v["LastModified"], reverse=True)[:MAX_VERSIONS_TRIED]:
@@ -197,7 +214,7 @@ class Bucket:
             self.client.head_object(Bucket=self.name, Key=key, VersionId=version_id)
             return True
         except ClientError as exc:
-            if exc.response["Error"]["Code"] in {"NoSuchKey", "NoSuchVersion", "404", "NotFound", "400"}:
+            if self._missing(exc) or exc.response["Error"]["Code"] == "400":
                 return False
             raise
 
@@ -205,7 +222,7 @@ class Bucket:
         try:
             return dict(self.client.head_object(Bucket=self.name, Key=key))
         except ClientError as exc:
-            if exc.response["Error"]["Code"] in {"NoSuchKey", "404", "NotFound"}:
+            if self._missing(exc):
                 return None
             raise
 

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import boto3
 
-from shared.naming import OUTPUT_BUCKET, OUTPUT_PARTICIPANT_ROLE, OUTPUT_RUN_ID, OUTPUT_STATE_TOPIC, OUTPUT_TABLE
+from shared.naming import (
+    OUTPUT_BUCKET,
+    OUTPUT_PARTICIPANT_ROLE,
+    OUTPUT_RUN_ID,
+    OUTPUT_STATE_TOPIC,
+    OUTPUT_TABLE,
+    OUTPUT_TICK_FUNCTION,
+)
 
 DEFAULT_LOCAL_FILE = Path(".fed") / "local.json"
 
@@ -26,6 +33,7 @@ class Connection:
     region: str = "us-east-1"
     participant_role: str = ""
     state_topic: str = ""  # SNS topic announcing new phases and rounds ("": none, the participant polls)
+    tick_function: str = ""  # the deployed tick function (`fed run pause|resume` invoke it); "": local, or none
 
     def save(self, path: Path = DEFAULT_LOCAL_FILE) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,4 +65,5 @@ class Connection:
             region=cfn.meta.region_name,
             participant_role=outputs.get(OUTPUT_PARTICIPANT_ROLE, ""),
             state_topic=outputs.get(OUTPUT_STATE_TOPIC, ""),
+            tick_function=outputs.get(OUTPUT_TICK_FUNCTION, ""),
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import threading
@@ -22,7 +23,8 @@ from coordinator.intake import forget_registered
 from coordinator.tick import run_tick
 from functions import ingest, tick
 from functions.settings import Deps, deps_from_env
-from local import moto_dynamodb, moto_events, moto_objects, moto_sns, moto_sqs
+from local import access, moto_dynamodb, moto_events, moto_objects, moto_sns, moto_sqs
+from local.access.control import install_in_process
 from local.context import LocalContext
 from local.resources import create_resources
 from shared import keys, wire
@@ -31,10 +33,21 @@ from shared.naming import ENV_BUCKET, ENV_CONFIG, ENV_RUN_ID, ENV_STATE_TOPIC, E
 from shared.selection import assigned_count
 from shared.signing import Signer
 from shared.state import RunState
+from store.trace import acting_as, function, participant
 
 EVENTS = Path(__file__).resolve().parents[1] / "events"
 RUN = "func-run"
 MODEL = {"dense.weight": np.full((4, 3), 0.5, np.float32), "dense.bias": np.zeros(4, np.float32)}
+
+
+def writer_of(key: str) -> contextlib.AbstractContextManager[None]:
+    """Who writes `key` on AWS: the participant its key names, else the coordinator (the tick's role); a key
+    outside the layout, none of the system's principals (an object someone with rights over the bucket left)."""
+    try:
+        owner = keys.parse_key(key).participant
+    except keys.KeyError_:
+        return contextlib.nullcontext()
+    return acting_as(participant(owner) if owner else function("tick"))
 
 
 def recorded_event(name: str) -> dict[str, Any]:
@@ -105,11 +118,13 @@ class Harness:
 
     def put(self, key: str, body: bytes, signed_by: str | None = "owner") -> dict[str, Any]:
         """Upload an object (signed by its key's participant, by `signed_by`, or unsigned with None) and
-        return the EventBridge event S3 would emit for it."""
+        return the EventBridge event S3 would emit for it. The upload is made by whoever may write the key on AWS
+        (`writer_of`); `signed_by` tests the second layer, the signature ingest checks."""
         owner = key.rstrip("/").rsplit("/", 1)[-1]
         signer = None if signed_by is None else self.signer(owner if signed_by == "owner" else signed_by)
         metadata = signer.metadata(key, body) if signer else {}
-        resp = self.s3.put_object(Bucket=self.res.bucket, Key=key, Body=body, Metadata=metadata)
+        with writer_of(key):
+            resp = self.s3.put_object(Bucket=self.res.bucket, Key=key, Body=body, Metadata=metadata)
         event = copy.deepcopy(recorded_event("s3_object_created.json"))
         event["time"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event["detail"]["bucket"]["name"] = self.res.bucket
@@ -119,13 +134,15 @@ class Harness:
         return event
 
     def deliver(self, event: dict[str, Any]) -> dict[str, Any]:
-        return ingest.handler(event, LocalContext())
+        with acting_as(function("ingest")):
+            return ingest.handler(event, LocalContext())
 
     def send(self, key: str, body: bytes, signed_by: str | None = "owner") -> dict[str, Any]:
         return self.deliver(self.put(key, body, signed_by))
 
     def scheduled_tick(self) -> dict[str, Any]:
-        return tick.handler(recorded_event("scheduled_tick.json"), LocalContext())
+        with acting_as(function("tick")):
+            return tick.handler(recorded_event("scheduled_tick.json"), LocalContext())
 
     # --- participant actions ----------------------------------------------------------------------
 
@@ -223,6 +240,14 @@ def make_config(**overrides: Any) -> RunConfig:
     return RunConfig(**base)
 
 
+def judge_in_process(config: RunConfig) -> None:
+    """Judge every call to in-process moto as IAM would, with the roles of the template synthesized for `config`
+    (`local.access`), as the local server does."""
+    if access.mode() == access.OFF:
+        return
+    install_in_process(access.control_for(access.model_for(config), enforce=access.mode() == access.ENFORCE))
+
+
 @pytest.fixture
 def harness_factory(aws: None, atomic_dynamodb: None, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     def build(**overrides: Any) -> Harness:
@@ -234,9 +259,11 @@ def harness_factory(aws: None, atomic_dynamodb: None, monkeypatch: pytest.Monkey
         monkeypatch.setenv(ENV_CONFIG, config.model_dump_json())
         harness = Harness(config)
         monkeypatch.setenv(ENV_STATE_TOPIC, harness.res.state_topic)  # commits that change phase or round publish
+        judge_in_process(config)
         return harness
 
-    return build
+    yield build
+    install_in_process(None)
 
 
 @pytest.fixture

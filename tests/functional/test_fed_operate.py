@@ -35,15 +35,20 @@ def fed(*args: str) -> tuple[int, str]:
 def test_pause_and_resume_through_the_cli(harness: Harness, tmp_path: Path) -> None:
     harness.start(["alice", "bob"])
     conn = str(connection_file(harness, tmp_path))
-    # When the operator pauses mid-round
+    # When the operator pauses mid-round (a connection naming no tick function to invoke: as a deployed stack
+    # without that output)
     code, out = fed("run", "pause", "--connection", conn)
-    # Then the run is Paused at once, and says so
+    # Then the request is recorded, and the coordinator's next tick, not the operator, carries it out
     assert code == 0, out
-    assert "paused" in out and harness.state().phase is Phase.PAUSED
+    assert "pause requested" in out and harness.state().pause_requested
+    harness.scheduled_tick()
+    assert harness.state().phase is Phase.PAUSED
     # And resume starts a new epoch with the live participants
     code, out = fed("run", "resume", harness.config.run_id, "--connection", conn)
     assert code == 0, out
-    assert "resumed" in out and harness.state().phase is Phase.TRAIN and harness.state().epoch == 2
+    assert "resume requested" in out
+    harness.scheduled_tick()
+    assert harness.state().phase is Phase.TRAIN and harness.state().epoch == 2
     # A run id other than the connection's is refused before anything is done
     code, out = fed("run", "pause", "other-run", "--connection", conn)
     assert code == 2 and "is for run" in out and harness.state().phase is Phase.TRAIN

@@ -93,10 +93,12 @@ def role_statements(synth: Synth, role_id: str) -> list[dict[str, Any]]:
 
 
 def grants(statements: list[dict[str, Any]]) -> dict[str, set[str]]:
-    """action -> the resources it is allowed on (rendered)."""
+    """action -> the resources an Allow statement names for it (rendered); what a Deny takes back is judged by the
+    access check's evaluator (tests/functional/test_access_check.py), never by a matcher of ours."""
     out: dict[str, set[str]] = {}
     for s in statements:
-        assert s["Effect"] == "Allow"
+        if s["Effect"] != "Allow":
+            continue
         for action in as_list(s["Action"]):
             out.setdefault(action, set()).update(render(r) for r in as_list(s["Resource"]))
     return out
@@ -232,6 +234,7 @@ def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> N
             "s3:GetObject": {f"{run}*"},
             "s3:GetObjectVersion": {f"{run}*"},
             "s3:ListBucket": {bucket},
+            "s3:ListBucketVersions": {bucket},
             "s3:PutObject": {
                 f"{run}rounds/*/global/*",
                 f"{run}rounds/*/optimizer/*",
@@ -247,15 +250,16 @@ def test_each_function_role_holds_only_what_the_function_uses(synth: Synth) -> N
             "dynamodb:Query": {table},
             "dynamodb:PutItem": {table},
             "dynamodb:UpdateItem": {table},
-            "dynamodb:ConditionCheckItem": {table},
+            "dynamodb:DeleteItem": {table},
             "sqs:SendMessage": {dlq, shard_queue},
             "sns:Publish": {topic},
             "events:EnableRule": {tick_rule},
             "events:DisableRule": {tick_rule},
         }
-        # And listing is limited to the run's prefix
-        (listing,) = [s for s in role_statements(synth, role_id) if s["Action"] == "s3:ListBucket"]
-        assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"runs/{synth.config.run_id}/*"]}}
+        # And listing is of the run's own bucket, with no s3:prefix condition (S3's 404 for a missing key must not
+        # depend on whether it judges that ListBucket with the key as the prefix: undocumented)
+        (listing,) = [s for s in role_statements(synth, role_id) if "s3:ListBucket" in s["Action"]]
+        assert "Condition" not in listing
 
 
 def test_functions_run_the_configured_sizes_with_the_run_config(synth: Synth) -> None:
@@ -336,13 +340,14 @@ def test_participant_policy_writes_only_keys_carrying_its_own_id(synth: Synth) -
                                     f"{run}rounds/*/{SELF}"},
         "s3:GetObject": {f"{run}rounds/*/global/*", f"{run}rounds/*/delta/*", f"{run}roster/*",
                          f"{run}manifest.json", f"{run}config.json", f"{run}rounds/*/{SELF}"},
+        "s3:GetObjectVersion": {f"{run}rounds/*/{SELF}"},  # (its own upload read back by version after a restart)
         "dynamodb:GetItem": {table},
         "cloudformation:DescribeStacks": {"<AWS::StackId>"},
         **{action: {queue} for action in QUEUE_ACTIONS},
         "sns:Subscribe": {topic},
     }  # fmt: skip
     # And the writes hold only for a session tagged with a usable id
-    (write,) = [s for s in statements if "s3:PutObject" in as_list(s["Action"])]
+    (write,) = [s for s in statements if "s3:PutObject" in as_list(s["Action"]) and s["Effect"] == "Allow"]
     tag = f"aws:PrincipalTag/{PARTICIPANT_TAG}"
     assert write["Condition"] == {
         "Null": {tag: "false"},
@@ -533,7 +538,7 @@ def test_the_shard_worker_reads_round_objects_writes_only_staged_parts_and_never
     }
     assert not [a for a in allowed if a.startswith("dynamodb:")]
     (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket"]
-    assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"runs/{synth.config.run_id}/rounds/*"]}}
+    assert "Condition" not in listing  # the run's own bucket: a missing input is a 404, whatever S3's s3:prefix
 
 
 def layout_keys(run: str, round_no: int, pid: str, digest: str) -> list[str]:
@@ -844,7 +849,7 @@ def test_a_participant_may_use_exactly_its_own_queue_and_no_other(synth: Synth) 
     sqs_actions = {a for a in allowed if a.startswith("sqs:")}
     assert sqs_actions == set(QUEUE_ACTIONS) == {
         "sqs:CreateQueue", "sqs:GetQueueUrl", "sqs:GetQueueAttributes", "sqs:SetQueueAttributes",
-        "sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:DeleteQueue", "sqs:ChangeMessageVisibility"}
+        "sqs:ReceiveMessage", "sqs:DeleteQueue"}  # (it never deletes a message: none of DeleteMessage and co.)
     assert all(allowed[a] == {own_queue(synth)} for a in sqs_actions)
     assert "*" not in own_queue(synth) and "?" not in own_queue(synth)
     assert not [a for a in allowed if a == "sqs:SendMessage" or a.endswith(":*")]
