@@ -1,12 +1,18 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+NODE_STAMP := node_modules/.installed
 PARTICIPANTS ?= 4
 DEMO_ARGS ?=  # e.g. make demo DEMO_ARGS=--mixed-speeds
 
 .PHONY: venv demo test test-slow test-load bench bench-big bench-learning bench-lm-outer bench-rounds synth lint clean
 
 venv: $(STAMP)
+
+# The CDK command line and the IAM evaluator the access check runs (package-lock.json pins both).
+$(NODE_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund
+	touch $(NODE_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -15,54 +21,58 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[participant,local,infra,dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) $(NODE_STAMP)
 	mkdir -p reports
 	$(VENV)/bin/fed demo --participants $(PARTICIPANTS) --report reports/demo.json --plot reports/demo.png $(DEMO_ARGS)
 
-# Everything but the long fault-injection and flood tests (those are `make test-slow`; CI runs both).
-test: $(STAMP)
-	$(PY) -m pytest -q -m "not chaos and not slow" tests
+# Everything but the long fault-injection and flood tests (those are `make test-slow`; CI runs both). Every AWS call
+# the tests make is judged against the roles `cdk synth` creates (tests/conftest.py, local/access); the report of
+# what each role is granted and which test used it goes to reports/access.md.
+test: $(STAMP) $(NODE_STAMP)
+	mkdir -p reports
+	$(PY) -m pytest -q -m "not chaos and not slow" --access-report reports/access.md tests
 
 # The chaos, flood and load tests; the load test at its defaults, 1,000 participants (about 11 minutes on this 2-core
 # machine: five minutes of joining, then rounds of ~100 s), then at 200 with 60 s rounds (about 4 minutes): the
 # requests a participant-round costs in a round of a minute.
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q -s -m "chaos or slow" tests
 	LOAD_PARTICIPANTS=200 LOAD_STAGGER=30 LOAD_LIVENESS=180 $(PY) -m pytest -q -s -m slow tests/e2e/test_load.py
 
 # The load test alone at its defaults: 1,000 simulated participants, 3 rounds (tests/e2e/test_load.py).
-test-load: $(STAMP)
+test-load: $(STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q -s -m slow tests/e2e/test_load.py
 
 # Synthesize the stack (offline, no AWS credentials) with cdk-nag's AwsSolutions checks; a finding fails it.
 # `make synth CONFIG=runs/<name>.toml` for another run file (default: cdk.json's runs/example.toml).
-synth: $(STAMP)
-	@[ -x node_modules/.bin/cdk ] || npm ci --no-audit --no-fund
+synth: $(STAMP) $(NODE_STAMP)
 	JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 npx --no-install cdk synth --quiet $(if $(CONFIG),-c config=$(CONFIG))
+
+# The benchmarks time the system, not the access check (the local server judging each call): it is off for them.
 
 # Aggregation from files: the piece-wise path (K=1, K=2) vs Flower's algorithm and numpy, GB/s and peak memory, one run.
 bench: $(STAMP)
-	$(PY) benchmarks/aggregation.py
+	FED_ACCESS_CHECK=off $(PY) benchmarks/aggregation.py
 
 # Server optimizers, data modes and compressed updates, each row a real `fed demo` run: one table (digits and the LM).
 bench-learning: $(STAMP)
-	$(PY) benchmarks/learning.py
+	FED_ACCESS_CHECK=off $(PY) benchmarks/learning.py
 
 # The LM task's rounds simulated in process (no stack): FedAvg vs DiLoCo's outer rule over a grid of settings.
 bench-lm-outer: $(STAMP)
-	$(PY) benchmarks/lm_outer.py
+	FED_ACCESS_CHECK=off $(PY) benchmarks/lm_outer.py
 
 # The whole loop with a ~1 GB update (fp32, then the same parameters in bf16), K = 1 and 2 shards: per-round
 # transfer, ingest and aggregation times, the data-movement limit measured beside them, peak memory per process.
 bench-big: $(STAMP)
-	$(PY) benchmarks/big_loop.py
+	FED_ACCESS_CHECK=off $(PY) benchmarks/big_loop.py
 
 # The Flower anchor's exact work through `fed demo --task flower` (4 participants, each its own shard, 15 rounds):
 # each round's accuracy and seconds, median round, launch to first round, wall time and AWS requests per participant
 # per round, beside the polling-era and Flower figures. Exits 1 if the run fails or the accuracy is not 0.9289.
 bench-rounds: $(STAMP)
 	mkdir -p reports
-	$(PY) benchmarks/rounds.py --out reports/bench-rounds.json
+	FED_ACCESS_CHECK=off $(PY) benchmarks/rounds.py --out reports/bench-rounds.json
 
 # ruff, mypy (strict on the core) and the layer contracts in pyproject.toml (import-linter).
 lint: $(STAMP)

@@ -3,16 +3,19 @@ and operate it (`run pause|resume|restore`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
-import click
 import typer
 from rich.console import Console
 
 from shared.config import ConfigError, RunConfig, load_config
 from store.connection import DEFAULT_LOCAL_FILE, Connection, ConnectionError_
+from store.trace import OPERATOR, acting_as
 
 app = typer.Typer(
     name="fed",
@@ -49,6 +52,22 @@ STACK_HELP = "A deployed run's CloudFormation stack; AWS through the standard cr
 REGION_HELP = "AWS region of --stack (default: from your AWS config)."
 RUN_ARG_HELP = "The run id you mean; refused if the connection is for another run (optional)."
 RESTORE_ATTEMPTS = 6
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def as_operator(command: Callable[P, T]) -> Callable[P, T]:
+    """Run a command as the run's operator: the local stack judges its requests against the operator policy
+    (`local.access`), as IAM judges the operator's own credentials on AWS."""
+
+    @functools.wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        with acting_as(OPERATOR):
+            return command(*args, **kwargs)
+
+    return run
 
 
 def _load(config: Path | None) -> RunConfig | None:
@@ -186,6 +205,7 @@ def demo(
 
 
 @app.command()
+@as_operator
 def status(
     connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
     stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
@@ -253,6 +273,7 @@ def status(
 
 
 @app.command()
+@as_operator
 def dashboard(
     connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
     stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
@@ -303,12 +324,10 @@ def _connect(connection_file: Path | None, stack: str | None, region: str | None
         raise typer.Exit(2)
     if conn.endpoint:
         from local.stack import client_environment
-        from store.trace import OPERATOR, acting_as, install_from_env
+        from store.trace import install_from_env
 
         os.environ.update(client_environment(conn.region))
-        install_from_env()
-        # The local stack judges this command's requests as the operator policy's (`local.access`), as AWS would.
-        click.get_current_context().with_resource(acting_as(OPERATOR))
+        install_from_env()  # (the commands run `as_operator`: the local stack judges them as the operator policy)
         if not _reachable(conn.endpoint):
             err.print(f"[red]nothing answers at {conn.endpoint}[/]: is `fed local` (or `fed demo`) still running?")
             raise typer.Exit(1)
@@ -328,6 +347,7 @@ def _deps(conn: Connection):  # type: ignore[no-untyped-def]
         raise typer.Exit(1) from None
 
 
+@as_operator
 def _set_paused(run: str | None, connection_file: Path | None, stack: str | None, region: str | None,
                 paused: bool) -> None:
     from coordinator.operations import OperationError, request_pause
@@ -385,6 +405,7 @@ def run_resume(
 
 
 @run_app.command("restore")
+@as_operator
 def run_restore(
     run: str | None = typer.Argument(None, metavar="[RUN]", help=RUN_ARG_HELP),
     connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
@@ -427,6 +448,7 @@ def run_restore(
 
 
 @app.command()
+@as_operator
 def verify(
     run: str | None = typer.Argument(None, metavar="[RUN]", help=RUN_ARG_HELP),
     connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),

@@ -146,8 +146,9 @@ def shard_statements(bucket: s3.IBucket, run_id: str) -> list[iam.PolicyStatemen
             actions=["s3:GetObject", "s3:GetObjectVersion"],
             resources=[bucket.arn_for_objects(rounds)],
         ),
-        # (a missing input is then reported as missing, left out of the round, rather than failing the aggregation)
-        list_bucket(bucket),
+        # (a missing input is then reported as missing, left out of the round, rather than failing the aggregation;
+        # ListBucketVersions: the optimizer state's pieces are verified reads, as the ticks' are)
+        list_bucket(bucket, "s3:ListBucketVersions"),
         iam.PolicyStatement(
             sid="UploadStagedParts",
             # UploadPart is authorized as s3:PutObject; creating, completing and aborting the upload is the tick's.

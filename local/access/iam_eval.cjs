@@ -8,7 +8,19 @@
 //            "errors": null | "..."}
 'use strict'
 const readline = require('readline')
+const path = require('path')
 const { runSimulation } = require('@cloud-copilot/iam-simulate')
+
+// iam-simulate (0.1.173) splits the resource part of an ARN into a resource type and an id at its first '/' or ':'
+// before it substitutes policy variables, also for services whose ARNs name the resource with no type (an SQS queue,
+// an SNS topic). The '/' of a variable such as ${aws:PrincipalTag/participant} is then taken for that split, and
+// arn:aws:sqs:<region>:<account>:fed-<run>-p-${aws:PrincipalTag/participant} never matches the session's own queue.
+// IAM has no resource type there: this makes the split so for those two services; all matching stays the library's.
+const util = require(path.join(path.dirname(require.resolve('@cloud-copilot/iam-simulate')), 'util.js'))
+const splitResource = util.getResourceSegments
+const UNTYPED = new Set(['sqs', 'sns'])
+util.getResourceSegments = (resource) =>
+  resource.isArnResource() && UNTYPED.has(resource.service()) ? ['', resource.resource()] : splitResource(resource)
 
 const identities = new Map()
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+import boto3
 import pytest
+from botocore.exceptions import ClientError
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +17,9 @@ from local.access.requests import HttpCall, Need, parse
 from shared import keys
 from shared.config import RunConfig
 from shared.naming import local_bucket_name, table_name
+from store.blobs import Bucket, NotFound
+from store.trace import acting_as, function, participant
+from tests.functional.conftest import Harness
 
 RUN = "access-run"
 ACCOUNT = "123456789012"
@@ -51,14 +56,14 @@ def test_a_restarted_participant_reads_its_own_upload_back_by_version(check: Acc
 
 
 def test_the_coordinator_may_list_its_bucket_so_its_missing_keys_answer_404(check: AccessControl) -> None:
-    for function in ("tick", "ingest", "join", "shard"):
-        assert allowed(check, f"function:{function}", "s3:ListBucket", BUCKET), function
+    for name in ("tick", "ingest", "join", "shard"):
+        assert allowed(check, f"function:{name}", "s3:ListBucket", BUCKET), name
 
 
 def test_a_tick_gives_its_round_lease_back(check: AccessControl) -> None:
-    for function in ("tick", "ingest"):
-        assert allowed(check, f"function:{function}", "dynamodb:DeleteItem", TABLE,
-                       **{"dynamodb:LeadingKeys": f"run#{RUN}"}), function
+    for name in ("tick", "ingest"):
+        assert allowed(check, f"function:{name}", "dynamodb:DeleteItem", TABLE,
+                       **{"dynamodb:LeadingKeys": f"run#{RUN}"}), name
 
 
 def test_a_participant_cannot_write_or_read_a_shard_outcome_even_with_an_id_of_six_digits(check: AccessControl) -> None:
@@ -73,9 +78,9 @@ def test_a_participant_cannot_write_or_read_a_shard_outcome_even_with_an_id_of_s
 
 
 def test_a_verified_read_may_look_for_the_coordinators_own_version(check: AccessControl) -> None:
-    for function in ("tick", "ingest"):
-        assert allowed(check, f"function:{function}", "s3:ListBucketVersions", BUCKET,
-                       **{"s3:prefix": keys.global_key(RUN, 2, "f" * 64)}), function
+    for name in ("tick", "ingest"):
+        assert allowed(check, f"function:{name}", "s3:ListBucketVersions", BUCKET,
+                       **{"s3:prefix": keys.global_key(RUN, 2, "f" * 64)}), name
 
 
 def test_a_participant_writes_only_its_own_keys(check: AccessControl) -> None:
@@ -163,3 +168,47 @@ def test_no_participant_session_may_write_any_coordinator_object(check: AccessCo
             assert not allowed(check, f"participant:{pid}", action, obj(key)), (pid, action, key)
     # And its own update is
     assert allowed(check, f"participant:{pid}", "s3:PutObject", obj(keys.update_key(RUN, round_no, pid)))
+
+
+def test_a_participant_uses_its_own_queue_only_and_only_the_ticks_publish(check: AccessControl) -> None:
+    # (the policy variable sits in an SQS ARN, which has no resource type: the evaluator's split is patched for it)
+    def queue(name: str) -> str:
+        return f"arn:aws:sqs:us-east-1:{ACCOUNT}:{name}"
+
+    topic = f"arn:aws:sns:us-east-1:{ACCOUNT}:fed-{RUN}-state"
+    for action in ("sqs:CreateQueue", "sqs:ReceiveMessage", "sqs:DeleteQueue"):
+        assert allowed(check, "participant:alice", action, queue(f"fed-{RUN}-p-alice")), action
+        assert not allowed(check, "participant:alice", action, queue(f"fed-{RUN}-p-bob")), action
+        assert not allowed(check, "participant:alice", action, queue(f"fed-{RUN}-ingest")), action
+    own = {"sns:Protocol": "sqs", "sns:Endpoint": queue(f"fed-{RUN}-p-alice")}
+    assert allowed(check, "participant:alice", "sns:Subscribe", topic, **own)
+    assert not allowed(check, "participant:alice", "sns:Subscribe", topic,
+                       **{**own, "sns:Endpoint": queue(f"fed-{RUN}-p-bob")})
+    assert not allowed(check, "participant:alice", "sns:Subscribe", topic, **{**own, "sns:Protocol": "https"})
+    assert allowed(check, "function:tick", "sns:Publish", topic)
+    assert not allowed(check, "function:join", "sns:Publish", topic)  # the topic's own policy refuses it
+    assert not allowed(check, "participant:alice", "sns:Publish", topic)
+
+
+@pytest.mark.access_denied_expected
+def test_a_participant_reads_a_403_on_its_own_missing_key_as_missing(harness: Harness) -> None:
+    # Given a run judged as IAM judges it, and a participant's view of the bucket
+    harness.start(["alice", "bob"])
+    client = boto3.client("s3", region_name="us-east-1")
+    missing = keys.update_key(harness.config.run_id, 7, "alice")
+    with acting_as(participant("alice")):
+        # When it looks for its own update of a round it has not uploaded
+        # Then S3 answers 403 (it may not list the bucket), which its bucket reads as "not there"
+        with pytest.raises(ClientError) as refused:
+            Bucket(harness.res.bucket, client).head(missing)
+        assert refused.value.response["Error"]["Code"] == "403"
+        assert Bucket(harness.res.bucket, client, unlisted=True).head(missing) is None
+        with pytest.raises(NotFound):
+            Bucket(harness.res.bucket, client, unlisted=True).get(keys.delta_key(harness.config.run_id, 7, "a" * 64))
+        # And one it may not read at all is still refused (a 403 on another's key is not "missing")
+        with pytest.raises(ClientError):
+            Bucket(harness.res.bucket, client, unlisted=True).put(keys.heartbeat_key(harness.config.run_id, "bob"),
+                                                                  b"{}")
+    # And the coordinator, which may list its bucket, gets a plain 404
+    with acting_as(function("tick")):
+        assert Bucket(harness.res.bucket, client).head(missing) is None
