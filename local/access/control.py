@@ -200,7 +200,9 @@ def _error(service: str, operation: str, message: str, head: bool = False, query
 _STATUS_TEXT = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found"}
 
 
-ACCESS_PATH = "/_fed/access"  # POST {"model": <AccessModel JSON>, "enforce": bool}: judge from now on
+# POST {"model": <AccessModel JSON>, "enforce": bool}: judge from now on. GET: the same object, as the server holds
+# it ("model": null while it judges nothing): what `fed check` judges the roles against.
+ACCESS_PATH = "/_fed/access"
 
 
 class AccessMiddleware:
@@ -224,6 +226,10 @@ class AccessMiddleware:
             body = json.loads(environ["wsgi.input"].read(length))
             self.configure(AccessModel.from_json(body["model"]), bool(body["enforce"]))
             return _respond(start_response, (200, {"Content-Type": "application/json"}, b"{}"))
+        if environ.get("PATH_INFO") == ACCESS_PATH and environ.get("REQUEST_METHOD") == "GET":
+            held = self.control
+            told = {"model": held.model.to_json() if held else None, "enforce": bool(held and held.enforce)}
+            return _respond(start_response, (200, {"Content-Type": "application/json"}, json.dumps(told).encode()))
         control = self.control
         if control is None:
             return self.app(environ, start_response)  # type: ignore[no-any-return]
