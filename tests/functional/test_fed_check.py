@@ -41,6 +41,7 @@ from store.trace import acting_as, function
 
 RUN = "check-run"
 
+
 def config(**overrides: Any) -> RunConfig:
     values: dict[str, Any] = dict(run_id=RUN, min_clients=2, min_per_round=2, total_rounds=2, liveness_timeout=60,
                                   dataset_size=100)
