@@ -29,7 +29,7 @@ class Prices:
     ddb_write_per_m: float = 0.625  # DynamoDB on-demand write request unit
     lambda_per_m: float = 0.20  # Lambda requests
     sqs_per_m: float = 0.40  # SQS standard queue requests
-    lambda_gb_second: float = 0.0000166667  # Lambda duration, x86, per GB-second (first 6 billion a month)
+    lambda_gb_second: float = 0.0000133334  # Lambda duration, arm64 (the functions' architecture), per GB-second
     # S3's events reach EventBridge as AWS-service events on the default bus, which EventBridge lists as free;
     # priced here like custom events as an upper bound.
     eventbridge_per_m: float = 1.00

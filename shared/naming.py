@@ -37,6 +37,12 @@ def join_queue_name(run_id: str) -> str:
     return f"fed-{run_id}-join"
 
 
+def shard_queue_name(run_id: str) -> str:
+    """The shard queue's name where the local stack (or a test of the functions) stands one up; on AWS CloudFormation
+    names it and the functions read its URL from their environment."""
+    return f"fed-{run_id}-shard"
+
+
 def join_rule_name(run_id: str) -> str:
     return f"fed-{run_id}-join-requests"
 

@@ -25,7 +25,7 @@ from local.access.evaluator import Evaluator, available
 from local.access.ledger import Ledger
 from local.access.model import LOCAL_ACCOUNT, AccessModel, Binding, build_model
 from shared.config import RunConfig
-from shared.naming import join_queue_name, local_bucket_name, state_topic_name, table_name
+from shared.naming import join_queue_name, local_bucket_name, shard_queue_name, state_topic_name, table_name
 
 ENV_CHECK = "FED_ACCESS_CHECK"
 ENFORCE, RECORD, OFF = "enforce", "record", "off"
@@ -101,7 +101,7 @@ def local_binding(run_id: str, region: str, endpoint: str | None, account: str =
         "Table": table_name(run_id),
         "Topic": state_topic_name(run_id),
         "JoinQueue": join_queue_name(run_id),
-        "ShardQueue": f"fed-{run_id}-shard",
+        "ShardQueue": shard_queue_name(run_id),
         "DeadLetters": f"fed-{run_id}-dead-letters",
     }
     return Binding(account, region, f"fed-{run_id}", names, endpoint_host=endpoint or "")

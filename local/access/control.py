@@ -123,12 +123,12 @@ class AccessControl:
         # IAM is asked about s3:ListBucket on the bucket with no s3:prefix: whether S3 fills in the missing key as
         # the prefix is not documented, so a grant that depends on it is not relied on.
         decision = self.decide(verdict.principal, Need("s3:ListBucket", f"arn:aws:s3:::{bucket}"))
-        if decision.allowed:
-            return None
         test = call.headers.get(HEADER_TEST.lower(), "")
         caller = call.headers.get(HEADER_CALLER.lower(), "")
-        self._count(CallKey(test, verdict.principal, role_of(verdict.principal), "s3:ListBucket",
-                            ledger_module.MISSING_AS_403, caller))
+        outcome = ledger_module.ALLOWED if decision.allowed else ledger_module.MISSING_AS_403
+        self._count(CallKey(test, verdict.principal, role_of(verdict.principal), "s3:ListBucket", outcome, caller))
+        if decision.allowed:
+            return None
         message = f"{key} does not exist, and {verdict.principal} may not list {bucket} (no s3:ListBucket): S3 " \
                   "answers 403 AccessDenied"
         return _error("s3", verdict.request.operation, message, head=call.method == "HEAD")

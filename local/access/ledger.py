@@ -61,6 +61,7 @@ class Ledger:
         self.denied_path = directory / f"denied-{token}.jsonl"
         self._counts: Counter[CallKey] = Counter()
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
         self._dirty = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._flusher, name="access-ledger", daemon=True)
@@ -83,14 +84,15 @@ class Ledger:
             out.write(line)
 
     def flush(self) -> None:
-        with self._lock:
-            if not self._dirty:
-                return
-            rows = [{**asdict(k), "count": n} for k, n in self._counts.items()]
-            self._dirty = False
-        partial = self.calls_path.with_suffix(".partial")
-        partial.write_text(json.dumps(rows))
-        partial.replace(self.calls_path)
+        with self._flushing:  # one writer at a time: a file is replaced whole, never left half-written
+            with self._lock:
+                if not self._dirty:
+                    return
+                rows = [{**asdict(k), "count": n} for k, n in self._counts.items()]
+                self._dirty = False
+            partial = self.calls_path.with_suffix(".partial")
+            partial.write_text(json.dumps(rows))
+            partial.replace(self.calls_path)
 
     def _flusher(self) -> None:
         while not self._stop.wait(FLUSH_SECONDS):
@@ -98,6 +100,8 @@ class Ledger:
 
     def close(self) -> None:
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
         self.flush()
 
 

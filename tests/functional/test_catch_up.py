@@ -8,9 +8,10 @@ import time
 
 import numpy as np
 
-from coordinator.tick import run_tick
+from coordinator.tick import TickResult, run_tick
 from shared import keys
 from shared.state import MemberStatus, Phase
+from store.trace import acting_as, function
 from tests.functional.conftest import MODEL, Harness
 
 LIVENESS = 30.0
@@ -36,6 +37,13 @@ def _deliver_sent_at(h: Harness, key: str, body: bytes, at: float) -> None:
     assert h.deliver(event)["accepted"]
 
 
+
+def tick_as_the_tick_function(h: Harness, now: float) -> TickResult:
+    """The scheduled tick at `now` (its catch-up reads and records what the queue has not delivered: as the tick
+    function's role, which the access check judges)."""
+    with acting_as(function("tick")):
+        return run_tick(h.deps, now=now)
+
 def test_a_heartbeat_the_queue_has_not_delivered_keeps_its_member(harness_factory) -> None:  # type: ignore[no-untyped-def]
     h = _started(harness_factory)
     # Given alice's latest heartbeat in the bucket, its event not yet delivered, carol's delivered, and bob silent
@@ -43,7 +51,7 @@ def test_a_heartbeat_the_queue_has_not_delivered_keeps_its_member(harness_factor
     late = h.put(keys.heartbeat_key(h.config.run_id, "alice"), h.heartbeat_bytes("alice"))
     h.heartbeat("carol")
     # When a tick runs after bob's and alice's recorded heartbeats are older than the liveness timeout
-    result = run_tick(h.deps, now=time.time() + LIVENESS - 10)
+    result = tick_as_the_tick_function(h, now=time.time() + LIVENESS - 10)
     # Then alice's heartbeat was taken from the bucket, and only bob was dropped
     members = h.state().members
     assert members["alice"].status is MemberStatus.ACTIVE
@@ -63,7 +71,7 @@ def test_a_forged_heartbeat_in_the_bucket_keeps_nobody_alive(harness_factory) ->
     h.put(keys.heartbeat_key(h.config.run_id, "alice"), h.heartbeat_bytes("alice"), signed_by="bob")
     h.heartbeat("carol")
     # When a tick runs once both are silent for longer than the liveness timeout
-    result = run_tick(h.deps, now=time.time() + LIVENESS - 10)
+    result = tick_as_the_tick_function(h, now=time.time() + LIVENESS - 10)
     # Then alice was dropped as silent (with bob: the epoch ends with too few members), and the forgery's refusal
     # was recorded
     dropped = sorted(n.split()[1].rstrip(":") for n in result.notes if n.startswith("dropped"))
@@ -80,7 +88,7 @@ def test_an_update_uploaded_before_the_deadline_counts_though_its_event_is_late(
     late = h.put(keys.update_key(run_id, 0, "bob"),
                  h.update_bytes("bob", {k: v + 3 for k, v in MODEL.items()}, samples=10))
     # When a tick runs after the round's deadline
-    run_tick(h.deps, now=h.state().deadline + 1)
+    tick_as_the_tick_function(h, now=h.state().deadline + 1)
     # Then the round closed with both updates: the aggregate is their average
     assert h.state().round == 1
     got = h.global_model(1)
@@ -93,7 +101,7 @@ def test_an_update_uploaded_before_the_deadline_counts_though_its_event_is_late(
 def test_a_round_closes_at_its_deadline_without_an_update_never_uploaded(harness_factory) -> None:  # type: ignore[no-untyped-def]
     h = _started(harness_factory, max_round_train_time=60, liveness_timeout=3600, min_updates=1)
     h.upload("alice", {k: v + 1 for k, v in MODEL.items()})
-    result = run_tick(h.deps, now=h.state().deadline + 1)
+    result = tick_as_the_tick_function(h, now=h.state().deadline + 1)
     assert h.state().round == 1
     assert not any("had not delivered" in note for note in result.notes), result.notes
     for name, want in MODEL.items():
@@ -108,7 +116,7 @@ def test_an_update_the_queue_has_not_delivered_keeps_its_uploader_alive(harness_
     h.put(keys.update_key(run_id, 0, "bob"), h.update_bytes("bob", {k: v + 1 for k, v in MODEL.items()}, samples=10))
     h.heartbeat("carol")
     # When a tick runs once bob's and alice's recorded heartbeats are older than the liveness timeout
-    result = run_tick(h.deps, now=time.time() + LIVENESS - 10)
+    result = tick_as_the_tick_function(h, now=time.time() + LIVENESS - 10)
     # Then bob's update was taken from the bucket and kept bob; only alice was dropped
     members = h.state().members
     assert members["bob"].status is MemberStatus.ACTIVE, result.notes

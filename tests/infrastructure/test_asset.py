@@ -38,11 +38,13 @@ from packaging.requirements import Requirement
 
 from coordinator.deps import build_deps
 from infra import bundle
+from local import access
 from local.resources import LocalResources, create_resources
 from local.server import ServerProcess
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.digest import PIECE_BYTES
+from shared.naming import shard_queue_name
 from shared.selection import assigned_count
 from shared.state import Phase, RunState
 from tests.infrastructure.sandboxes import (
@@ -174,9 +176,12 @@ def local_run(monkeypatch: pytest.MonkeyPatch, synth: Synth) -> Iterator[tuple[R
     shard_queue = synth.resources[synth.logical_id(synth.stack.coordinator.shard_queue)]["Properties"]
     with ServerProcess() as server:
         resources = create_resources(config.run_id, server.endpoint, REGION)
+        # Every call of the functions (function-<name>) and participants (participant-<id>) is judged against their
+        # roles in the synthesized template, as on AWS (`local.access`)
+        access.enable_on(server, config, REGION, server.endpoint)
         sqs = boto3.client("sqs", endpoint_url=server.endpoint, region_name=REGION)
         url = sqs.create_queue(
-            QueueName=f"fed-{config.run_id}-shards",
+            QueueName=shard_queue_name(config.run_id),
             Attributes={"VisibilityTimeout": str(shard_queue["VisibilityTimeout"])},
         )["QueueUrl"]
         yield config, resources, url
