@@ -134,6 +134,14 @@ class HeldRange:
 _VERIFIED: dict[tuple[str, str], GlobalModel] = {}  # (bucket, key) -> the version authenticated (a few at most)
 
 
+def forget_models() -> None:
+    """Drop every model held or authenticated (a cold start: tests that start a new moto world, where the same
+    bucket and key may hold other bytes)."""
+    with _READING:
+        _VERIFIED.clear()
+        _HELD.clear()
+
+
 def read_global(deps: Deps, round_no: int, want: str, in_bucket: bool = False) -> GlobalModel:
     """The global model that round `round_no` trains from, authenticated by the digest the state records
     (never `manifest.json` or whatever else was written at the key since: those are not trusted). Hashing it

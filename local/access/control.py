@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -48,6 +49,12 @@ def principal_of(headers: Mapping[str, str], query: str = "") -> str | None:
     if access_key == OPERATOR:
         return OPERATOR
     return None
+
+
+def _test_of(call: HttpCall) -> str:
+    """The test that made the request: the caller's stamp, else the test running here (or that started this
+    server's process: a process started by a test inherits its name)."""
+    return call.headers.get(HEADER_TEST.lower(), "") or os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
 
 
 def role_of(principal: str) -> str:
@@ -96,7 +103,7 @@ class AccessControl:
 
     def before(self, call: HttpCall) -> Verdict:
         principal = principal_of(call.headers, call.query)
-        test = call.headers.get(HEADER_TEST.lower(), "")
+        test = _test_of(call)
         caller = call.headers.get(HEADER_CALLER.lower(), "")
         if principal is None:
             self._count(CallKey(test, "", "", self._operation(call), ledger_module.UNJUDGED, caller))
@@ -123,7 +130,7 @@ class AccessControl:
         # IAM is asked about s3:ListBucket on the bucket with no s3:prefix: whether S3 fills in the missing key as
         # the prefix is not documented, so a grant that depends on it is not relied on.
         decision = self.decide(verdict.principal, Need("s3:ListBucket", f"arn:aws:s3:::{bucket}"))
-        test = call.headers.get(HEADER_TEST.lower(), "")
+        test = _test_of(call)
         caller = call.headers.get(HEADER_CALLER.lower(), "")
         outcome = ledger_module.ALLOWED if decision.allowed else ledger_module.MISSING_AS_403
         self._count(CallKey(test, verdict.principal, role_of(verdict.principal), "s3:ListBucket", outcome, caller))
@@ -144,7 +151,7 @@ class AccessControl:
             why = f"no statement of the {role} policies allows {need.action} on this resource " \
                   f"(context {json.dumps(dict(need.context))})"
         operation = request.operation if request else self._operation(call)
-        test = call.headers.get(HEADER_TEST.lower(), "")
+        test = _test_of(call)
         caller = call.headers.get(HEADER_CALLER.lower(), "")
         self._count(CallKey(test, principal, role, need.action, ledger_module.DENIED, caller))
         if self.ledger is not None:

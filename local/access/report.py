@@ -64,7 +64,9 @@ class Report:
                   "|---|---|---|---|"]
         for role in sorted(self.grants):
             for action in sorted(self.grants[role]):
-                tests = sorted(self.exercised.get((role, action), set()))
+                tests = sorted(t for t in self.exercised.get((role, action), set()) if t) or \
+                    sorted(self.exercised.get((role, action), set()))
+                tests = [t or "(a process no test named)" for t in tests]
                 shown = ", ".join(t.rsplit("::", 1)[-1] for t in tests[:3]) + (f" (+{len(tests) - 3})"
                                                                                if len(tests) > 3 else "")
                 reason = self.reasons.get((role, action), "")

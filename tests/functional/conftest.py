@@ -20,6 +20,7 @@ from moto import mock_aws
 from moto.dynamodb.models import DynamoDBBackend
 
 from coordinator.intake import forget_registered
+from coordinator.models import forget_models
 from coordinator.tick import run_tick
 from functions import ingest, tick
 from functions.settings import Deps, deps_from_env
@@ -71,6 +72,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     moto_sns.apply()  # a publish reaches every subscription, not the first 100
     moto_sqs.apply()  # a send costs the same whatever the queue's backlog
     forget_registered()  # a new AWS: no warm function holds a participant's record from another
+    forget_models()  # nor a model it authenticated there
     with mock_aws():
         yield
 
