@@ -15,6 +15,7 @@ in-process moto (`install_in_process`), where botocore's requests never reach a 
 
 from __future__ import annotations
 
+import hashlib
 import html
 import io
 import json
@@ -77,8 +78,12 @@ class AccessControl:
         self.evaluator = evaluator
         self.ledger = ledger
         self.enforce = enforce
+        # One evaluator serves every model of the process (several local stacks, a test's altered roles): each
+        # model's principals are loaded under a name of their own, and its resource policies named by their content.
+        self._names = hashlib.sha256(model.to_json().encode()).hexdigest()[:16]
         for name, principal in model.principals.items():
-            evaluator.load(name, principal.policies)
+            evaluator.load(f"{self._names}/{name}", principal.policies)
+        self._policies = hashlib.sha256(json.dumps(model.resource_policies, sort_keys=True).encode()).hexdigest()
 
     # --- judging ---------------------------------------------------------------------------------------------
 
@@ -98,8 +103,10 @@ class AccessControl:
         if role == PARTICIPANT:
             context.update(participant_context(principal.split(":", 1)[1]))
         session = known.arn.replace(":iam::", ":sts::").replace(":role/", ":assumed-role/") + "/local"
-        return self.evaluator.judge(role, session, need.action, need.resource, self.model.account, context,
-                                    self.model.resource_policy(need.resource))
+        governing, policy = self.model.resource_policy(need.resource)
+        return self.evaluator.judge(f"{self._names}/{role}", session, need.action, need.resource, self.model.account,
+                                    context, policy,
+                                    f"{self._policies}:{governing}" if policy is not None else "")
 
     def before(self, call: HttpCall) -> Verdict:
         principal = principal_of(call.headers, call.query)

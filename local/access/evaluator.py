@@ -100,11 +100,14 @@ class Evaluator:
             self._cache = {k: v for k, v in self._cache.items() if not k.startswith(f"{name}\0")}
 
     def judge(self, identity: str, principal_arn: str, action: str, resource: str, account: str,
-              context: Mapping[str, str | list[str]], resource_policy: Mapping[str, Any] | None = None) -> Decision:
+              context: Mapping[str, str | list[str]], resource_policy: Mapping[str, Any] | None = None,
+              resource_policy_key: str | None = None) -> Decision:
         """IAM's decision on `principal_arn` (whose identity policies were loaded as `identity`) calling `action`
-        on `resource` with these context keys, under the resource's own policy if it has one."""
-        key = "\0".join((identity, principal_arn, action, resource, account, _freeze(context),
-                         _freeze(resource_policy)))
+        on `resource` with these context keys, under the resource's own policy if it has one (`resource_policy_key`
+        names that policy's content for the cache, where the caller knows it: freezing it each time costs more than
+        the rest of a cached answer)."""
+        policy_key = resource_policy_key if resource_policy_key is not None else _freeze(resource_policy)
+        key = "\0".join((identity, principal_arn, action, resource, account, _freeze(context), policy_key))
         with self._lock:
             if identity not in self._loaded:
                 raise KeyError(f"no identity policies loaded for {identity!r}")

@@ -69,14 +69,14 @@ class AccessModel:
     principals: Mapping[str, Principal]
     resource_policies: Mapping[str, Any]  # bucket, topic or queue ARN -> its resolved policy document
 
-    def resource_policy(self, resource_arn: str) -> Any | None:
-        """The policy governing `resource_arn`: its own, or for an object its bucket's."""
+    def resource_policy(self, resource_arn: str) -> tuple[str, Any | None]:
+        """The ARN whose policy governs `resource_arn` (its own, or for an object its bucket's) and that policy."""
         if resource_arn in self.resource_policies:
-            return self.resource_policies[resource_arn]
+            return resource_arn, self.resource_policies[resource_arn]
         if resource_arn.startswith("arn:aws:s3:::"):
-            bucket = resource_arn.split(":::", 1)[1].split("/", 1)[0]
-            return self.resource_policies.get(f"arn:aws:s3:::{bucket}")
-        return None
+            bucket = "arn:aws:s3:::" + resource_arn.split(":::", 1)[1].split("/", 1)[0]
+            return bucket, self.resource_policies.get(bucket)
+        return "", None
 
     def to_json(self) -> str:
         return json.dumps({"account": self.account, "region": self.region,
