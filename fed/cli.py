@@ -105,6 +105,11 @@ def local(
     S3 -> EventBridge -> queue wiring, and a dispatcher that delivers S3 events and scheduled ticks to the same
     handler functions the Lambdas run.
 
+    Every AWS call is judged as IAM would judge it on AWS, against the roles `cdk deploy` creates (the function's,
+    the participant's, the operator's), and refused with the service's AccessDenied when IAM would refuse it: set
+    FED_ACCESS_CHECK=record to only record what would be refused, or off (off where Node or the CDK library is
+    missing; `npm ci` installs the evaluator).
+
     Writes the connection file (default `.fed/local.json`); start participants in other terminals with
     `fed-participant start --connection .fed/local.json --id NAME` and watch with `fed status --watch`.
     State lives in memory: stopping the stack ends the run.

@@ -106,6 +106,7 @@ def run_local(
         stack.connection.save(connection_file)
         console.print(f"[bold]local run {config.run_id!r}[/] on {stack.endpoint} (moto; state is in memory)")
         console.print(f"connection: {connection_file}   function logs: {log_file}")
+        console.print(f"{stack.access} (FED_ACCESS_CHECK=enforce|record|off)")
         console.print(f"run: {config.total_rounds} rounds of {config.task}, min_clients {config.min_clients}, "
                       f"round deadline {config.max_round_train_time:g}s, liveness timeout {config.liveness_timeout:g}s")
         console.print(f"waiting for {config.min_clients} participants; in other terminals run:")

@@ -26,6 +26,7 @@ from typing import Any
 from local.dispatcher import Dispatcher
 from local.resources import LocalResources
 from local.stack import route_function_logs
+from store.trace import install_from_env
 from tests.e2e.chaos_support import DispatcherPlan, RandomFaults, install_crash_hooks
 
 _out = threading.Lock()
@@ -45,6 +46,7 @@ def main() -> int:
     args = parser.parse_args()
     resources = LocalResources(**json.loads(args.resources))
     plan = DispatcherPlan(**json.loads(args.plan))
+    install_from_env()  # each function's calls carry its role, for the access check (`local.access`)
 
     log_stream = open(args.log_file, "a", buffering=1)  # noqa: SIM115 - open for the life of the process
     logging.basicConfig(stream=log_stream, level=logging.WARNING,
