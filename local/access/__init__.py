@@ -12,6 +12,7 @@ default where the evaluator and the CDK app can run), "record" (judge and record
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -53,9 +54,7 @@ def unavailable() -> str | None:
     missing = available()
     if missing:
         return missing
-    try:
-        import aws_cdk  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("aws_cdk") is None:  # (not imported here: that starts the jsii runtime)
         return "aws-cdk-lib is not installed (pip install '.[infra]')"
     return None
 
