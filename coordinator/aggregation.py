@@ -150,7 +150,8 @@ def _finish(deps: Deps, effect: Aggregate, plan: Plan, written: str, pieces: lis
         index = index_of(effect.round + 1, written, effect.base_digest, deps.config.download, plan.size,
                          [bytes.fromhex(p.hash) for p in pieces], [p.delta for p in pieces])
         deps.bucket.put(keys.delta_key(deps.config.run_id, effect.round + 1, written), index.encode())
-    return written, _put_state_index(deps, effect.round + 1, written, [p.state for p in pieces if p.state])
+    return written, _put_state_index(deps, effect.round + 1, written, [p.state for p in pieces if p.state],
+                                     [plan.layout(p.index).count for p in pieces if p.state])
 
 
 def state_source(deps: Deps, round_no: int, optimizer_digest: str, plan: Plan) -> StateSource | None:
@@ -158,7 +159,7 @@ def state_source(deps: Deps, round_no: int, optimizer_digest: str, plan: Plan) -
     step = ServerStep.of(deps.config)
     if step is None or not optimizer_digest:
         return None
-    return StoredState(deps, step, round_no, optimizer_digest, plan.pieces)
+    return StoredState(deps, step, round_no, optimizer_digest, plan.float_count)
 
 
 def _side_files(deps: Deps, round_no: int, index: int, etag: str, sha: bytes, made: PieceOutput) -> PieceDone:
@@ -180,12 +181,12 @@ def _put_by_digest(deps: Deps, key: Callable[[str, int, str], str], round_no: in
     return written
 
 
-def _put_state_index(deps: Deps, round_no: int, global_digest: str, pieces: list[str]) -> str:
+def _put_state_index(deps: Deps, round_no: int, global_digest: str, pieces: list[str], counts: list[int]) -> str:
     """Written last, once every piece file is in: the state's digest names only a complete state."""
     step = ServerStep.of(deps.config)
     if step is None:
         return ""
-    return _put_state_piece(deps, round_no, encode_index(step, round_no, global_digest, pieces))
+    return _put_state_piece(deps, round_no, encode_index(step, round_no, global_digest, pieces, counts))
 
 
 def _write_in_shards(deps: Deps, effect: Aggregate, plan: Plan, base: GlobalModel) -> tuple[str, str]:

@@ -11,7 +11,15 @@ from coordinator.deps import Deps
 from coordinator.models import CorruptInput
 from shared import keys
 from shared.digest import PIECE_BYTES
-from shared.server_opt import MAX_INDEX_BYTES, ServerStep, StateError, decode_index, decode_piece, index_pieces
+from shared.server_opt import (
+    MAX_INDEX_BYTES,
+    ServerStep,
+    StateError,
+    decode_index,
+    decode_piece,
+    gather,
+    index_pieces,
+)
 from store.blobs import NotFound, Tampered
 
 MAX_PIECE_BYTES = 4 * PIECE_BYTES + 64 * 1024  # two float32 slots over a piece of 2-byte elements, and a header
@@ -26,24 +34,36 @@ def read_state_file(deps: Deps, key: str, want: str, limit: int) -> bytes:
 
 
 class StoredState:
-    """The state a round starts from (a `shared.aggregate.StateSource`), named by its index's digest."""
+    """The state a round starts from (a `shared.aggregate.StateSource`), named by its index's digest: the elements
+    a piece of this round needs are read from whichever of the stored piece files hold them (the pieces of the
+    round that wrote it, whose header may have been longer or shorter than this round's)."""
 
-    def __init__(self, deps: Deps, step: ServerStep, round_no: int, digest: str, pieces: int) -> None:
+    def __init__(self, deps: Deps, step: ServerStep, round_no: int, digest: str, floats: int) -> None:
         self.deps, self.step, self.round = deps, step, round_no
         index = read_state_file(deps, keys.optimizer_key(deps.config.run_id, round_no, digest), digest,
                                 MAX_INDEX_BYTES)
         try:
-            self.pieces = decode_index(step, index, pieces)
+            listed = decode_index(step, index, floats)
         except StateError as exc:
             raise CorruptInput(f"the optimizer state of round {round_no}: {exc}") from None
+        self.files = [file for file, _ in listed]
+        self.counts = [count for _, count in listed]
+        self._held: tuple[int, dict[str, np.ndarray]] | None = None  # the last file read: the next piece starts in it
 
-    def load(self, index: int, count: int) -> dict[str, np.ndarray]:
-        want = self.pieces[index]
-        key = keys.optimizer_key(self.deps.config.run_id, self.round, want)
+    def load(self, first: int, count: int) -> dict[str, np.ndarray]:
         try:
-            return decode_piece(self.step, index, read_state_file(self.deps, key, want, MAX_PIECE_BYTES), count)
+            return gather(self.step.slots, self.counts, first, count, self._file)
         except (StateError, keys.KeyError_) as exc:
             raise CorruptInput(f"the optimizer state of round {self.round}: {exc}") from None
+
+    def _file(self, j: int) -> dict[str, np.ndarray]:
+        if self._held is not None and self._held[0] == j:
+            return self._held[1]
+        want = self.files[j]
+        key = keys.optimizer_key(self.deps.config.run_id, self.round, want)
+        slots = decode_piece(self.step, j, read_state_file(self.deps, key, want, MAX_PIECE_BYTES), self.counts[j])
+        self._held = (j, slots)
+        return slots
 
 
 def state_files(deps: Deps, round_no: int, digest: str) -> list[str]:

@@ -32,7 +32,7 @@ from shared.config import RunConfig, Strategy
 from shared.delta import applied, codes_of, encode_delta_piece
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
 from shared.plan import PieceLayout, Plan, store
-from shared.server_opt import ServerStep, decode_piece, encode_index, encode_piece, new_state
+from shared.server_opt import ServerStep, decode_piece, encode_index, encode_piece, gather, new_state
 from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, TensorSpec, tensor_view
 
 ROBUST_ROW_BYTES = 64 * 1024  # the least a robust strategy reads of one input at a time
@@ -110,9 +110,10 @@ def slice_blocks(plan: Plan, begin: int, end: int) -> list[list[Block]]:
 
 
 class StateSource(Protocol):
-    """The server optimizer's state before the round, piece by piece (`shared.server_opt`)."""
+    """The server optimizer's state before the round: of float elements [first, first + count) of the model, in
+    data order (`shared.server_opt`)."""
 
-    def load(self, index: int, count: int) -> dict[str, np.ndarray]: ...
+    def load(self, first: int, count: int) -> dict[str, np.ndarray]: ...
 
 
 class NoState:
@@ -121,7 +122,7 @@ class NoState:
     def __init__(self, slots: tuple[str, ...]) -> None:
         self.slots = slots
 
-    def load(self, index: int, count: int) -> dict[str, np.ndarray]:
+    def load(self, first: int, count: int) -> dict[str, np.ndarray]:
         return new_state(self.slots, count)
 
 
@@ -216,7 +217,8 @@ class PieceAggregator:
         if self.step is not None or self.download.is_delta:
             assert self.base is not None
             self._piece = _PieceState(layout, self.base, self.download.is_delta)
-            self._piece.values = self.state.load(index, layout.count) if self.step is not None else {}
+            self._piece.values = (self.state.load(self.plan.floats_before(layout.data_begin), layout.count)
+                                  if self.step is not None else {})
         if layout.data_bytes:
             self._data(layout.data_begin, layout.data_end, data)
         if self._piece is None:
@@ -448,6 +450,7 @@ class RoundOutput:
     model: bytes
     state_pieces: tuple[bytes, ...] = ()
     state_index: bytes = b""
+    state_counts: tuple[int, ...] = ()  # the float elements each state piece holds
     delta_pieces: tuple[bytes, ...] = ()  # with a compressed download: each piece's delta file
 
     @property
@@ -462,11 +465,16 @@ class RoundOutput:
 class MemoryState:
     """A StateSource over a round's state piece files in memory (tests and small models)."""
 
-    def __init__(self, step: ServerStep, pieces: tuple[bytes, ...]) -> None:
-        self.step, self.pieces = step, pieces
+    def __init__(self, step: ServerStep, pieces: tuple[bytes, ...], counts: tuple[int, ...]) -> None:
+        self.step, self.pieces, self.counts = step, pieces, counts
 
-    def load(self, index: int, count: int) -> dict[str, np.ndarray]:
-        return decode_piece(self.step, index, self.pieces[index], count)
+    @classmethod
+    def of(cls, step: ServerStep, out: RoundOutput) -> MemoryState:
+        return cls(step, out.state_pieces, out.state_counts)
+
+    def load(self, first: int, count: int) -> dict[str, np.ndarray]:
+        return gather(self.step.slots, self.counts, first, count,
+                      lambda j: decode_piece(self.step, j, self.pieces[j], self.counts[j]))
 
 
 def aggregate_round(config: RunConfig, manifest: Manifest, out_round: int, inputs: list[WeightedInput],
@@ -480,8 +488,9 @@ def aggregate_round(config: RunConfig, manifest: Manifest, out_round: int, input
     if worker.step is None:
         return RoundOutput(model, delta_pieces=deltas)
     pieces = tuple(p.state for p in made if p.state is not None)
-    index = encode_index(worker.step, out_round, digest(model), [digest(p) for p in pieces])
-    return RoundOutput(model, pieces, index, deltas)
+    counts = tuple(plan.layout(i).count for i in range(plan.pieces))
+    index = encode_index(worker.step, out_round, digest(model), [digest(p) for p in pieces], counts)
+    return RoundOutput(model, pieces, index, state_counts=counts, delta_pieces=deltas)
 
 
 def aggregate_file(
@@ -506,4 +515,5 @@ def aggregate_digest(config: RunConfig, manifest: Manifest, out_round: int, inpu
     model = combine(hashes)
     if worker.step is None:
         return model, ""
-    return model, digest(encode_index(worker.step, out_round, model, states))
+    return model, digest(encode_index(worker.step, out_round, model, states,
+                                      [plan.layout(i).count for i in range(plan.pieces)]))

@@ -4,8 +4,9 @@ piece. Pure: no I/O.
 
 Piece `i` is bytes [i * PIECE_BYTES, (i + 1) * PIECE_BYTES) of the file; it may hold part of the header and
 a range of the data section. Within that range, the elements of float tensors, taken in data order, are the
-piece's *float elements*: the optimizer state (`shared.server_opt`) and the download delta (`shared.delta`)
-are flat arrays over them, so any piece can be computed, stored and rebuilt on its own.
+piece's *float elements*: the download delta (`shared.delta`) is a flat array over them, so any piece can be
+computed, stored and rebuilt on its own. The optimizer state (`shared.server_opt`) is addressed by the index of
+a float element among the whole model's (`Plan.floats_before`), which the header's length never moves.
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ class Plan:
 
     def layout(self, index: int) -> PieceLayout:
         return PieceLayout.of(self, index)
+
+    @property
+    def float_count(self) -> int:
+        """The model's float elements: what the optimizer state holds one of per slot, whatever the header."""
+        return sum(spec.numel for spec in self.manifest.tensors.values() if spec.dtype in FLOAT_TAGS)
+
+    def floats_before(self, data_offset: int) -> int:
+        """How many of the model's float elements (in data order) lie before `data_offset` of the data section: the
+        index of the first float element of a range starting there. It depends on the tensors alone, never on the
+        header, so a state addressed by it survives any change of the header's length."""
+        before = 0
+        for name, (a, b) in self.manifest.layout().items():
+            spec = self.manifest.tensors[name]
+            if spec.dtype in FLOAT_TAGS and a < data_offset:
+                before += (min(b, data_offset) - a) // DTYPES[spec.dtype][1]
+        return before
 
 
 @dataclass(frozen=True)

@@ -10,18 +10,26 @@ DiLoCo), element by element, in float32:
     fedadam   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2     x' = x - lr m / (sqrt(v) + tau)
     fedyogi   m as fedadam;           v = v - (1 - b2) g^2 sign(v - g^2)   x' as fedadam
 
-State starts at zero. It is the size of the model's float tensors (float32 whatever the model's dtype) and
-is kept in the same pieces as the global model: piece i of the global model has one state file, a canonical
-safetensors file holding one flat float32 tensor per slot (`m`, `v`) over the float elements of that piece's
-data range, in data order. The state as a whole is named by its *index*: canonical JSON listing every piece
-file's digest (and the global model it goes with); the index's digest is the state's digest, recorded in the
-run state and each round's summary, so the state is authenticated exactly like the global model.
+State starts at zero. It is the size of the model's float tensors (float32 whatever the model's dtype): one
+value per slot (`m`, `v`) for each of the model's float elements, taken in data order (tensors in the canonical
+layout's order, each element by element). It is addressed by that element index alone, which depends on the
+tensors and never on the header, whose length changes with who was counted in a round.
+
+It is written in the pieces of the global model that made it: the worker computing piece i writes one state
+file, a canonical safetensors file holding one flat float32 tensor per slot over that piece's float elements.
+The state as a whole is named by its *index*: canonical JSON listing every piece file's digest and how many
+elements it holds, in order (and the global model it goes with); the index's digest is the state's digest,
+recorded in the run state and each round's summary, so the state is authenticated exactly like the global model.
+A later round reads the elements of each of its own pieces from whichever files hold them (`gather`): one, or
+two where its pieces do not fall where the files do (its header is longer or shorter).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +46,7 @@ SLOTS: dict[ServerOptimizer, tuple[str, ...]] = {
     ServerOptimizer.FEDADAM: ("m", "v"),
     ServerOptimizer.FEDYOGI: ("m", "v"),
 }
-INDEX_SCHEMA = 1
+INDEX_SCHEMA = 2  # 2: each piece file's element count is listed (1 assumed the pieces of the reading round)
 MAX_INDEX_BYTES = 4 * 1024 * 1024  # ~60,000 pieces: a 480 GB model
 
 
@@ -118,22 +126,57 @@ def decode_piece(step: ServerStep, index: int, data: bytes, count: int) -> dict[
     return {slot: arrays[slot].copy() for slot in step.slots}
 
 
-def encode_index(step: ServerStep, round_no: int, global_digest: str, pieces: Sequence[str]) -> bytes:
-    """The state's index (canonical JSON): its digest is the state's digest."""
+def encode_index(step: ServerStep, round_no: int, global_digest: str, pieces: Sequence[str],
+                 counts: Sequence[int]) -> bytes:
+    """The state's index (canonical JSON): its digest is the state's digest. `counts[i]`: the float elements
+    piece file i holds."""
+    if len(pieces) != len(counts):
+        raise ValueError(f"{len(pieces)} state pieces but {len(counts)} counts")
     body = {"schema": INDEX_SCHEMA, "kind": "optimizer-state", "optimizer": step.kind.value, "round": round_no,
-            "global": global_digest, "pieces": list(pieces)}
+            "global": global_digest, "pieces": list(pieces), "counts": [int(c) for c in counts]}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def decode_index(step: ServerStep, data: bytes, pieces: int) -> list[str]:
-    """The piece digests an index lists, checked against the run's optimizer and the model's piece count."""
+def decode_index(step: ServerStep, data: bytes, floats: int) -> list[tuple[str, int]]:
+    """(digest, element count) of each piece file an index lists, in order, checked against the run's optimizer
+    and the model: together they hold exactly its `floats` float elements."""
     body, listed = _index(data)
     if body.get("optimizer") != step.kind.value:
         raise StateError(f"optimizer state is of {str(body.get('optimizer'))[:40]!r}, the run uses "
                          f"{step.kind.value!r}")
-    if len(listed) != pieces:
-        raise StateError(f"optimizer state index lists {len(listed)} pieces, the model has {pieces}")
-    return listed
+    counts = body.get("counts")
+    if body.get("schema") != INDEX_SCHEMA or not isinstance(counts, list) or len(counts) != len(listed) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        raise StateError(f"optimizer state index of schema {str(body.get('schema'))[:10]!r} does not list each "
+                         f"piece's element count (schema {INDEX_SCHEMA})")
+    if sum(counts) != floats:
+        raise StateError(f"optimizer state index's pieces hold {sum(counts)} elements, the model has {floats}")
+    return list(zip(listed, counts, strict=True))
+
+
+def gather(slots: Sequence[str], counts: Sequence[int], first: int, count: int,
+           load: Callable[[int], Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The state of float elements [first, first + count), from piece files holding `counts[j]` elements each in
+    order (`load(j)`: piece file j's slots): the files that hold them, one or more."""
+    out = new_state(slots, count)
+    if count == 0:
+        return out
+    starts = list(itertools.accumulate(counts, initial=0))
+    if first < 0 or first + count > starts[-1]:
+        raise StateError(f"optimizer state elements {first}-{first + count} are past its {starts[-1]}")
+    j = bisect.bisect_right(starts, first) - 1
+    at = 0
+    while at < count:
+        while counts[j] == 0:
+            j += 1
+        lo = first + at - starts[j]
+        take = min(counts[j] - lo, count - at)
+        piece = load(j)
+        for slot in slots:
+            out[slot][at : at + take] = piece[slot][lo : lo + take]
+        at += take
+        j += 1
+    return out
 
 
 def index_pieces(data: bytes) -> list[str]:

@@ -17,6 +17,7 @@ from shared import keys, wire
 from shared.config import ServerOptimizer
 from shared.state import Phase
 from store.table import StateStore
+from store.trace import acting_as, function
 from tests.functional.conftest import Harness
 from tests.functional.test_fed_operate import connection_file, fed
 
@@ -159,3 +160,39 @@ def test_the_state_survives_a_restore(harness_factory, tmp_path) -> None:  # typ
     after = h.state()
     assert after.aggregated == 3 and after.optimizer_digest not in ("", before.optimizer_digest)
     assert all(c.ok for c in verify_run(h.deps)), verify_run(h.deps)
+
+
+def test_a_run_over_pieces_goes_on_when_the_counted_set_changes_size(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    # Given a FedAdam run of a model over two 8 MiB pieces (the global's header lists the round's inputs, so its
+    # length, and every piece boundary, moves with how many were counted)
+    h: Harness = harness_factory(server_optimizer=ServerOptimizer.FEDADAM, min_clients=2, min_per_round=2,
+                                 min_updates=1, total_rounds=3, norm_outlier_factor=0, max_update_bytes=64 << 20)
+    big = {"w": np.linspace(-1, 1, (8 << 20) // 4 + 300_000, dtype=np.float32),
+           "b": np.zeros(10, np.float32)}
+    h.scheduled_tick()
+    for pid in PIDS:
+        h.join_alive(pid)
+    h.offer(PIDS[0], big)
+    rng = np.random.default_rng(1)
+    # When round 0 counts three updates
+    train_round(h, 0, rng)
+    assert h.state().aggregated == 1
+    # and round 1 two: bob's update is refused (another shape)
+    base = h.global_model(1)
+    assert h.upload("alice", {k: (v + 0.01).astype(np.float32) for k, v in base.items()}, samples=10)["accepted"]
+    assert h.upload("bob", {"w": base["w"][:-1], "b": base["b"]}, samples=10)["accepted"] is False
+    assert h.upload("carol", {k: (v - 0.01).astype(np.float32) for k, v in base.items()}, samples=10)["accepted"]
+    assert h.state().aggregated == 2, h.deps.store.rounds()
+    # and round 2 one: carol drops out (the round closes at its deadline with alice's update alone)
+    base = h.global_model(2)
+    assert h.upload("alice", {k: (v + 0.02).astype(np.float32) for k, v in base.items()}, samples=10)["accepted"]
+    with acting_as(function("tick")):
+        run_tick(h.deps, now=h.state().deadline + 1)
+    # Then every round aggregated, the state carried across the moving piece boundaries, and `fed verify` recomputes
+    # every global model and optimizer state
+    state = h.state()
+    assert state.aggregated == 3 and state.phase is Phase.FINISHED
+    counted = [len(s.counted) for s in sorted(h.deps.store.rounds(), key=lambda s: s.round)]
+    assert counted == [3, 2, 1]
+    checks = verify_run(h.deps)
+    assert [(c.round, c.ok) for c in checks] == [(0, True), (1, True), (2, True)], checks

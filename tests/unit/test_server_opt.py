@@ -1,5 +1,7 @@
 """Each server optimizer's rule against an independent float64 numpy implementation over three rounds, on a
-model of several digest pieces (so the state's piece layout is exercised at piece boundaries)."""
+model of several digest pieces (so the state's piece layout is exercised at piece boundaries), with a different
+number of updates counted each round (so the global's header, which lists them, and with it every piece boundary,
+moves from round to round: the state must still be found by element)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ MANIFEST = Manifest({
     "c.half": TensorSpec("F16", (1000,)),
 })
 SAMPLES = [30, 10, 60]
+ROUND_SAMPLES = [SAMPLES, [45, 15], [20, 30, 10, 40]]  # 3, then 2, then 4 updates counted
 
 
 def reference_step(kind: ServerOptimizer, lr: float, mu: float, b2: float, tau: float, x: np.ndarray,
@@ -60,18 +63,17 @@ def test_three_rounds_match_an_independent_implementation(kind: ServerOptimizer)
     floats = [n for n in model if n != "steps"]
     ref = {n: model[n].astype(np.float64) for n in floats}
     ref_state = {n: {s: np.zeros(model[n].size) for s in step.slots} for n in floats}
-    state_pieces: tuple[bytes, ...] = ()
-    for round_no in range(3):
+    state = None
+    for round_no, samples in enumerate(ROUND_SAMPLES):
         updates = [{n: (model[n].astype(np.float64) + rng.standard_normal(model[n].shape) * 0.1).astype(model[n].dtype)
-                    if n in floats else model[n] for n in model} for _ in SAMPLES]
+                    if n in floats else model[n] for n in model} for _ in samples]
         inputs = [WeightedInput(f"p{k}", s, "0" * 64, ArraySource(MANIFEST, u))
-                  for k, (s, u) in enumerate(zip(SAMPLES, updates, strict=True))]
-        state = MemoryState(step, state_pieces) if state_pieces else None
+                  for k, (s, u) in enumerate(zip(samples, updates, strict=True))]
         out = aggregate_round(config, MANIFEST, round_no + 1, inputs, ArraySource(MANIFEST, model), state)
         assert aggregate_digest(config, MANIFEST, round_no + 1, inputs, ArraySource(MANIFEST, model), state) == (
             out.digest, out.state_digest)
         got, _ = decode(out.model)
-        weights = np.array(SAMPLES, np.float64) / sum(SAMPLES)
+        weights = np.array(samples, np.float64) / sum(samples)
         for n in floats:
             a = sum(w * u[n].astype(np.float64) for w, u in zip(weights, updates, strict=True))
             x = model[n].astype(np.float64)
@@ -88,11 +90,13 @@ def test_three_rounds_match_an_independent_implementation(kind: ServerOptimizer)
         model = {n: got[n].copy() for n in model}
         ref_state = {n: {s: np.asarray(v, np.float64) for s, v in st.items()} for n, st in ref_state.items()}
         assert len(out.state_pieces) == 2
-        assert decode_index(step, out.state_index, 2) == [digest(p) for p in out.state_pieces]
-        state_pieces = out.state_pieces
+        counts = [decode(p)[0]["m"].size for p in out.state_pieces]
+        floats_total = sum(model[n].size for n in floats)
+        assert decode_index(step, out.state_index, floats_total) == [
+            (digest(p), c) for p, c in zip(out.state_pieces, counts, strict=True)]
+        state = MemoryState.of(step, out)
         # the state pieces, joined in data order, are the reference state in float32
-        counts = [decode(p)[0]["m"].size for p in state_pieces]
-        assert sum(counts) == sum(model[n].size for n in floats)
+        assert sum(counts) == floats_total
 
 
 def test_none_is_the_aggregate_and_keeps_no_state() -> None:
@@ -124,9 +128,10 @@ def test_state_files_are_checked_against_the_run() -> None:
         decode_piece(step, 0, out.state_pieces[0], count + 1)
     yogi = ServerStep.of(parse_config({"run_id": "opt-run", "server_optimizer": "fedyogi"}))
     assert yogi is not None
+    floats = sum(out.state_counts)
     with pytest.raises(StateError, match="the run uses 'fedyogi'"):
-        decode_index(yogi, out.state_index, 2)
-    with pytest.raises(StateError, match="lists 2 pieces, the model has 3"):
-        decode_index(step, out.state_index, 3)
+        decode_index(yogi, out.state_index, floats)
+    with pytest.raises(StateError, match=f"hold {floats} elements, the model has {floats + 1}"):
+        decode_index(step, out.state_index, floats + 1)
     with pytest.raises(StateError, match="not the JSON"):
-        decode_index(step, b"\xff", 2)
+        decode_index(step, b"\xff", floats)
