@@ -491,7 +491,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         console.print(f"[bold]fed demo[/]: {opts.participants} participants, {config.total_rounds} rounds of "
                       f"{config.task} on {stack.endpoint}")
         console.print(f"logs: {workdir / 'logs'}   watch: fed status --connection {connection_file} --watch")
-        console.print(stack.access)
+        console.print(str(stack.access))
         names = [f"p{i}" for i in range(1, opts.participants + 1)]
         speeds = throttles(names, opts.mixed_speeds)
         extra = {name: ["--data", f"{opts.split}:{i}/{len(names)}"] if opts.split else [] for i, name in

@@ -106,7 +106,7 @@ class LocalStack:
     server_process: bool = False  # True: the server runs in a process of its own (`local.server.ServerProcess`)
     server: LocalServer | ServerProcess | None = field(default=None, init=False)
     resources: LocalResources | None = field(default=None, init=False)
-    access: str = field(default="", init=False)  # how the access check runs (`local.access.enable_on`)
+    access: access.CheckState | None = field(default=None, init=False)  # how the access check runs
     dispatcher: Dispatcher | None = field(default=None, init=False)
     _saved_env: dict[str, str | None] = field(default_factory=dict, init=False, repr=False)
     _log_stream: IO[str] | None = field(default=None, init=False, repr=False)
@@ -135,7 +135,7 @@ class LocalStack:
             self.resources = create_resources(self.config.run_id, self.server.endpoint, self.region)
             self.access = access.enable_on(self.server, self.config, self.region, self.server.endpoint)
             log.info("%s", self.access)
-            if self.access.startswith("access check on"):
+            if self.access.on:
                 self._set_env({ENV_TRACE: "1"})  # this process's functions and the participants it starts
                 install_trace()
             self._set_env(function_environment(self.resources, self.config, self.log_level))

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
@@ -138,23 +139,40 @@ class _Checked(Protocol):
     def enable_access(self, model: AccessModel, enforce: bool) -> None: ...
 
 
-def enable_on(server: _Checked, config: RunConfig, region: str, endpoint: str | None) -> str:
-    """Judge every request `server` serves for this run, as FED_ACCESS_CHECK says; returns a line saying how.
+@dataclass(frozen=True)
+class CheckState:
+    """How the access check runs for a local stack: `mode` (enforce, record or off) and a line saying so."""
+
+    mode: str
+    line: str
+
+    @property
+    def on(self) -> bool:
+        return self.mode != OFF
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def enable_on(server: _Checked, config: RunConfig, region: str, endpoint: str | None) -> CheckState:
+    """Judge every request `server` serves for this run, as FED_ACCESS_CHECK says.
 
     Unset, the check enforces where it can run and is off (with the reason) where it cannot; set to "enforce" or
     "record", a check that cannot run is an error."""
     chosen = mode()
     if chosen == OFF:
-        return f"access check off ({ENV_CHECK}=off)"
+        return CheckState(OFF, f"access check off ({ENV_CHECK}=off)")
     missing = unavailable()
     if missing:
         if os.environ.get(ENV_CHECK):
             raise AccessCheckUnavailable(f"{ENV_CHECK}={chosen}, but {missing}")
-        return f"access check off: {missing}"
+        return CheckState(OFF, f"access check off: {missing}")
     server.enable_access(model_for(config, region, endpoint), enforce=chosen == ENFORCE)
     verb = "refused as IAM would refuse them" if chosen == ENFORCE else "judged and recorded, none refused"
-    return f"access check on: every AWS call is judged against the roles `cdk deploy` creates ({verb})"
+    return CheckState(chosen, f"access check on: every AWS call is judged against the roles `cdk deploy` creates "
+                              f"({verb})")
 
 
-__all__ = ["AccessCheckUnavailable", "AccessControl", "AccessModel", "ENFORCE", "OFF", "RECORD", "control_for",
+__all__ = ["AccessCheckUnavailable", "AccessControl", "AccessModel", "CheckState", "ENFORCE", "OFF", "RECORD",
+           "control_for",
            "enable_on", "mode", "model_for", "unavailable"]
