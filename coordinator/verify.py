@@ -19,6 +19,7 @@ from coordinator.optimizer_state import state_files
 from shared import keys
 from shared.aggregate import aggregate_digest, round_plan
 from shared.server_opt import ServerStep
+from shared.sizing import fedavg_weights
 from shared.state import Aggregate, AggregateInput
 from store.blobs import NotFound
 
@@ -62,12 +63,14 @@ def verify_run(deps: Deps) -> list[RoundCheck]:
         if not summary.aggregated:
             continue
         try:
-            inputs = []
+            counted = []
             for pid in summary.counted:
                 rec = records.get((summary.round, pid))
                 if rec is None or not rec.accepted:
                     raise LookupError(f"no accepted update record for {pid}")
-                inputs.append(AggregateInput(pid, int(rec.samples), rec.digest, rec.version_id, float(rec.norm)))
+                counted.append(rec)
+            weights = fedavg_weights({r.pid: int(r.samples) for r in counted}, deps.config.max_share_ratio)
+            inputs = [AggregateInput(r.pid, weights[r.pid], r.digest, r.version_id, float(r.norm)) for r in counted]
             base = trained_from.get(summary.round) or _base_without_summary(deps, summary.round)
             state = (state_from[summary.round] if summary.round in state_from
                      else _state_without_summary(deps, summary.round))

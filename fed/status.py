@@ -290,7 +290,7 @@ def _predicted(state: RunState, config: RunConfig | None) -> dict[str, float]:
     if config is None or not state.plan:
         return {}
     return sizing.predicted_seconds(state.plan, state.speeds, config.batch_size, state.round_units,
-                                    config.max_speed_ratio)
+                                    config.max_speed_ratio, config.max_share_ratio)
 
 
 def _round_prediction(state: RunState, config: RunConfig | None, predicted: Mapping[str, float]) -> float | None:
@@ -300,9 +300,10 @@ def _round_prediction(state: RunState, config: RunConfig | None, predicted: Mapp
         return None
     if not predicted and state.speeds:
         plan = sizing.make_plan(state.active(), state.speeds, steps=config.local_steps,
-                                sized=config.work_sizing is WorkSizing.THROUGHPUT, max_ratio=config.max_speed_ratio)
+                                sized=config.work_sizing is WorkSizing.THROUGHPUT, max_ratio=config.max_speed_ratio,
+                                max_share=config.max_share_ratio)
         predicted = sizing.predicted_seconds(plan, state.speeds, config.batch_size, state.round_units,
-                                             config.max_speed_ratio)
+                                             config.max_speed_ratio, config.max_share_ratio)
     return round(max(predicted.values()), 2) if predicted else None
 
 

@@ -18,7 +18,7 @@ verified update, as FedAvg would make it) and, for each update `i`, the aggregat
     cos(i - G, median_{j != i}(j - G)) >= witness_min_cosine     (with at least two other updates; with exactly
                                                                   two, the median of all three)
     loss(A) <= loss(A - i) * (1 + witness_tolerance)
-    loss(A - i + i at the median weight) <= loss(A - i) * (1 + witness_tolerance)   (below the median weight)
+    loss(A - i + i at the median weight) <= loss(A - i) * (1 + witness_tolerance)   (when its weight differs)
 
 that is, if its change does not point away from the round's robust direction (the coordinate-wise median of
 the other updates' changes from the global model G: `directions`), and applying it to the rest of the round
@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.compress import Encoding
+from shared.sizing import fedavg_weights
 from shared.wire import Header, WireError, parse_header
 
 if TYPE_CHECKING:
@@ -163,12 +164,14 @@ class RoundWitness:
 
     def evaluate(self, task: Any, device: Any, build_seed: int, reference: ModelSource, global_loss: float,
                  tolerance: float, selected: Iterable[str], stopping: Callable[[], bool] = lambda: False,
-                 min_cosine: float = -1.0) -> None:
+                 min_cosine: float = -1.0, max_share: float = math.inf) -> None:
         """Decide every verified update of `selected`: its direction against the others' (`directions`; with at
-        least two others) and leave-one-out against the round's aggregate, at its own weight and, below the round's
-        median weight, at that (a small share must not hide a harmful change: sized by throughput, a host reporting
-        itself slow gets one). Updates are read from their files one tensor at a time; memory: the global model,
-        the float64 sums, and one tensor of every update."""
+        least two others) and leave-one-out against the round's aggregate, at its real weight (what FedAvg gives
+        it: its claimed samples capped at `max_share` x the median claim, `shared.sizing.fedavg_weights`) and at
+        the round's median weight (a small share must not hide a harmful change: sized by throughput, a host
+        reporting itself slow gets one; nor a large one a change that only its weight makes look good). Updates are
+        read from their files one tensor at a time; memory: the global model, the float64 sums, and one tensor of
+        every update."""
         from participant.tensors import open_tensors
 
         started = time.perf_counter()
@@ -181,7 +184,8 @@ class RoundWitness:
             return
         with open_tensors(reference) as f:
             base = {name: f.tensor(name) for name in f.names()}
-        weights = {c.pid: float(max(c.samples, 1)) for c, _ in good}
+        weights = {p: float(n) for p, n in fedavg_weights({c.pid: max(c.samples, 1) for c, _ in good},
+                                                          max_share).items()}
         total = sum(weights.values())
         sums = {name: t.double() * 0 for name, t in base.items() if t.is_floating_point()}
         for c, path in good:  # pass 1: the weighted sum of every verified update
@@ -200,14 +204,14 @@ class RoundWitness:
         self.cosines = directions(base, {c.pid: path for c, path in good}) if len(good) >= 3 else {}
         median = statistics.median(weights.values())
         for c, path in good:  # pass 2: each update left out in turn
-            raised = math.nan  # the aggregate's loss with it weighted as the median update (below the median only)
+            raised = math.nan  # the aggregate's loss with it weighted as the median update (when its own differs)
             own, rest = weights[c.pid], total - weights[c.pid]
             if len(good) == 1:
                 without = global_loss
             else:
                 with open_tensors(path) as update:
                     rests = {n: s - own * update.tensor(n).double() for n, s in sums.items()}
-                    if own < median:
+                    if own != median:
                         raised = loss_of({n: (r + median * update.tensor(n).double()) / (rest + median)
                                           for n, r in rests.items()})
                 without = loss_of({n: r / rest for n, r in rests.items()})

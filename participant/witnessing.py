@@ -122,7 +122,7 @@ class Witnessing:
             try:
                 w.evaluate(work.task, work.device, work.config.seed, held_model, global_loss,
                            work.config.witness_tolerance, state.selected, self.stop.is_set,
-                           work.config.witness_min_cosine)
+                           work.config.witness_min_cosine, work.config.max_share_ratio)
             except InterruptedError:
                 raise Stopped() from None
             attested = w.attested(state.selected)

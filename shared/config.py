@@ -111,6 +111,11 @@ class RunConfig(BaseModel):
         "witnesses before a health report drops it; 1: the first. Two spare an honest member one unlucky round "
         "(its update is left out of that round either way) at the cost of a poisoner's seat for one more round."
     )
+    witness_strikes: int = Field(
+        1, ge=1, description="Refused witness proofs (over-full, empty against the round's records, or refusing an "
+        "update a quorum of the other witnesses attested) that drop their witness; its seats are drawn again "
+        "from the round's seed, and the round is witnessed by the others, not given up."
+    )
     witness_min_cosine: float = Field(
         -0.7, ge=-1, le=1, description="A witness attests update i only if the cosine between its change and the "
         "coordinate-wise median of the round's other changes is at least this (with two others or more; with two, "
@@ -200,6 +205,10 @@ class RunConfig(BaseModel):
                                         "smoothed throughput estimate.")
     max_speed_ratio: float = Field(8.0, ge=1, description="Throughput estimates are clamped to [median / this, "
                                    "median x this] of the round's participants: no reported rate buys more.")
+    max_share_ratio: float = Field(
+        2.0, ge=1, description="No participant is sized above this x the round's median share (its slice of the data, "
+        "and with it its FedAvg weight), however fast it reports itself: a reported speed cannot buy the round. "
+        "Raise it for fleets whose hosts differ more, knowing a member can then claim that much.")
     deadline_margin: float = Field(
         3.0, ge=0, description="The round's deadline is the latest predicted finish (from the throughput "
         "estimates) x this, within [min_round_train_time, max_round_train_time]; 0: always max_round_train_time.")

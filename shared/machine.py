@@ -288,7 +288,8 @@ def _begin_round(c: Ctx) -> None:
     seed = round_seed(cfg.seed, s.epoch, s.round)
     chosen = select(seed, s.active(), cfg.fraction_per_round, cfg.min_per_round)
     plan = _plan(c, chosen)
-    predicted = sizing.predicted_seconds(plan, s.speeds, cfg.batch_size, s.round_units, cfg.max_speed_ratio)
+    predicted = sizing.predicted_seconds(plan, s.speeds, cfg.batch_size, s.round_units, cfg.max_speed_ratio,
+                                         cfg.max_share_ratio)
     sized = cfg.work_sizing is WorkSizing.THROUGHPUT
     limit = sizing.deadline_seconds(predicted, len(plan), cfg.deadline_margin if sized else 0.0,
                                     cfg.min_round_train_time, cfg.max_round_train_time)
@@ -313,7 +314,7 @@ def _plan(c: Ctx, chosen: tuple[str, ...]) -> sizing.Plan:
         if cfg.work_sizing is WorkSizing.EQUAL or not all(steps.values()):
             steps = cfg.local_steps  # everyone its local_epochs passes (or local_steps), as without sizing
     return sizing.make_plan(chosen, c.state.speeds, steps=steps, sized=cfg.work_sizing is WorkSizing.THROUGHPUT,
-                            max_ratio=cfg.max_speed_ratio)
+                            max_ratio=cfg.max_speed_ratio, max_share=cfg.max_share_ratio)
 
 
 def _freeze_round(c: Ctx) -> None:
@@ -353,25 +354,33 @@ def _slow_but_progressing(c: Ctx, pid: str) -> bool:
 
 def _measure(c: Ctx, updates: dict[str, UpdateView], accepted: list[str], late: list[str]) -> None:
     """Fold the round's measurements into the throughput estimates: each accepted update's training rate (what it
-    trained over the `train_seconds` its metrics report) and the seconds it took beyond training (overhead); a late
-    participant's rate cut to what it achieved."""
+    trained over the `train_seconds` its metrics report, taken within what its arrival shows:
+    `sizing.observed_seconds`) and the seconds it took beyond training (overhead); a late participant's rate cut to
+    what it achieved. Every bound is judged against the estimates before this round, the fleet's (its median rate
+    and overhead) among them, so no measurement of the round moves the bar it is judged by."""
     s, cfg = c.state, c.config
     speeds = dict(s.speeds)
+    fleet_rate = sizing.median_rate(s.speeds.values()) if s.speeds else None
+    fleet_overhead = sizing.median_overhead(s.speeds.values())
     units_seen, fraction_seen = 0.0, 0.0
     for pid in accepted:
         u = updates[pid]
         share = sizing.share_of(s.plan, pid)
         trained = trained_units(cfg, share, u.samples)
-        seconds = u.metrics.get("train_seconds", 0.0)
-        if not seconds > 0 or not trained > 0:
+        claimed = u.metrics.get("train_seconds", 0.0)
+        if not claimed > 0 or not trained > 0:
             continue
-        rate = sizing.clamp_rate(trained / seconds)
         elapsed = (u.received_at - s.round_started) if u.received_at else 0.0
-        speeds[pid] = sizing.smoothed(speeds.get(pid), rate, elapsed - seconds, cfg.throughput_smoothing)
+        seconds = sizing.observed_seconds(claimed, elapsed, fleet_overhead)
+        if seconds > 2 * claimed:  # a claim the interval does not allow: say so, once per update
+            c.effects.append(Note(f"{pid} reported training {claimed:.3g}s of the {elapsed:.3g}s between round "
+                                  f"{s.round}'s start and its update: measured at {seconds:.3g}s"))
+        rate = sizing.clamp_rate(trained / seconds)
+        speeds[pid] = sizing.smoothed(speeds.get(pid), rate, elapsed - seconds, cfg.throughput_smoothing, fleet_rate)
         if share is not None and not share.steps:
             units_seen += trained
             fraction_seen += sizing.fraction(s.plan, pid)
-    planned = sizing.rates([share.pid for share in s.plan], s.speeds, cfg.max_speed_ratio)
+    planned = sizing.rates([share.pid for share in s.plan], s.speeds, cfg.max_speed_ratio, cfg.max_share_ratio)
     for pid in late:
         view = c.snap.participants[pid]
         done = view.progress_done / view.progress_total
@@ -495,7 +504,8 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
         suspects=suspected,
     )
     if aggregated:
-        inputs = tuple(AggregateInput(p, updates[p].samples, updates[p].digest, updates[p].version_id, updates[p].norm,
+        weights = sizing.fedavg_weights({p: updates[p].samples for p in counted}, c.config.max_share_ratio)
+        inputs = tuple(AggregateInput(p, weights[p], updates[p].digest, updates[p].version_id, updates[p].norm,
                                       updates[p].data_offset)
                        for p in counted)
         c.effects.append(Aggregate(s.round, inputs, s.global_digest, s.optimizer_digest))

@@ -12,7 +12,11 @@ The rule (docs/protocol.md, *Work sized by throughput*):
 - a participant's rate r is its smoothed training throughput (samples per second: what its share had it train over
   the `train_seconds` its update reports, smoothed exponentially); one without an estimate counts at the fleet's
   median rate (1.0 when nobody has one);
-  rates are clamped to [median / max_speed_ratio, median x max_speed_ratio], so no claim buys more than that;
+  rates are clamped to [median / max_speed_ratio, median x max_share_ratio], so no claim buys more than a fair
+  share (a host that claims to be fast is sized at most max_share_ratio x the median, however fast it claims);
+- what a measurement may claim is bounded by what the coordinator observes (`observed_rate`): the training time
+  an update reports is taken within [what its arrival allows, the interval from round start to its arrival], and
+  an estimate grows at most RATE_GROWTH x a round, so a sudden jump in claimed speed is trusted only gradually;
 - integer weights w = round(1000 x r / median), at least 1; the round's N samples are split by largest remainders
   of N x w / sum(w) (ties by plan order), every participant getting at least one when there are enough;
 - the predicted finish of participant i is overhead_i + units_i / r_i (overhead: the seconds of a round that do not
@@ -32,6 +36,9 @@ from dataclasses import dataclass
 WEIGHT_SCALE = 1000  # a participant at the median rate weighs this much
 MAX_RATE = 1e9  # samples per second: anything above is not a measurement
 MIN_RATE = 1e-6
+RATE_GROWTH = 2.0  # an estimate at most doubles from one round's measurement to the next
+OBSERVED_FLOOR = 0.25  # a reported training time is taken as at least this share of the observed interval
+OVERHEAD_ALLOWANCE = 2.0  # ... and as at least that interval less this x the fleet's median overhead
 
 
 @dataclass(frozen=True)
@@ -65,12 +72,35 @@ def clamp_rate(value: float) -> float:
     return min(MAX_RATE, max(MIN_RATE, value))
 
 
-def smoothed(old: Speed | None, rate: float, overhead: float, alpha: float) -> Speed:
+def observed_seconds(claimed: float, elapsed: float, fleet_overhead: float | None) -> float:
+    """The training seconds a measurement is taken at: the time the update reports, but not much shorter than the
+    interval the coordinator observed from round start to its arrival (`elapsed`) less the seconds a round costs
+    beyond training (twice the fleet's median overhead, `fleet_overhead`; a quarter of the interval at least, and
+    without any estimate). A participant that reports `train_seconds = 1e-6` is measured at the rate its arrival
+    shows, not at a billion samples a second. A report longer than the interval is kept: it can only make its
+    sender look slower (a smaller share, which witnesses judge at the median weight too). Without an observed
+    interval (0), the report as it is."""
+    if not elapsed > 0 or not math.isfinite(elapsed):
+        return claimed
+    floor = OBSERVED_FLOOR * elapsed
+    if fleet_overhead is not None and math.isfinite(fleet_overhead):
+        floor = max(floor, elapsed - OVERHEAD_ALLOWANCE * fleet_overhead)
+    return max(floor, claimed) if math.isfinite(claimed) else elapsed
+
+
+def median_overhead(speeds: Iterable[Speed]) -> float | None:
+    overheads = [s.overhead for s in speeds]
+    return statistics.median(overheads) if overheads else None
+
+
+def smoothed(old: Speed | None, rate: float, overhead: float, alpha: float, ceiling: float | None = None) -> Speed:
     """Fold one round's measurement into the estimate (exponential smoothing; the first measurement is taken
-    as it is)."""
+    as it is). A measurement is believed at most RATE_GROWTH x the old estimate (or x `ceiling`, the fleet's
+    median rate, for a first one), so a claimed jump in speed is trusted over several rounds, not at once."""
     rate, overhead = clamp_rate(rate), min(max(0.0, overhead), 1e7) if math.isfinite(overhead) else 0.0
     if old is None:
-        return Speed(rate, overhead, 1)
+        return Speed(min(rate, RATE_GROWTH * ceiling) if ceiling is not None else rate, overhead, 1)
+    rate = min(rate, RATE_GROWTH * old.rate)
     return Speed(alpha * rate + (1 - alpha) * old.rate, alpha * overhead + (1 - alpha) * old.overhead,
                  min(old.rounds + 1, 1_000_000))
 
@@ -80,18 +110,21 @@ def median_rate(speeds: Iterable[Speed]) -> float:
     return statistics.median(rates) if rates else 1.0
 
 
-def rates(order: Sequence[str], speeds: Mapping[str, Speed], max_ratio: float) -> dict[str, float]:
+def rates(order: Sequence[str], speeds: Mapping[str, Speed], max_ratio: float,
+          max_share: float | None = None) -> dict[str, float]:
     """Each participant's rate for planning: its estimate (the fleet median without one), clamped around the
-    median of the participants planned for."""
+    median of the participants planned for: down to median / `max_ratio`, up to median x `max_share` (a fair
+    share: what a rate buys is more of the round's data, and so more of its FedAvg weight; None: `max_ratio`)."""
     known = [speeds[p] for p in order if p in speeds]
     median = median_rate(known) if known else median_rate(speeds.values())
-    low, high = median / max_ratio, median * max_ratio
+    low, high = median / max_ratio, median * (max_ratio if max_share is None else min(max_ratio, max_share))
     return {p: min(high, max(low, speeds[p].rate)) if p in speeds else median for p in order}
 
 
-def weights(order: Sequence[str], speeds: Mapping[str, Speed], max_ratio: float) -> tuple[int, ...]:
+def weights(order: Sequence[str], speeds: Mapping[str, Speed], max_ratio: float,
+            max_share: float | None = None) -> tuple[int, ...]:
     """Integer weights in plan order: WEIGHT_SCALE at the median rate, at least 1."""
-    r = rates(order, speeds, max_ratio)
+    r = rates(order, speeds, max_ratio, max_share)
     if not r:
         return ()
     median = statistics.median(r.values())
@@ -137,7 +170,7 @@ def share_of(plan: Plan, pid: str) -> Share | None:
 
 
 def make_plan(order: Sequence[str], speeds: Mapping[str, Speed], *, steps: int | Mapping[str, int], sized: bool,
-              max_ratio: float) -> Plan:
+              max_ratio: float, max_share: float | None = None) -> Plan:
     """The round's plan. `steps`: the optimizer steps one participant takes by default (local_steps; 0: passes over
     its samples), split by the weights; or in local data mode each participant's own default (its passes over its
     own data, in steps), scaled by its weight against the median weight (a host four times slower than the median
@@ -146,7 +179,7 @@ def make_plan(order: Sequence[str], speeds: Mapping[str, Speed], *, steps: int |
     n = len(order)
     if n == 0:
         return ()
-    w = weights(order, speeds, max_ratio) if sized else (1,) * n
+    w = weights(order, speeds, max_ratio, max_share) if sized else (1,) * n
     if isinstance(steps, Mapping):  # local data mode: each its own passes, scaled by its speed against the median
         default = tuple(int(steps.get(p, 0)) for p in order)
         middle = sorted(w)[(n - 1) // 2]
@@ -157,6 +190,17 @@ def make_plan(order: Sequence[str], speeds: Mapping[str, Speed], *, steps: int |
     else:
         stepped = (int(steps),) * n
     return tuple(Share(p, w[i], stepped[i]) for i, p in enumerate(order))
+
+
+def fedavg_weights(claims: Mapping[str, int], max_share: float) -> dict[str, int]:
+    """Each counted update's FedAvg weight: the samples it claims (already bounded by its assignment, or by its
+    registered data), capped at `max_share` x the round's median claim (the lower median: with two updates, the
+    smaller claim), so that no claim, however it got past admission, weighs more than a fair share. Integers:
+    the tick, `fed verify` and every witness compute the same weights from the same records."""
+    if not claims or not math.isfinite(max_share):
+        return dict(claims)
+    cap = max(1, math.floor(max_share * statistics.median_low(claims.values())))
+    return {pid: min(n, cap) for pid, n in claims.items()}
 
 
 def fraction(plan: Plan, pid: str) -> float:
@@ -175,10 +219,10 @@ def units(plan: Plan, share: Share, batch_size: int, round_units: float) -> floa
 
 
 def predicted_seconds(plan: Plan, speeds: Mapping[str, Speed], batch_size: int, round_units: float,
-                      max_ratio: float) -> dict[str, float]:
+                      max_ratio: float, max_share: float | None = None) -> dict[str, float]:
     """Each planned participant's predicted round time: overhead + units / rate (only with an estimate, and only
     once the round's size in units is known)."""
-    r = rates([s.pid for s in plan], speeds, max_ratio)
+    r = rates([s.pid for s in plan], speeds, max_ratio, max_share)
     return {s.pid: speeds[s.pid].overhead + units(plan, s, batch_size, round_units) / r[s.pid]
             for s in plan if s.pid in speeds and (s.steps or round_units > 0)}
 

@@ -4,6 +4,8 @@ each participant was assigned (`fed verify`)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -124,3 +126,45 @@ def test_a_participant_whose_progress_stops_is_shown_stuck_then_dropped_with_tha
     # (event times are whole seconds: 30 or 31 s since her progress, or the round's start, whichever is later)
     assert summary.dropped["carol"].startswith("stuck: its training progress in round 0 did not move for 3")
     assert summary.dropped["carol"].endswith("(stuck_timeout 30s)")
+
+
+def test_two_of_five_claiming_a_microsecond_of_training_get_at_most_a_fair_share(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    # Given five members of a round over 1000 shared samples; two report train_seconds = 1e-6 (issue 31: this
+    # bought each 8 x the median weight, 86 % of the round's data and of its FedAvg weight between the two)
+    h: Harness = harness_factory(min_clients=5, min_per_round=5, total_rounds=3, dataset_size=1000,
+                                 norm_outlier_factor=0, max_round_train_time=600)
+    pids, liars = ["alice", "bob", "carol", "mallory", "trudy"], {"mallory", "trudy"}
+    h.start(pids)
+    for r in range(2):
+        s = h.state()
+        for i, pid in enumerate(s.selected):
+            n = assigned_count(1000, s.plan, pid)
+            seconds = 1e-6 if pid in liars else n / 100.0
+            h.upload(pid, model(i + r), samples=n, metrics={"loss": 1.0, "train_seconds": seconds})
+        # Then the next round sizes each liar at most max_share_ratio (2) x the median share
+        s = h.state()
+        assert s.round == r + 1
+        counts = {share.pid: assigned_count(1000, s.plan, share.pid) for share in s.plan}
+        median = sorted(counts.values())[2]
+        assert all(counts[p] <= 2 * median + 1 for p in liars), counts
+        assert sum(counts[p] for p in liars) <= 0.58 * 1000, counts  # 4 of 7 median shares at most
+    # And FedAvg weighed what each was assigned, which `fed verify` recomputes
+    checks = verify_run(h.deps)
+    assert checks and all(c.ok for c in checks), checks
+
+
+def test_no_claimed_sample_count_weighs_more_than_a_fair_share_of_fedavg(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    # Given a round without a known data set size: a claim is bounded only by max_sample_ratio (4 x the others')
+    h: Harness = harness_factory(min_clients=4, min_per_round=4, total_rounds=2, norm_outlier_factor=0, dataset_size=0)
+    h.start(["alice", "bob", "carol", "mallory"])
+    for i, pid in enumerate(h.state().selected):
+        h.upload(pid, model(i), samples=350 if pid == "mallory" else 100)
+    # When it is aggregated, mallory's claim of 3.5 x the median is counted at 2 x (max_share_ratio)
+    s = h.state()
+    assert s.round == 1 and "mallory" in h.deps.store.rounds()[0].counted
+    body = h.s3.get_object(Bucket=h.res.bucket, Key=h.global_key(1))["Body"].read()
+    header = json.loads(body[8:8 + int.from_bytes(body[:8], "little")])
+    listed = {p: n for p, n, _ in json.loads(header["__metadata__"]["fed.inputs"])}
+    assert listed == {"alice": 100, "bob": 100, "carol": 100, "mallory": 200}
+    checks = verify_run(h.deps)
+    assert checks and all(c.ok for c in checks), checks

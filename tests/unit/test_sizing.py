@@ -329,3 +329,38 @@ def test_another_process_cuts_the_same_slices_from_the_recorded_plan() -> None:
     out = subprocess.run([sys.executable, "-c", code], input=body, capture_output=True, text=True, check=True,
                          env=env)
     assert json.loads(out.stdout) == here
+
+
+def test_a_claimed_training_time_is_taken_within_what_its_arrival_shows() -> None:
+    # 1e-6 s of training claimed by an update that arrived 10 s into the round, the fleet's overhead about 1 s
+    assert sizing.observed_seconds(1e-6, 10.0, 1.0) == pytest.approx(8.0)
+    assert sizing.observed_seconds(1e-6, 10.0, None) == pytest.approx(2.5)  # no estimates yet: a quarter
+    assert sizing.observed_seconds(9.0, 10.0, 1.0) == 9.0  # an honest report stands
+    assert sizing.observed_seconds(30.0, 10.0, 1.0) == 30.0  # longer than the interval: it only makes itself slow
+    assert sizing.observed_seconds(1e-6, 0.0, 1.0) == 1e-6  # nothing observed
+
+
+def test_a_claimed_jump_in_speed_is_trusted_only_gradually() -> None:
+    before = Speed(100.0)
+    after = sizing.smoothed(before, 1e9, 0.0, alpha=1.0)
+    assert after.rate == pytest.approx(200.0)  # at most RATE_GROWTH x a round, even fully weighted
+    assert sizing.smoothed(None, 1e9, 0.0, alpha=0.5, ceiling=100.0).rate == pytest.approx(200.0)
+    assert sizing.smoothed(before, 50.0, 0.0, alpha=1.0).rate == pytest.approx(50.0)  # slowing down is believed
+
+
+def test_no_claimed_speed_buys_more_than_a_fair_share_of_the_round() -> None:
+    speeds = {"a": Speed(100.0), "b": Speed(100.0), "c": Speed(100.0), "x": Speed(1e9), "y": Speed(1e9)}
+    plan = sizing.make_plan(sorted(speeds), speeds, steps=0, sized=True, max_ratio=8.0, max_share=2.0)
+    assert {s.pid: s.weight for s in plan} == {"a": 1000, "b": 1000, "c": 1000, "x": 2000, "y": 2000}
+    # slow hosts are still sized down to 1/max_speed_ratio
+    slow = {**speeds, "x": Speed(1.0), "y": Speed(1.0)}
+    assert [s.weight for s in sizing.make_plan(sorted(slow), slow, steps=0, sized=True, max_ratio=8.0,
+                                               max_share=2.0)] == [1000, 1000, 1000, 125, 125]
+
+
+def test_fedavg_weights_are_capped_at_a_fair_share_of_the_median_claim() -> None:
+    assert sizing.fedavg_weights({"a": 100, "b": 120, "c": 90, "x": 10_000}, 2.0) == {"a": 100, "b": 120, "c": 90,
+                                                                                        "x": 200}
+    assert sizing.fedavg_weights({"a": 100, "x": 10_000}, 2.0) == {"a": 100, "x": 200}  # the lower median of two
+    assert sizing.fedavg_weights({"a": 100, "x": 10_000}, float("inf")) == {"a": 100, "x": 10_000}
+    assert sizing.fedavg_weights({}, 2.0) == {}
