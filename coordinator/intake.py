@@ -17,13 +17,14 @@ from coordinator.models import GlobalModel, read_global
 from coordinator.streamed import Streamed, stream_model
 from shared import keys
 from shared.admission import bounded_info, check_update_meta, slot_problem, staleness
-from shared.config import DataMode
+from shared.config import DataMode, RunConfig
+from shared.digest import digest
 from shared.keys import KeyError_, ObjectKind
 from shared.limits import MAX_REASON_CHARS, bounded
 from shared.messages import MAX_CONTROL_BYTES, HealthReport, Heartbeat, JoinRequest, parse_message
 from shared.signing import SignatureError, verify, verify_digest
 from shared.state import MemberStatus, Phase, RunState
-from shared.wire import UpdateMeta, WireError
+from shared.wire import TensorSpec, UpdateMeta, WireError, encode_header
 from shared.witness import MAX_PROOF_BYTES, MAX_PROOF_RECORD_BYTES, Proof, ProofError, overclaim
 from store.blobs import Blob, NotFound
 from store.table import ParticipantRecord, UpdateRecord
@@ -254,6 +255,8 @@ def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
             raise WireError(scanned.problem)
     except (WireError, ValueError, NotFound) as exc:
         return _refuse(deps, obj, "init", f"initial model refused: {exc}", pid)
+    if reason := initial_model_problem(deps.config, scanned):
+        return _refuse(deps, obj, "init", f"initial model refused: {reason}", pid)
     if registered is None:
         # Kept for the join function, which takes it when it registers the joiner. It may have registered it since
         # we looked (and looked for a kept offer before this one was kept): look again, after keeping it.
@@ -266,6 +269,30 @@ def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     # every participant: a tick on each of a thousand joiners' offers was quadratic)
     return Outcome("init", obj.key, True, participant=pid,
                    ticks=deps.store.participant_count() >= deps.config.min_clients)
+
+
+def initial_model_problem(config: RunConfig, scanned: Streamed) -> str:
+    """Why a well-formed offer cannot be round 0's global model of this run ("" if it can): the run names the
+    initial model by its digest (`initial_model_digest`) or by its tensors (`initial_model_schema`). The first
+    eligible offer recorded is adopted, so an unchecked offer lets whoever offers first pick round 0's global: one
+    the honest participants' task cannot load trains no round."""
+    want = config.initial_model_digest
+    if want and scanned.digest != want:
+        return f"its digest {scanned.digest[:16]} is not the run's initial_model_digest {want[:16]}"
+    schema = config.initial_model_schema
+    if schema and scanned.header is not None and (got := model_schema(scanned.header.tensors)) != schema:
+        tensors = sorted(scanned.header.tensors.items())
+        listed = ", ".join(f"{name} {spec.dtype} {list(spec.shape)}" for name, spec in tensors[:3])
+        more = f" and {len(tensors) - 3} more" if len(tensors) > 3 else ""
+        return (f"its tensors ({listed}{more}; schema {got[:16]}) are not the ones the run's task declares "
+                f"(initial_model_schema {schema[:16]})")
+    return ""
+
+
+def model_schema(tensors: dict[str, TensorSpec]) -> str:
+    """A model's tensors (names, dtypes, shapes) as `initial_model_schema` names them: the content digest of their
+    canonical header without metadata, whatever the file's metadata or layout."""
+    return digest(encode_header(tensors))
 
 
 def _join_request_key(deps: Deps, pid: str) -> str:

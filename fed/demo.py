@@ -59,7 +59,8 @@ class DemoFailed(RuntimeError):
 @dataclass(frozen=True)
 class DemoTask:
     """A built-in task the demo can run (`--task NAME`): its spec and training set size, and the rounds and
-    training settings that finish quickly on a 2-core CPU machine."""
+    training settings that finish quickly on a 2-core CPU machine (and the initial model's schema: an offer of any
+    other model is refused)."""
 
     name: str
     spec: str
@@ -75,20 +76,23 @@ DEMO_TASKS: dict[str, DemoTask] = {
         # measured on 4 participants: >= 0.95 from round 5, about 0.97 after 20. Witness tolerance: leaving an honest
         # update out of 4 moves the aggregate's loss by up to 18% late in a run, a sign-flipped update scaled 5x by
         # 24% at least (benchmarks/witness_errors.py, 30 rounds, IID and Dirichlet 0.5); 0.3 let such updates in
-        dict(local_epochs=2, batch_size=32, learning_rate=0.1, witness_tolerance=0.2),
+        dict(local_epochs=2, batch_size=32, learning_rate=0.1, witness_tolerance=0.2,
+             initial_model_schema=digits_meta.MODEL_SCHEMA),
     ),
     "lm": DemoTask(
         "lm", lm_meta.TASK, lm_meta.TRAIN_SIZE, 4,
         # AdamW, one pass over the corpus a round: a round takes 20-60 s on a 2-core machine (4 participants, one
         # thread each) and the held-out loss falls from 5.55 (untrained) to about 3.0 after round 0, 2.35 after 4
-        dict(local_epochs=1, batch_size=16, learning_rate=3e-3, max_round_train_time=300.0, liveness_timeout=30.0),
+        dict(local_epochs=1, batch_size=16, learning_rate=3e-3, max_round_train_time=300.0, liveness_timeout=30.0,
+             initial_model_schema=lm_meta.MODEL_SCHEMA),
     ),
     # the Flower anchor's work (participant.tasks.flower_digits): participant p<i+1> trains the anchor's shard i, all
     # of them every round, plain FedAvg, no witnesses (make bench-rounds)
     "flower": DemoTask(
         "flower", flower_digits_meta.TASK, flower_digits_meta.TRAIN_SIZE, flower_digits_meta.ROUNDS,
         dict(local_epochs=flower_digits_meta.LOCAL_EPOCHS, batch_size=flower_digits_meta.BATCH_SIZE,
-             learning_rate=flower_digits_meta.LEARNING_RATE, witness_nodes=0, work_sizing="equal"),
+             learning_rate=flower_digits_meta.LEARNING_RATE, witness_nodes=0, work_sizing="equal",
+             initial_model_schema=flower_digits_meta.MODEL_SCHEMA),
         split="iid",
     ),
 }

@@ -43,6 +43,8 @@ def default_local_config(run_id: str = LOCAL_RUN_ID, **overrides: Any) -> RunCon
         learning_rate=0.05,
     )
     values.update(overrides)
+    # offers of any other model are refused: no participant can make round 0's global one the task cannot load
+    values.setdefault("initial_model_schema", digits_meta.MODEL_SCHEMA if values["task"] == digits_meta.TASK else "")
     return RunConfig(**values)
 
 

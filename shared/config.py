@@ -163,6 +163,17 @@ class RunConfig(BaseModel):
     server_beta2: float = Field(0.99, ge=0, lt=1, description="fedadam and fedyogi second-moment decay.")
     server_tau: float = Field(1e-3, gt=0, description="fedadam and fedyogi adaptivity (added to sqrt(v)).")
     task: str = Field("participant.tasks.digits:task", description="module:object of the training task.")
+    initial_model_schema: str = Field(
+        "", pattern=r"^([0-9a-f]{64})?$", description="The tensors (names, dtypes, shapes) an initial-model offer "
+        "must hold, named by the content digest (shared.digest) of their canonical safetensors header without "
+        "metadata (shared.wire.encode_header); a built-in task's meta module gives its own (e.g. participant.tasks."
+        "digits_meta.MODEL_SCHEMA), and a refused offer's reason names the schema it had. Ingest refuses any other "
+        "offer, so no participant can make round 0's global a model the task cannot load; '': any well-formed "
+        "model.")
+    initial_model_digest: str = Field(
+        "", pattern=r"^([0-9a-f]{64})?$", description="The content digest (shared.digest) of the one initial model "
+        "the run may start from; ingest refuses every other offer. Pins the initial weights, not only their shapes "
+        "(initial_model_schema); '': any offer that fits initial_model_schema.")
     data_mode: DataMode = Field(
         DataMode.ASSIGNED, description="assigned: every host holds the same training set and trains the slices "
         "each round assigns it; local: each trains on its own data (`fed-participant start --data`), registering "

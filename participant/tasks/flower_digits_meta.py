@@ -3,6 +3,8 @@ torch (the demo, the benchmark)."""
 
 from __future__ import annotations
 
+from participant.tasks import digits_meta
+
 TASK = "participant.tasks.flower_digits:task"
 TOTAL_SIZE = 1797  # scikit-learn's bundled digits
 TEST_SIZE = 450  # train_test_split(test_size=0.25, random_state=0, stratify=y)
@@ -14,6 +16,7 @@ ROUNDS = 15
 LOCAL_EPOCHS = 1
 BATCH_SIZE = 32
 LEARNING_RATE = 0.05
+MODEL_SCHEMA = digits_meta.MODEL_SCHEMA  # the digits MLP, 64 hidden units: the run's initial_model_schema
 MOMENTUM = 0.9
 FLOWER_ACCURACY = 0.9289  # Flower's test accuracy after the 15 rounds (and the recipe's, run directly in torch)
 # the recipe's test accuracy after each round, to 4 decimals, run directly in torch (tests/unit/test_flower_task.py

@@ -16,8 +16,14 @@ from __future__ import annotations
 import hashlib
 from functools import cache
 
+from shared.digest import digest
+from shared.wire import TensorSpec, encode_header
+
 TASK = "participant.tasks.lm:task"  # the ~1M-parameter default; see participant.tasks.lm for the other sizes
 CONTEXT = 128  # bytes of context of the built-in presets
+D_MODEL, N_LAYERS = 128, 5  # the default preset's width and depth (`TASK`)
+VOCAB = 256  # bytes
+MLP_RATIO = 4
 TEST_DIVISOR = 10  # the last 1/10 of the chunks are held out
 # What `fed demo --task lm` reports per round: the held-out loss (mean cross-entropy per byte, nats; lower is
 # better), and its perplexity beside it.
@@ -49,3 +55,22 @@ def split_sizes(context: int = CONTEXT) -> tuple[int, int]:
 
 TRAIN_SIZE, TEST_SIZE = split_sizes(CONTEXT)
 CORPUS_SHA256 = corpus_sha256()
+
+
+def model_tensors(d_model: int = D_MODEL, n_layers: int = N_LAYERS, context: int = CONTEXT,
+                  dtype: str = "F32") -> dict[str, TensorSpec]:
+    """The tensors of the byte-level transformer at one size, as its state dict names them (the heads split
+    d_model: their number changes no tensor)."""
+    d, wide = d_model, MLP_RATIO * d_model
+    tensors = {"tok.weight": (VOCAB, d), "pos.weight": (context, d), "ln.weight": (d,), "ln.bias": (d,),
+               "head.weight": (VOCAB, d)}
+    for i in range(n_layers):
+        block = {"ln1.weight": (d,), "ln1.bias": (d,), "qkv.weight": (3 * d, d), "qkv.bias": (3 * d,),
+                 "proj.weight": (d, d), "proj.bias": (d,), "ln2.weight": (d,), "ln2.bias": (d,),
+                 "fc.weight": (wide, d), "fc.bias": (wide,), "out.weight": (d, wide), "out.bias": (d,)}
+        tensors.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
+    return {name: TensorSpec(dtype, shape) for name, shape in tensors.items()}
+
+
+# The run's `initial_model_schema` for the default preset: ingest refuses an initial-model offer with other tensors
+MODEL_SCHEMA = digest(encode_header(model_tensors()))

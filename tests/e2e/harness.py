@@ -28,6 +28,8 @@ def e2e_config(**overrides: Any) -> RunConfig:
         dataset_size=digits_meta.TRAIN_SIZE, local_epochs=1, learning_rate=0.05,
     )
     values.update(overrides)
+    # offers of any other model are refused: no participant can make round 0's global one the task cannot load
+    values.setdefault("initial_model_schema", digits_meta.MODEL_SCHEMA if values["task"] == digits_meta.TASK else "")
     return RunConfig(**values)
 
 
