@@ -328,6 +328,9 @@ class Daemon(Participant):
         if not action.digest:
             log.warning("the run finished without a model")
             return Outcome(True, self.rounds_uploaded, reason="finished without a model")
+        if action.unfit:
+            log.warning("the run finished with a global model that does not fit our task: nothing to evaluate")
+            return Outcome(True, self.rounds_uploaded, reason="finished with a model that does not fit our task")
         final = self.training.evaluate(self._work(), self.held_model)
         result = {"run_id": self.run_id, "participant": self.pid, "round": action.round, "digest": action.digest,
                   "rounds_uploaded": len(self.journal.uploaded), **final}

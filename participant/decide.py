@@ -36,6 +36,7 @@ class Local:
     join_sends: int = 1  # how many times this process has sent it
     offered: bool = False  # we sent an initial-model offer in this process
     held: str = ""  # digest of the global model we hold (downloaded and verified)
+    unfit: str = ""  # digest of a global model we downloaded that does not fit our task
     reported_ready: int = 0  # last epoch we reported ready for in a heartbeat
     ready_age: float = 0.0  # seconds since that report
     ready_sends: int = 1  # how many times we sent the report for that epoch
@@ -137,10 +138,12 @@ class ReportHealth:
 
 @dataclass(frozen=True)
 class Finish:
-    """The run is over: evaluate the final global model (if any) and exit."""
+    """The run is over: evaluate the final global model (if any) and exit; `unfit`: the final global model does
+    not fit our task (nothing to evaluate)."""
 
     round: int
     digest: str
+    unfit: bool = False
 
 
 Action = Wait | Join | OfferModel | Fetch | ReportReady | Train | CheckUpdates | SendProof | ReportHealth | Finish
@@ -194,6 +197,18 @@ def still_open(state: RunState, train: Train, pid: str) -> bool:
 
 
 def decide(state: RunState, local: Local) -> Action:
+    action = _decide(state, local)
+    if isinstance(action, Fetch) and action.digest and action.digest == local.unfit:
+        # Nothing to train or witness from, and no reason to leave: a later global model (the run restored, or
+        # restarted by its operator) may fit. A run that finished with it is over for us.
+        if state.phase is Phase.FINISHED:
+            return Finish(state.round, state.global_digest, unfit=True)
+        return Wait(f"the global model of round {state.round} ({action.digest[:12]}) does not fit our task; "
+                    "waiting for another", True)
+    return action
+
+
+def _decide(state: RunState, local: Local) -> Action:
     pid = local.pid
     if state.phase is Phase.FINISHED:
         if state.has_model and local.held != state.global_digest:

@@ -100,6 +100,11 @@ class ParticipantError(RuntimeError):
     """A problem the participant cannot work around (wrong task, wrong run, bad device); exit 1."""
 
 
+class UnfitModel(ParticipantError):
+    """The run's global model does not fit our task (its tensors' names, shapes or dtypes). Not ours to train from,
+    and no reason to leave the run: the participant says so and waits for another global model."""
+
+
 @dataclass
 class Outcome:
     """How the participant ended."""
@@ -168,6 +173,7 @@ class Participant(ABC):
         self.offered = False
         self.held = ""  # digest of the global model we hold
         self.held_model: bytes | Path = b""  # its file (the daemon), or its bytes (the load test's simulation)
+        self.unfit = ""  # digest of the latest global model found not to fit our task
         self.reported_ready = 0
         self.ready_sent, self.ready_sends = 0.0, 0
         self.ready_sent_at = 0.0  # the `sent_at` of that report (the clock its messages carry)
@@ -356,7 +362,12 @@ class Participant(ABC):
             self._offer_model()
             self.offered = True
         elif isinstance(action, Fetch):
-            self._fetch(action)
+            try:
+                self._fetch(action)
+            except UnfitModel as exc:
+                log.warning("round %d: the run's global model %s does not fit our task; waiting for another: %s",
+                            action.round, action.digest[:12], exc)
+                self.unfit = action.digest
         elif isinstance(action, ReportReady):
             self._report_ready(action.epoch, again=resend)
         elif isinstance(action, ReportHealth):
@@ -429,7 +440,7 @@ class Participant(ABC):
             recorded = self._update_exists(state.round)
         now = time.monotonic()
         return Local(pid=self.pid, joined=self.joined_at is not None, join_age=now - self.join_sent,
-                     join_sends=self.join_sends, offered=self.offered, held=self.held,
+                     join_sends=self.join_sends, offered=self.offered, held=self.held, unfit=self.unfit,
                      reported_ready=self.reported_ready, ready_age=now - self.ready_sent, ready_sends=self.ready_sends,
                      ready_recorded=ready_recorded, ready_in_flight=ready_in_flight, uploaded=self._done(),
                      recorded=recorded,

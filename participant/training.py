@@ -29,7 +29,7 @@ from participant.compressed import Residual, write_update
 from participant.decide import Fetch, Train
 from participant.delta_fetch import rebuild_from_delta
 from participant.journal import JournalKeeper
-from participant.protocol import ParticipantError, closed_while_training
+from participant.protocol import ParticipantError, UnfitModel, closed_while_training
 from participant.remote import Remote, Stopped
 from participant.ui import Reporter
 from shared import keys
@@ -274,7 +274,7 @@ class Training:
         try:
             check_fits(work.specs, path)
         except TensorMismatch as exc:
-            raise ParticipantError(f"the run's global model does not fit task {work.spec}: {exc}") from None
+            raise UnfitModel(f"the run's global model does not fit task {work.spec}: {exc}") from None
         log.info("round %d: global model %s (%d bytes, %s)", action.round, action.digest[:12], path.stat().st_size,
                  source)
         return path

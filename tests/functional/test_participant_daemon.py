@@ -22,6 +22,7 @@ import torch
 from functions import ingest, tick
 from local.context import LocalContext
 from participant.daemon import Daemon, Options
+from participant.decide import Wait
 from participant.journal import JournalFile
 from participant.protocol import Outcome, ParticipantError
 from participant.tasks.digits import Digits
@@ -299,6 +300,38 @@ def test_a_dataset_size_the_task_does_not_have_is_a_clear_error(run: Callable[..
     alice = Participant(harness, "alice", tmp_path / "alice")
     with pytest.raises(ParticipantError, match="dataset_size is 100, but task .* has 1437 training samples"):
         alice.wait()
+
+
+def test_a_global_model_that_does_not_fit_the_task_is_reported_and_waited_out(
+        run: Callable[..., Harness], tmp_path: Path) -> None:
+    # Given a run that names no initial model, whose first epoch starts from a 3x3 model offered by "adversary"
+    harness = run(min_clients=2, min_per_round=2)
+    harness.join_alive("adversary")
+    assert harness.offer("adversary", {"weight": np.ones((3, 3), np.float32)})["accepted"] is True
+    reported = threading.Event()
+
+    def watch(daemon: Daemon) -> None:
+        waiting = daemon._waiting
+
+        def hooked(action: Wait, new_reason: bool) -> None:
+            waiting(action, new_reason)
+            if "does not fit" in action.reason:
+                reported.set()
+
+        daemon._waiting = hooked  # type: ignore[method-assign]
+
+    # When alice, of the digits task, joins the run
+    alice = Participant(harness, "alice", tmp_path / "alice", prepare=watch)
+    deadline = time.monotonic() + DEADLINE
+    while not reported.wait(0.05):
+        assert alice.thread.is_alive(), f"alice exited: {alice.error or alice.outcome}"
+        assert time.monotonic() < deadline, "alice never reported the global model that does not fit"
+    # Then she reports it (her heartbeats carry it as her activity) and keeps waiting for another global model
+    state = harness.state()
+    assert state.model_source == "adversary" and alice.thread.is_alive()
+    assert "does not fit our task" in alice.daemon.activity
+    alice.stop.set()
+    assert alice.wait().reason == "stopped"
 
 
 def test_the_final_model_is_the_one_evaluated(run: Callable[..., Harness], tmp_path: Path) -> None:

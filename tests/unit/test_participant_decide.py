@@ -139,6 +139,27 @@ class TestWarmup:
         assert isinstance(decide(s, local(held="", reported_ready=0)), Wait)
 
 
+class TestGlobalModelThatDoesNotFit:
+    """A global model that does not fit our task (one offered by a participant of another task, in a run that named
+    no initial model) is not ours to train from, nor a reason to leave the run."""
+
+    @pytest.mark.parametrize("phase", [Phase.WARMUP, Phase.TRAIN])
+    def test_it_waits_for_another_global_instead_of_fetching_it_again(self, phase: Phase) -> None:
+        action = decide(state(phase=phase), local(held=OLD, unfit=G, reported_ready=0))
+        assert isinstance(action, Wait) and action.announced and "does not fit our task" in action.reason
+
+    def test_a_witness_waits_too(self) -> None:
+        s = state(witnesses=(ME,))
+        assert isinstance(decide(s, local(held=OLD, unfit=G, uploaded=frozenset({3}))), Wait)
+
+    def test_the_next_global_is_fetched(self) -> None:
+        assert decide(state(round_no=4, digest=G), local(held=OLD, unfit=OLD)) == Fetch(4, G)
+
+    def test_a_run_that_finished_with_it_is_over_for_us(self) -> None:
+        s = state(phase=Phase.FINISHED)
+        assert decide(s, local(held=OLD, unfit=G)) == Finish(3, G, unfit=True)
+
+
 class TestStartAndEnd:
     def test_no_model_yet_offers_the_initial_model_once(self) -> None:
         s = state(phase=Phase.WAITING, members=(), selected=(), digest="", round_no=0)

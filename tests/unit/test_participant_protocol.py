@@ -11,7 +11,7 @@ import pytest
 from participant import protocol
 from participant.decide import JOIN_RETRY_SECONDS, Fetch, Finish, Train, still_open
 from participant.journal import Journal, JournalKeeper
-from participant.protocol import POLL_FIRST, POLL_GROWTH, Outcome, Participant, quiet_seconds
+from participant.protocol import POLL_FIRST, POLL_GROWTH, Outcome, Participant, UnfitModel, quiet_seconds
 from shared.config import RunConfig
 from shared.state import Member, Phase, RunState
 from store.push import Pushed
@@ -226,6 +226,33 @@ def test_without_a_model_a_joiner_offers_one_at_once_and_listens() -> None:
     # listened from then on, never polling: her record looked at once at first, then only before a re-send
     assert p.did == ["join", "offer"] and p.pauses == [] and p.feed.listens > 10
     assert script.record_reads <= 2
+
+
+class Misfit(Recorder):
+    """A participant of another task than the one whose model the run adopted: the global model `G` does not fit."""
+
+    def _fetch(self, action: Fetch) -> None:
+        self.did.append(f"fetch {action.round}")
+        if action.digest == G:
+            raise UnfitModel("the run's global model does not fit task t: tensor weight: file has (3, 3)")
+        self.held = action.digest
+
+
+def test_a_global_model_that_does_not_fit_is_reported_and_waited_out(caplog: pytest.LogCaptureFixture) -> None:
+    # Given a run training round 0 from a global model that does not fit alice's task, and a later one that does
+    fits = "f" * 64
+    next_round = run_state(Phase.TRAIN, round_no=1, digest=fits, version=3)
+    script = Script(*[run_state(Phase.TRAIN, version=2)] * 5, next_round, next_round,
+                    run_state(Phase.FINISHED, round_no=2, digest=fits, version=4))
+    p = Misfit(script)
+    p.joined_at = 100.0
+    # When she runs
+    with caplog.at_level("WARNING", logger="participant"):
+        outcome = p._loop()
+    # Then she said why, did not download it again, and waited (not exited) until a global model fit her task
+    assert "does not fit our task" in caplog.text and "tensor weight" in caplog.text
+    assert p.did == ["fetch 0", "fetch 1", "train 1", "finish"]
+    assert outcome == Outcome(True, 1) and len(p.pauses) >= 4
 
 
 def test_still_open() -> None:
