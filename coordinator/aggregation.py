@@ -6,6 +6,11 @@ to a staging key named by the aggregation job (a digest of everything that deter
 shard of pieces by its own worker: every piece is one part, hashed as it is written, so the digest
 (`shared.digest`) is combined from the workers' piece hashes without reading the object again. When every
 part is in, the upload is completed and copied to `keys.global_key(round, digest)`.
+
+A worker's outcome answers one task (`shared.messages.ShardOutcome`, named by `shard_task_digest`): the tick acts
+on no other. Its word that an input cannot be read leaves that update out of the round only where the coordinator
+confirms it (`confirmed`): whoever else writes an outcome's key can delay an aggregation, never leave an update
+out of it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from coordinator.deps import Deps, ShardRunner
 from coordinator.models import CorruptInput, GlobalModel, HeldRange, ObjectRange, read_global, read_header
@@ -28,7 +32,18 @@ from shared.compress import CachedRange, DecodedSource
 from shared.config import Strategy
 from shared.delta import index_of
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
-from shared.messages import PieceDone, ShardDone, ShardInput, ShardTask
+from shared.messages import (
+    MAX_OUTCOME_TEXT,
+    MessageError,
+    PieceDone,
+    ShardCorrupt,
+    ShardDone,
+    ShardInput,
+    ShardOutcome,
+    ShardTask,
+    parse_message,
+    shard_task_digest,
+)
 from shared.plan import Plan
 from shared.server_opt import ServerStep, encode_index
 from shared.state import Aggregate, AggregateInput
@@ -204,7 +219,13 @@ def _write_in_shards(deps: Deps, effect: Aggregate, plan: Plan, base: GlobalMode
         for shard in plan.shards(deps.config.shard_bytes)
     ]
     try:
-        results = (deps.shard_runner or threads_runner(deps))(tasks)
+        try:
+            results = (deps.shard_runner or threads_runner(deps))(tasks)
+        except ReportedCorrupt as exc:
+            verdict = confirmed(deps, effect, exc)
+            if verdict is exc:
+                raise
+            raise verdict from exc
         pieces = [p for done in results for p in done.pieces]
         if [p.index for p in pieces] != list(range(plan.pieces)):
             raise RuntimeError(f"shard workers returned pieces {[p.index for p in pieces][:10]}..., expected "
@@ -277,28 +298,102 @@ def threads_runner(deps: Deps, workers: int | None = None) -> ShardRunner:
     return run
 
 
-def shard_outcome(deps: Deps, task: ShardTask, retry: bool = False) -> dict[str, object]:
-    """A shard worker's reply, as JSON: its `ShardDone`, or which input could not be read (the tick leaves that
-    update out: an exception would not carry the participant across a process or a Lambda invocation). With
-    `retry`, the shard is tried up to SHARD_ATTEMPTS times first."""
+def shard_outcome(deps: Deps, task: ShardTask, retry: bool = False) -> ShardOutcome:
+    """A shard worker's reply, bound to `task`: its `ShardDone`, or which input could not be read (an exception
+    would not carry the participant across a process or a Lambda invocation). With `retry`, the shard is tried up
+    to SHARD_ATTEMPTS times first."""
     try:
         done = retried(lambda: run_shard(deps, task), task) if retry else run_shard(deps, task)
-        return {"done": done.model_dump(mode="json")}
+        return ShardOutcome(task=shard_task_digest(task), upload_id=task.upload_id, done=done)
     except CorruptInput as exc:
-        return {"corrupt": {"message": str(exc)[:1000], "participant": exc.participant, "missing": exc.missing}}
+        named = next((i for i in task.inputs if exc.participant and i.participant == exc.participant), None)
+        corrupt = ShardCorrupt(participant=named.participant if named else "", digest=named.digest if named else "",
+                               version_id=named.version_id if named else "", missing=exc.missing,
+                               message=str(exc)[:MAX_OUTCOME_TEXT])
+        return ShardOutcome(task=shard_task_digest(task), upload_id=task.upload_id, corrupt=corrupt)
 
 
-def from_outcome(outcome: dict[str, Any]) -> ShardDone:
-    """The inverse of `shard_outcome`: the result, or the CorruptInput it reports raised here."""
-    if "corrupt" in outcome:
-        c = outcome["corrupt"]
-        raise CorruptInput(str(c["message"]), str(c["participant"]), bool(c["missing"]))
-    return ShardDone.model_validate(outcome["done"])
+def failed_outcome(task: ShardTask, why: str) -> ShardOutcome:
+    """A shard that failed every attempt: the waiting tick fails at once (and is retried as a tick)."""
+    return ShardOutcome(task=shard_task_digest(task), upload_id=task.upload_id, failed=why[:MAX_OUTCOME_TEXT] or "?")
+
+
+class OutcomeRefused(RuntimeError):
+    """A shard outcome the tick does not act on: it answers another task, or reports an input unreadable that the
+    coordinator reads as recorded. The aggregation is not done (its upload is aborted, the tick fails and is
+    retried); a later tick aggregates afresh under a new upload, which no outcome written before it answers."""
+
+
+class ReportedCorrupt(CorruptInput):
+    """A shard worker's word that an input cannot be read as recorded: acted on only once the coordinator
+    confirms it (`confirmed`)."""
+
+
+def mismatch(outcome: ShardOutcome, task: ShardTask) -> str:
+    """Why `outcome` does not answer `task` ("" if it does): another upload's (an earlier attempt at the same job,
+    which no tick waits for), or one that names another task while claiming this upload."""
+    if outcome.upload_id != task.upload_id:
+        return "an outcome for another upload of the job"
+    if outcome.task != shard_task_digest(task):
+        return (f"an outcome for upload {task.upload_id[:40]!r} that names task {outcome.task[:16]}…, not this one "
+                f"({shard_task_digest(task)[:16]}…: inputs, base model, pieces [{task.first}, {task.stop}))")
+    return ""
+
+
+def from_outcome(outcome: ShardOutcome | str | bytes, task: ShardTask) -> ShardDone:
+    """What the shard worker's `outcome` of `task` says: the pieces it wrote, or the input it could not read (a
+    `ReportedCorrupt` raised here), or its failure (RuntimeError). An outcome that is not `task`'s, or whose
+    verdict names an input other than as the task records it, or whose pieces are not the task's, is refused
+    (`OutcomeRefused`)."""
+    if not isinstance(outcome, ShardOutcome):
+        try:
+            outcome = parse_message(ShardOutcome, outcome)
+        except MessageError as exc:
+            raise OutcomeRefused(f"the shard [{task.first}, {task.stop}) left no shard outcome: {exc}") from None
+    if why := mismatch(outcome, task):
+        raise OutcomeRefused(f"shard [{task.first}, {task.stop}): {why}")
+    if outcome.failed:
+        raise RuntimeError(f"shard worker failed: {outcome.failed[:500]}")
+    if outcome.corrupt is not None:
+        c = outcome.corrupt
+        if c.participant and not any((i.participant, i.digest, i.version_id) == (c.participant, c.digest,
+                                                                                  c.version_id) for i in task.inputs):
+            raise OutcomeRefused(f"shard [{task.first}, {task.stop}) reports an input the task does not hold "
+                                 f"({c.participant[:63]!r}, version {c.version_id[:64]!r})")
+        raise ReportedCorrupt(c.message, c.participant, c.missing)
+    assert outcome.done is not None
+    indexes = [p.index for p in outcome.done.pieces]
+    if not indexes or indexes != list(range(task.first, task.first + len(indexes))) or indexes[-1] >= task.stop:
+        raise OutcomeRefused(f"shard [{task.first}, {task.stop}) reports pieces {indexes[:10]}")
+    return outcome.done
+
+
+def confirmed(deps: Deps, effect: Aggregate, exc: ReportedCorrupt) -> CorruptInput | OutcomeRefused:
+    """A shard worker's verdict that a counted update cannot be read, as the tick acts on it: only where the
+    coordinator itself finds the version it recorded for that update gone from the bucket (an S3 object version
+    never changes, and ingest hashed and checked this one whole, so a version that is there reads as recorded).
+    Anything else is an `OutcomeRefused` to raise instead: nobody is left out of a round on a worker's word."""
+    if not exc.participant:  # the base model or the optimizer state: the tick leaves no one out for it
+        return exc
+    recorded = next((i for i in effect.inputs if i.participant == exc.participant), None)
+    if recorded is None:
+        return OutcomeRefused(f"a shard worker reports {exc.participant[:63]!r} unreadable, which round "
+                              f"{effect.round} does not count")
+    key = keys.update_key(deps.config.run_id, effect.round, recorded.participant)
+    there = (deps.bucket.has_version(key, recorded.version_id) if recorded.version_id
+             else deps.bucket.head(key) is not None)
+    if there:
+        log.warning("a shard worker reports the update of %r unreadable, but its recorded version %r is in the "
+                    "bucket: not acted on (%s)", recorded.participant, recorded.version_id[:64], str(exc)[:300])
+        return OutcomeRefused(f"a shard worker reports the update of {recorded.participant!r} unreadable, but the "
+                              f"version recorded for it is in the bucket: nobody is left out on a worker's word")
+    return exc
 
 
 def retried(attempt: Callable[[], ShardDone], task: ShardTask) -> ShardDone:
     """A shard task tried up to SHARD_ATTEMPTS times (its work is idempotent); an unreadable input is not
-    retried (the tick leaves that update out), nor a task whose upload is gone (no tick waits for it)."""
+    retried (the tick confirms it and leaves that update out), nor a task whose upload is gone (no tick waits for
+    it). An outcome refused as not the task's is retried like any failure."""
     for n in range(1, SHARD_ATTEMPTS + 1):
         try:
             return attempt()

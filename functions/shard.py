@@ -2,8 +2,9 @@
 aggregating tick fills (`functions.shard_runners.queue_runner`).
 
 Each message is one shard task. The shard is tried up to SHARD_ATTEMPTS times here (its work is idempotent); its
-outcome — the pieces written, an input that cannot be read, or the failure — is left in the bucket for the tick
-waiting on it (`keys.shard_result_key`). An invocation that dies (out of memory, timeout) leaves its message to
+outcome — the pieces written, an input that cannot be read, or the failure, named by the digest of the task it
+answers (`shared.messages.ShardOutcome`) — is left in the bucket for the tick waiting on it
+(`keys.shard_result_key`). An invocation that dies (out of memory, timeout) leaves its message to
 be delivered again, and after the queue's maximum receives to the dead-letter queue (alarmed); the waiting tick
 then gives up and a later tick aggregates the round afresh. A task delivered again after that finds its upload
 gone (S3 takes no part for it) and leaves no outcome: no tick waits for it, and the key is the one where the
@@ -16,7 +17,7 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from coordinator.aggregation import shard_outcome
+from coordinator.aggregation import failed_outcome, shard_outcome
 from coordinator.deps import Deps
 from functions.observability import logger, traced
 from functions.settings import deps_from_env
@@ -46,13 +47,14 @@ def run_queued(deps: Deps, task: ShardTask) -> None:
         return
     except Exception as exc:  # the tick fails now, and is retried as a tick, rather than wait for its deadline
         logger.exception("shard failed", round=task.round, first=task.first)
-        write_outcome(deps.bucket, deps.config.run_id, task, None, failed=f"{type(exc).__name__}: {exc}")
+        write_outcome(deps.bucket, deps.config.run_id, task, failed_outcome(task, f"{type(exc).__name__}: {exc}"))
         return
     write_outcome(deps.bucket, deps.config.run_id, task, outcome)
 
 
-def run_task_json(task_json: str) -> dict[str, object]:
-    """A shard in a worker process (the local stack's stand-in for the shard-worker function, and its role)."""
+def run_task_json(task_json: str) -> str:
+    """A shard in a worker process (the local stack's stand-in for the shard-worker function, and its role): its
+    outcome's JSON."""
     install_from_env()
     with acting_as(function("shard")):
-        return shard_outcome(deps_from_env(), parse_message(ShardTask, task_json))
+        return shard_outcome(deps_from_env(), parse_message(ShardTask, task_json)).model_dump_json()

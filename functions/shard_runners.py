@@ -5,6 +5,7 @@ Each shard is retried on failure (its work is idempotent)."""
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import threading
@@ -13,16 +14,17 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from functools import cache
-from typing import Any
 
 import boto3
 
-from coordinator.aggregation import from_outcome, retried
+from coordinator.aggregation import from_outcome, mismatch, retried
 from coordinator.deps import ShardRunner
 from shared import keys
-from shared.messages import ShardDone, ShardTask
+from shared.messages import MessageError, ShardDone, ShardOutcome, ShardTask, parse_message
 from shared.naming import ENV_BUCKET, ENV_ENDPOINT, ENV_RUN_ID, ENV_SHARD_WAIT
 from store.blobs import Bucket, NotFound, s3_client
+
+log = logging.getLogger("fed-coordinator")
 
 # Kept warm between aggregations (like warm functions), by size and by the environment the workers inherited
 # at their start (a pool started for one local stack must not serve another's endpoint).
@@ -57,7 +59,7 @@ def processes_runner(workers: int) -> ShardRunner:
         key = _pool_key(workers)
         pool = _pool(key)
         try:
-            return from_outcome(pool.submit(run_task_json, task.model_dump_json()).result())
+            return from_outcome(pool.submit(run_task_json, task.model_dump_json()).result(), task)
         except BrokenProcessPool:  # a worker died mid-shard: the next attempt gets a fresh pool
             _discard(key, pool)
             raise
@@ -80,7 +82,10 @@ class ShardWaitTimeout(RuntimeError):
 
 def queue_runner(queue_url: str, bucket: Bucket, run_id: str, wait_seconds: float) -> ShardRunner:
     """Shards as messages on the shard queue (one each, all at once); the shard worker writes each outcome to
-    `keys.shard_result_key`, and this waits until every one for this upload is in (or `wait_seconds` pass)."""
+    `keys.shard_result_key`, and this waits until every one that answers its task is in (or `wait_seconds` pass).
+    Whatever else lies at that key (an earlier attempt's outcome, or one written by anyone else) is not this
+    task's outcome: it is passed over, with a warning when it claims this task's upload, and the wait goes on
+    for the worker's (`coordinator.aggregation.mismatch`)."""
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     client = boto3.client("sqs", endpoint_url=os.environ.get(ENV_ENDPOINT) or None, region_name=region)
 
@@ -94,12 +99,13 @@ def queue_runner(queue_url: str, bucket: Bucket, run_id: str, wait_seconds: floa
             client.send_message(QueueUrl=queue_url, MessageBody=body)
             pending[task.first] = task
         done: dict[int, ShardDone] = {}
+        passed_over: dict[int, str] = {}  # the last outcome each shard's wait passed over, warned of once
         deadline, pause = time.monotonic() + wait_seconds, POLL_FIRST
         while pending:
             for first, task in list(pending.items()):
-                outcome = _outcome(bucket, result_key(run_id, task), task.upload_id)
+                outcome = _outcome(bucket, result_key(run_id, task), task, passed_over)
                 if outcome is not None:
-                    done[first] = from_outcome(outcome)
+                    done[first] = from_outcome(outcome, task)
                     del pending[first]
             if pending and time.monotonic() > deadline:
                 raise ShardWaitTimeout(f"shards starting at pieces {sorted(pending)[:10]} did not report within "
@@ -118,25 +124,36 @@ def result_key(run_id: str, task: ShardTask) -> str:
     return keys.shard_result_key(run_id, parsed.round, parsed.digest, task.first)
 
 
-def _outcome(bucket: Bucket, key: str, upload_id: str) -> dict[str, Any] | None:
-    """The outcome stored for this upload's shard, or None while there is none (or only an older upload's)."""
+def _outcome(bucket: Bucket, key: str, task: ShardTask, passed_over: dict[int, str]) -> ShardOutcome | None:
+    """The outcome stored for this task, or None while there is none that answers it."""
     try:
-        body = json.loads(bucket.get(key, MAX_OUTCOME_BYTES).data)
+        stored = bucket.get(key, MAX_OUTCOME_BYTES)
     except NotFound:
         return None
-    if body.get("upload_id") != upload_id:
+    except ValueError as exc:  # over the size limit: no worker writes one
+        _pass_over(key, task, passed_over, f"{exc}")
         return None
-    if "failed" in body:
-        raise RuntimeError(f"shard worker failed: {str(body['failed'])[:500]}")
-    return dict(body["outcome"])
+    try:
+        outcome = parse_message(ShardOutcome, stored.data)
+    except MessageError as exc:
+        _pass_over(key, task, passed_over, f"not a shard outcome ({exc})")
+        return None
+    why = mismatch(outcome, task)
+    if why and outcome.upload_id == task.upload_id:
+        _pass_over(key, task, passed_over, why)
+    return None if why else outcome
 
 
-def write_outcome(bucket: Bucket, run_id: str, task: ShardTask, outcome: dict[str, Any] | None,
-                  failed: str = "") -> None:
+def _pass_over(key: str, task: ShardTask, passed_over: dict[int, str], why: str) -> None:
+    if passed_over.get(task.first) != why:
+        passed_over[task.first] = why
+        log.warning("passed over what lies at %s: %s; waiting for the shard worker's outcome", key[-120:], why)
+    return None
+
+
+def write_outcome(bucket: Bucket, run_id: str, task: ShardTask, outcome: ShardOutcome) -> None:
     """What the queue-fed shard worker leaves for the waiting tick."""
-    body = {"upload_id": task.upload_id} | ({"failed": failed[:2000]} if failed else {"outcome": outcome})
-    bucket.put(result_key(run_id, task), json.dumps(body).encode())
-
+    bucket.put(result_key(run_id, task), outcome.model_dump_json().encode())
 
 
 @cache

@@ -18,6 +18,8 @@ more than a few hundred characters of the input. Senders build the model and upl
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -338,3 +340,49 @@ class PieceDone(Message):
 
 class ShardDone(Message):
     pieces: list[PieceDone]
+
+
+# --- what a shard worker hands back: its outcome, bound to the task it answers -----------------------------
+
+SHARD_OUTCOME_SCHEMA: Final = 2  # (1: an unbound outcome, trusted by its upload id alone)
+MAX_OUTCOME_TEXT = 2000  # a failure's or an unreadable input's account, as the worker wrote it
+
+
+def shard_task_digest(task: ShardTask) -> str:
+    """SHA-256 of the task's canonical JSON: every input (participant, samples, recorded digest and version, norm,
+    data offset), the base model's digest, version and size, the staging key (which names the job), the upload,
+    the pieces [first, stop) and the optimizer state it starts from. An outcome names it, so an outcome answers
+    exactly one task: one written for another job, another upload or another piece range names another digest."""
+    canonical = json.dumps(task.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class ShardCorrupt(Message):
+    """An input the worker could not read as the task records it, named as the task names it (participant,
+    recorded digest and version); no participant for the base model or the optimizer state."""
+
+    participant: str = Field("", max_length=MAX_PARTICIPANT_ID)
+    digest: str = Field("", pattern=r"^([0-9a-f]{64})?$")
+    version_id: str = Field("", max_length=1024)
+    missing: bool = False  # the read found no such version (rather than one it could not read)
+    message: str = Field(max_length=MAX_OUTCOME_TEXT)
+
+
+class ShardOutcome(Message):
+    """What a shard worker leaves at `keys.shard_result_key` (or returns to a local worker pool), for the task whose
+    digest is `task` (`shard_task_digest`): exactly one of the pieces it wrote, an input it could not read, or why it
+    failed. `upload_id` repeats the task's (an outcome of an earlier attempt at the same job is told apart by it
+    without hashing anything)."""
+
+    schema_version: Literal[2] = Field(SHARD_OUTCOME_SCHEMA, alias="schema")
+    task: str = Field(pattern=r"^[0-9a-f]{64}$")
+    upload_id: str = Field(max_length=4096)
+    done: ShardDone | None = None
+    corrupt: ShardCorrupt | None = None
+    failed: str = Field("", max_length=MAX_OUTCOME_TEXT)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ShardOutcome:
+        if (self.done is not None) + (self.corrupt is not None) + bool(self.failed) != 1:
+            raise ValueError("a shard outcome is exactly one of done, corrupt and failed")
+        return self
