@@ -409,17 +409,21 @@ def _proof(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
     except (ProofError, ValueError, NotFound) as exc:
         return _refuse(deps, obj, "witness", f"witness proof refused: {exc}", pid)
     position = state.witnesses.index(pid)
-    if (proof.run_id, proof.round, proof.witness) != (deps.config.run_id, round_no, pid):
-        return _refuse(deps, obj, "witness", "witness proof names another run, round or witness than its key", pid)
-    if proof.position != position:
-        return _refuse(deps, obj, "witness", f"spoofed position: {proof.position}, {pid} is witness {position}", pid)
     recorded = sum(1 for u in deps.store.updates(round_no).values() if u.accepted)
-    if reason := overclaim(proof, recorded):
-        return _refuse(deps, obj, "witness", f"witness proof refused: {reason}", pid)
     body = proof.to_json()
-    if len(body.encode()) > MAX_PROOF_RECORD_BYTES:  # its numbers and keys written out longer than they came in
-        return _refuse(deps, obj, "witness", f"witness proof refused: {len(body.encode())} bytes as recorded, over "
-                       f"the record limit of {MAX_PROOF_RECORD_BYTES}", pid)
+    why = ""
+    if (proof.run_id, proof.round, proof.witness) != (deps.config.run_id, round_no, pid):
+        why = "witness proof names another run, round or witness than its key"
+    elif proof.position != position:
+        why = f"spoofed position: {proof.position}, {pid} is witness {position}"
+    elif reason := overclaim(proof, recorded):
+        why = f"witness proof refused: {reason}"
+    elif len(body.encode()) > MAX_PROOF_RECORD_BYTES:  # its numbers and keys written out longer than they came in
+        why = (f"witness proof refused: {len(body.encode())} bytes as recorded, over the record limit of "
+               f"{MAX_PROOF_RECORD_BYTES}")
+    if why:  # signed by the elected witness and well-formed, but refused: its seat's proof, a strike (the tick)
+        deps.store.record_proof(round_no, pid, "", obj.etag, obj.time, refused=why)
+        return _refuse(deps, obj, "witness", why, pid)
     if not deps.store.record_proof(round_no, pid, body, obj.etag, obj.time):
         return Outcome("witness", obj.key, True, participant=pid, recorded=False)
     return Outcome("witness", obj.key, True, participant=pid)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from shared import sizing
@@ -174,7 +174,8 @@ def _witness_over(c: Ctx) -> bool:
     seats, proofs, counted = len(c.state.witnesses), c.proofs(), _counted_digests(c)
     if not seats:  # no witnesses: nothing to wait for
         return True
-    every_proof_in = len(proofs) == seats
+    refused = sum(1 for w in c.snap.refused_proofs if w in c.state.witnesses)  # a seat's proof, though refused
+    every_proof_in = len(proofs) + refused == seats
     all_attested = (len(proofs) >= quorum(seats)
                     and all(got == set(counted) for got in verdicts(proofs, counted).values()))
     return every_proof_in or all_attested or _deadline_passed(c)
@@ -200,6 +201,53 @@ def _attested(c: Ctx) -> tuple[str, ...]:
 
 def _quorum_missed(c: Ctx) -> bool:
     return bool(c.state.witnesses) and len(c.proofs()) < quorum(len(c.state.witnesses))
+
+
+def _seatable(c: Ctx, candidates: Iterable[str]) -> list[str]:
+    """Who may hold a witness seat: not a participant whose proofs were refused `witness_strikes` times."""
+    barred = c.config.witness_strikes
+    return [p for p in candidates if c.state.witness_strikes.get(p, 0) < barred]
+
+
+def _refused_proofs(c: Ctx) -> dict[str, str]:
+    """The round's elected witnesses whose proof is refused, with why: refused by ingest (over-full, malformed,
+    spoofed), or empty against the records (it attests none of the round's counted updates while another witness
+    attests some of them). A witness that withholds every attestation cannot be told from one that found every
+    update bad, except by the others: one that attests nothing beside one that attests something contradicts
+    it. (A proof that refuses some updates others attest is not struck: which side is right is what witnessing
+    cannot know without a quorum; such a witness is recorded as a suspect.)"""
+    counted = _counted_digests(c)
+    out = _refused_by_ingest(c)
+    seen = verdicts(c.proofs(), counted)
+    attesting = sorted(w for w, got in seen.items() if got)
+    for w, got in sorted(seen.items()):
+        if counted and not got and (others := [x for x in attesting if x != w]):
+            out[w] = (f"it attests none of the round's {len(counted)} counted update(s), which {', '.join(others)} "
+                      "attest")
+    return out
+
+
+def _replacements(c: Ctx, count: int) -> list[str]:
+    """Up to `count` new witnesses for the round, in the order its seed shuffles the selected participants: not
+    one of its witnesses now or before, and not barred."""
+    s = c.state
+    taken = set(s.witnesses) | set(s.unseated)
+    order = elect(s.seed, _seatable(c, s.selected), len(s.selected))
+    return [p for p in order if p not in taken][:count]
+
+
+def _refused_by_ingest(c: Ctx) -> dict[str, str]:
+    return {w: f"ingest refused it: {why}" for w, why in sorted(c.snap.refused_proofs.items())
+            if w in c.state.witnesses}
+
+
+def _seats_to_redraw(c: Ctx) -> bool:
+    """A proof ingest refused takes its seat's proof away at once: redraw it now. One empty against the records is
+    judged once the witness phase is over, and only if the round cannot aggregate without redrawing: a round that
+    aggregates strikes it at close."""
+    if _refused_by_ingest(c):
+        return True
+    return _witness_over(c) and bool(_refused_proofs(c)) and (_quorum_missed(c) or not _enough_updates(c))
 
 
 def _enough_updates(c: Ctx) -> bool:
@@ -297,7 +345,8 @@ def _begin_round(c: Ctx) -> None:
         seed=seed,
         selected=chosen,
         plan=plan,
-        witnesses=elect(seed, chosen, cfg.witness_nodes),
+        witnesses=elect(seed, _seatable(c, chosen), cfg.witness_nodes),
+        unseated=(),
         counted=(),
         round_started=c.now,
         deadline=c.now + limit,
@@ -473,6 +522,8 @@ def _close_round(c: Ctx, aggregated: bool) -> None:
                  for w, why in suspects(c.proofs(), _counted_digests(c), len(s.witnesses)).items()}
     for w, why in suspected.items():
         c.effects.append(Note(f"round {s.round}: witness {w} is a suspect: {why}"))
+    _strike_witnesses(c, _refused_proofs(c))
+    s = c.state
     dropped = {
         pid: m.reason
         for pid, m in s.members.items()
@@ -567,6 +618,43 @@ def _quorum_missed_cool_down(c: Ctx) -> None:
     _cool_down(c)
 
 
+def _strike_witnesses(c: Ctx, struck: Mapping[str, str]) -> None:
+    """One strike for each witness whose proof was refused; `witness_strikes` of them drop it (and bar it from
+    witness seats for the rest of the run)."""
+    s, need = c.state, c.config.witness_strikes
+    counts = dict(s.witness_strikes)
+    for w, why in sorted(struck.items()):
+        counts[w] = counts.get(w, 0) + 1
+        c.state = c.state.evolve(witness_strikes=counts)
+        reason = f"its witness proof of round {s.round} was refused ({counts[w]} of {need}): {why}"
+        if counts[w] >= need and (m := c.state.members.get(w)) is not None and m.status is MemberStatus.ACTIVE:
+            c.drop(w, reason)
+        else:
+            c.effects.append(Note(f"round {s.round}: witness {w}: {reason}"))
+
+
+def _redraw_witnesses(c: Ctx) -> None:
+    _redraw(c, _refused_proofs(c))
+    c.state = c.state.evolve(deadline=c.now + c.config.round_witness_time)
+
+
+def _redraw_while_training(c: Ctx) -> None:
+    _redraw(c, _refused_by_ingest(c))
+
+
+def _redraw(c: Ctx, struck: Mapping[str, str]) -> None:
+    """Unseat the witnesses whose proofs were refused (a strike each) and draw others in their seats from the
+    round's seed; the round is witnessed again, not given up. The other witnesses' proofs stand. A seat nobody is
+    left to fill is given up (the quorum is of the seats that remain)."""
+    _strike_witnesses(c, struck)
+    s = c.state
+    fresh = iter(_replacements(c, len(struck)))
+    seats = tuple(w for w in (next(fresh, "") if w in struck else w for w in s.witnesses) if w)
+    c.state = s.evolve(witnesses=seats, unseated=tuple(sorted({*s.unseated, *struck})))
+    c.effects.append(Note(f"round {s.round}: witnesses {', '.join(sorted(struck))} unseated (refused proofs); "
+                          f"witnessed again by {', '.join(seats)}"))
+
+
 def _retry_round(c: Ctx) -> None:
     c.effects.append(Note(f"round {c.state.round}: {len(c.state.counted)} accepted updates, retrying"))
     _close_round(c, aggregated=False)
@@ -618,8 +706,13 @@ TRANSITIONS: tuple[Transition, ...] = (
                "every member reported ready, or warmup_time passed: select the round's trainers and size their shares"),
     Transition(T, W, "train_too_few", _too_few_members, _back_to_waiting,
                "members dropped below min_clients: the round closes unaggregated"),
+    Transition(T, T, "witness_redraw_training", lambda c: bool(_refused_by_ingest(c)), _redraw_while_training,
+               "ingest refused an elected witness's proof: strike it and draw another in its seat"),
     Transition(T, RW, "round_closed", _round_closed, _freeze_round,
                "every selected participant uploaded (or is stuck), or the round's deadline passed: freeze the count"),
+    Transition(RW, RW, "witness_redraw", _seats_to_redraw, _redraw_witnesses,
+               "a proof was refused by ingest, or proofs empty against the records leave the round unable to "
+               "aggregate: strike their witnesses and draw others in their seats from the round's seed"),
     Transition(RW, CD, "witness_quorum_missed", _all(_witness_over, _quorum_missed), _quorum_missed_cool_down,
                "fewer witness proofs than the quorum: no aggregation, the epoch ends"),
     Transition(RW, CD, "aggregate_epoch_end",

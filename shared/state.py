@@ -83,6 +83,10 @@ class RunState:
     # quorum; no counted update scores 0), and how many make a health report drop it (RunConfig.health_strikes).
     strikes: Mapping[str, int] = field(default_factory=dict)
     strikes_needed: int = 1
+    # Refused witness proofs of each participant over the run (RunConfig.witness_strikes of them drop it, and bar
+    # it from witness seats), and the witnesses unseated from the current round for one (not drawn again for it).
+    witness_strikes: Mapping[str, int] = field(default_factory=dict)
+    unseated: tuple[str, ...] = ()
     pause_requested: bool = False  # set by the operator; the next tick pauses (and clearing it resumes)
     # Throughput sizing (shared.sizing): the smoothed estimate of every participant measured so far, the current
     # round's plan (who trains which share, fixed at round start), and who missed the last deadline while still
@@ -197,6 +201,7 @@ class Snapshot:
     updates: Mapping[str, UpdateView] = field(default_factory=dict)  # current round only
     proofs: Mapping[str, Proof] = field(default_factory=dict)  # current round only, by witness
     health_reports: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # about state.health_round
+    refused_proofs: Mapping[str, str] = field(default_factory=dict)  # current round: witness -> why ingest refused
 
 
 # --- effects: what a tick asks its handler to do -----------------------------------------------------

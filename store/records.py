@@ -91,8 +91,9 @@ class ProofItem(_Item):
     round = NumberAttribute()
     pid = UnicodeAttribute()
     etag = UnicodeAttribute(default="")
-    body = UnicodeAttribute()  # the proof's JSON, as uploaded and validated
+    body = UnicodeAttribute()  # the proof's JSON, as uploaded and validated; "" for a refused one
     received_at = NumberAttribute()
+    refused = UnicodeAttribute(default="")  # why ingest refused the elected witness's signed proof; "": accepted
 
 
 class HealthItem(_Item):
@@ -199,6 +200,8 @@ def state_to_body(state: RunState) -> dict[str, Any]:
         "health_quorum": state.health_quorum,
         "strikes": dict(state.strikes),
         "strikes_needed": state.strikes_needed,
+        "witness_strikes": dict(state.witness_strikes),
+        "unseated": list(state.unseated),
         "pause_requested": state.pause_requested,
         # (6 significant digits: a measurement has fewer; keeps the item small with many participants)
         "speeds": {p: [float(f"{v.rate:.6g}"), float(f"{v.overhead:.6g}"), v.rounds]
@@ -212,7 +215,7 @@ def state_to_body(state: RunState) -> dict[str, Any]:
 # What of the state grows with the membership: kept out of the state item (`store.rosters`), so that the item
 # every participant polls has the same size whatever the number of members.
 ROSTER_FIELDS = ("members", "selected", "counted", "counted_last", "excluded", "witnesses", "health", "strikes",
-                 "speeds", "plan", "late")
+                 "witness_strikes", "unseated", "speeds", "plan", "late")
 ROSTER = "roster"  # the state item's field naming its roster (a digest; "": every roster field empty)
 
 
@@ -257,6 +260,8 @@ def state_from_body(body: dict[str, Any], version: int) -> RunState:
         health_quorum=int(body.get("health_quorum", 0)),
         strikes={k: int(v) for k, v in body.get("strikes", {}).items()},
         strikes_needed=int(body.get("strikes_needed", 1)),
+        witness_strikes={k: int(v) for k, v in body.get("witness_strikes", {}).items()},
+        unseated=tuple(body.get("unseated", ())),
         pause_requested=bool(body.get("pause_requested", False)),
         speeds={p: Speed(float(v[0]), float(v[1]), int(v[2])) for p, v in body.get("speeds", {}).items()},
         plan=tuple(Share(str(p), int(w), int(n)) for p, w, n in body.get("plan", ())),

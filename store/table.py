@@ -107,11 +107,11 @@ class StateStore:
 
     def load_snapshot(self) -> Snapshot:
         state = self.read_state()
-        proofs = self.proofs(state.round) if state.witnesses else {}
+        proofs, refused = self.proof_records(state.round) if state.witnesses else ({}, {})
         reports = self.health_reports(state.health_round) if state.health else {}
         updates = self.updates(state.round)
         participants = heard_through_updates(self.participants(), updates, state.members)
-        return Snapshot(state, participants, updates, proofs, reports)
+        return Snapshot(state, participants, updates, proofs, reports, refused_proofs=refused)
 
     def state_of(self, body: dict[str, Any], version: int, roster: bytes = b"") -> RunState:
         """The state a state item's body names (as read, or as pushed with its roster's bytes: `store.push`)."""
@@ -356,10 +356,11 @@ class StateStore:
         )
         return self._create(item)
 
-    def record_proof(self, round_no: int, pid: str, body: str, etag: str, at: float) -> bool:
-        """Record a witness's proof once; False if this witness's proof for the round is already in."""
+    def record_proof(self, round_no: int, pid: str, body: str, etag: str, at: float, refused: str = "") -> bool:
+        """Record a witness's proof once, or (`refused`: why) that the one it sent was refused: its seat's proof
+        either way; False if this witness's proof for the round is already in."""
         item = self.m.proof(self.pk, proof_sk(round_no, pid), round=round_no, pid=pid, etag=etag, body=body,
-                            received_at=at)
+                            received_at=at, refused=refused)
         return self._create(item)
 
     def proof_record(self, round_no: int, pid: str) -> ProofRecord | None:
@@ -370,8 +371,18 @@ class StateStore:
         return proof_record(item)
 
     def proofs(self, round_no: int) -> dict[str, Proof]:
+        return self.proof_records(round_no)[0]
+
+    def proof_records(self, round_no: int) -> tuple[dict[str, Proof], dict[str, str]]:
+        """The round's accepted proofs by witness, and why each refused one was refused."""
         items = self.m.proof.query(self.pk, self.m.proof.sk.startswith(proof_sk(round_no)), consistent_read=True)
-        return {i.pid: Proof.from_json(i.body) for i in items}
+        accepted, refused = {}, {}
+        for i in items:
+            if i.refused:
+                refused[i.pid] = i.refused
+            else:
+                accepted[i.pid] = Proof.from_json(i.body)
+        return accepted, refused
 
     def record_health_report(self, round_no: int, pid: str, named: list[str], at: float) -> bool:
         item = self.m.health(self.pk, health_sk(round_no, pid), round=round_no, pid=pid, named=named, received_at=at)

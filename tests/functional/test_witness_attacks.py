@@ -101,40 +101,63 @@ def test_agreeing_proofs_attesting_everything_close_the_round_at_once(attacked: 
     assert h.state().round == 1
 
 
-def test_two_empty_proofs_of_three_neither_block_beyond_the_round_nor_drop_anyone(attacked: Harness) -> None:
+def test_two_empty_proofs_of_three_cost_no_round_and_drop_their_witnesses(attacked: Harness) -> None:
+    # Given a round whose witnesses are two attackers sending empty proofs and one honest witness (issue 31: this
+    # left the round unaggregated, and the attackers could do it again the next time they held the seats)
     h = attacked
     honest, *attackers = h.state().witnesses
     for w in attackers:
         assert send_proof(h, w, {})["accepted"]
     assert send_proof(h, honest, recorded_digests(h))["accepted"]
+    # Then the empty proofs are refused against the records: their witnesses are dropped, with why, and the seats
+    # they held go to the round's other member (the only one left), drawn from the round's seed
     s = h.state()
-    assert s.round == 1 and s.aggregated == 0  # the round is retried, not aggregated
+    assert s.round == 0 and s.phase is Phase.WITNESS
+    for w in attackers:
+        assert s.members[w].status is MemberStatus.DROPPED and "attests none" in s.members[w].reason, s.members[w]
+        assert s.witness_strikes[w] == 1
+    (other,) = set(PIDS) - {honest, *attackers}
+    assert s.witnesses == (honest, other) and set(s.unseated) == set(attackers)
+    # And when the new witness attests, the round aggregates: no round lost
+    assert send_proof(h, other, recorded_digests(h))["accepted"]
+    s = h.state()
+    assert s.round == 1 and s.aggregated == 1
     summary = h.deps.store.rounds()[0]
-    assert not summary.aggregated and summary.health == {}
-    # Every member reports every other as unhealthy: nobody is dropped on the attackers' word
-    for pid in PIDS:
-        h.send(keys.health_key(h.config.run_id, 0, pid), json.dumps({"unhealthy": [p for p in PIDS if p != pid]}
-                                                                    ).encode())
+    assert summary.aggregated and set(summary.dropped) == set(attackers), summary
+    assert {honest, other} <= set(summary.counted)
+    # And a participant whose proofs were refused holds no witness seat again, though the next epoch (two members
+    # were too few to go on) admits it again as a trainer
+    assert s.epoch == 2 and set(attackers) <= set(s.members) and not set(attackers) & set(s.witnesses), s
+
+
+def test_an_over_full_proof_costs_no_round_and_drops_its_witness(attacked: Harness) -> None:
+    h = attacked
+    first, second, third = h.state().witnesses
+    full = {"participants": {"bits": 64, "hashes": 8, "hex": "ff" * 8},
+            "digests": {"bits": 64, "hashes": 8, "hex": "ff" * 8}}
+    assert send_proof(h, first, {}, full)["accepted"] is False
+    assert send_proof(h, second, recorded_digests(h))["accepted"]
     s = h.state()
-    assert {p for p, m in s.members.items() if m.status is MemberStatus.ACTIVE} == set(PIDS) and s.epoch == 1
-    # The next round, with honest witnesses, aggregates
-    for i, pid in enumerate(PIDS):
-        h.upload(pid, model(2.0 + i))
-    for w in h.state().witnesses:
-        send_proof(h, w, recorded_digests(h))
+    assert s.members[first].status is MemberStatus.DROPPED and "bits set" in s.members[first].reason
+    (other,) = set(PIDS) - {first, second, third}
+    assert s.witnesses == (other, second, third) and s.round == 0
+    assert send_proof(h, third, recorded_digests(h))["accepted"]
     assert h.state().aggregated == 1
 
 
-def test_one_empty_proof_of_two_drops_nobody(harness_factory) -> None:  # type: ignore[no-untyped-def]
+def test_one_empty_proof_of_two_drops_its_witness_and_nobody_else(harness_factory) -> None:  # type: ignore[no-untyped-def]
     h = witnessed_round(harness_factory, 2)
     honest, attacker = h.state().witnesses
     assert send_proof(h, attacker, {})["accepted"]
     assert send_proof(h, honest, recorded_digests(h))["accepted"]
-    assert h.state().round == 1 and h.state().aggregated == 0
-    for pid in PIDS:
+    s = h.state()
+    assert s.round == 0 and s.members[attacker].status is MemberStatus.DROPPED
+    (replacement,) = [w for w in s.witnesses if w != honest]
+    assert send_proof(h, replacement, recorded_digests(h))["accepted"]
+    assert h.state().round == 1 and h.state().aggregated == 1
+    for pid in PIDS:  # every member names every other: the round's records drop nobody honest on that
         h.send(keys.health_key(h.config.run_id, 0, pid), json.dumps({"unhealthy": PIDS}).encode())
-    assert {p for p, m in h.state().members.items() if m.status is MemberStatus.ACTIVE} == set(PIDS)
-    assert h.state().epoch == 1  # not all dropped, and the next epoch admitting them again
+    assert {p for p, m in h.state().members.items() if m.status is MemberStatus.ACTIVE} == set(PIDS) - {attacker}
 
 
 def test_a_unanimous_refusal_still_drops_the_refused(attacked: Harness) -> None:
@@ -156,10 +179,15 @@ def test_missing_proofs_wait_for_the_witness_deadline(attacked: Harness) -> None
     send_proof(h, attacker, {})
     send_proof(h, honest, recorded_digests(h))
     assert h.state().round == 0
+    # At the deadline the empty proof is judged against the honest one: its witness is replaced, the round goes on
     run_tick(h.deps, time.time() + DEFAULT_WITNESS_TIME + 1)
     s = h.state()
+    assert s.round == 0 and attacker not in s.witnesses and honest in s.witnesses
+    # and when no other proof comes before the new deadline, the round closes unaggregated, nobody else dropped
+    run_tick(h.deps, time.time() + 2 * DEFAULT_WITNESS_TIME + 2)
+    s = h.state()
     assert s.round == 1 and s.aggregated == 0
-    assert {p for p, m in s.members.items() if m.status is MemberStatus.ACTIVE} == set(PIDS)
+    assert set(h.deps.store.rounds()[0].dropped) == {attacker}
 
 
 def test_honest_filters_of_any_round_size_are_never_an_overclaim() -> None:

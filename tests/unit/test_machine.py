@@ -130,6 +130,26 @@ SCENARIOS = {
         ),
         T0,
     ),
+    "witness_redraw": (  # b's proof attests nothing of what a attests: b is struck, d draws its seat
+        Snapshot(
+            state(Phase.WITNESS, members=members("a", "b", "c", "d"), selected=("a", "b", "c", "d"),
+                  counted=("a", "b", "c"), witnesses=("a", "b", "c"), deadline=T0, seed="00"),
+            {p: pv(p) for p in "abcd"},
+            {p: upd(p) for p in "abc"},
+            {"a": Proof.build("unit-run", 0, "a", 0, {p: f"d-{p}" for p in "abc"}, 4, True),
+             "b": Proof.build("unit-run", 0, "b", 1, {}, 4, True)},
+        ),
+        T0,
+    ),
+    "witness_redraw_training": (
+        Snapshot(
+            state(Phase.TRAIN, members=members("a", "b", "c", "d"), selected=("a", "b", "c", "d"),
+                  witnesses=("a", "b", "c"), seed="00"),
+            {p: pv(p) for p in "abcd"},
+            refused_proofs={"c": "its participants filter has 64 of 64 bits set"},
+        ),
+        T0,
+    ),
     "finish_waiting": (Snapshot(state(Phase.WAITING, members={}, aggregated=3, round=3)), T0),
     "resume": (Snapshot(state(Phase.PAUSED, members={}), {"a": pv("a"), "b": pv("b")}), T0),
     **{
