@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -292,7 +293,7 @@ def _start_epoch(c: Ctx) -> None:
         late=(),
     )
     if not s.has_model:
-        source = next(p for p in eligible if p.init_digest)
+        source = _initial_offer(eligible)
         s = s.evolve(global_digest=source.init_digest, model_source=source.pid)
         c.effects.append(AdoptInitialModel(source.pid, source.init_digest, s.round))
     new = sum(1 for p in eligible if p.pid not in c.state.members)
@@ -302,6 +303,17 @@ def _start_epoch(c: Ctx) -> None:
     if waiting:
         c.effects.append(Note(f"{waiting} live participants wait for a later epoch: at most "
                               f"{c.config.max_admissions_per_epoch} new members an epoch"))
+
+
+def _initial_offer(eligible: list[ParticipantView]) -> ParticipantView:
+    """Whose initial-model offer becomes round 0's global: the model most of the eligible offered (honest
+    participants of a task build the same one from the run's seed, so an attacker's model that fits the run's
+    schema must outnumber them), the first offerer by id among equals. Ingest already refused offers that do not
+    fit the run's `initial_model_schema` / `initial_model_digest`."""
+    offers = [p for p in eligible if p.init_digest]
+    votes = Counter(p.init_digest for p in offers)
+    best = max(votes.values())
+    return next(p for p in offers if votes[p.init_digest] == best)
 
 
 def _waiting_for_admission(c: Ctx, admitted: list[ParticipantView]) -> int:

@@ -16,12 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from local.access import ENV_CHECK
 from local.access.ledger import ENV_LEDGER, read_calls, read_denials
 from store import trace
 
 _EXPECTED: set[str] = set()
+
+# Property tests draw the same examples on every run (a CI run must not find a new one by chance and fail); run
+# with `--hypothesis-seed=N` (or HYPOTHESIS_PROFILE=explore) to search further.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

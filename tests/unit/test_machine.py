@@ -225,6 +225,16 @@ def test_epoch_start_adopts_the_first_offer_and_admits_live_participants() -> No
     assert d.state.global_digest == "ia"
 
 
+def test_epoch_start_adopts_the_model_most_offered_not_the_first_id() -> None:
+    # An attacker whose id sorts first offers a model of the right shape with weights of its own; the honest
+    # participants all built the same one from the run's seed
+    fleet = {"a": pv("a", init="evil"), "b": pv("b", init="honest"), "c": pv("c", init="honest")}
+    d = tick(Snapshot(RunState("unit-run"), fleet), CFG, T0)
+    assert d.state.global_digest == "honest" and d.state.model_source == "b"
+    tie = {"a": pv("a", init="x"), "b": pv("b", init="y")}
+    assert tick(Snapshot(RunState("unit-run"), tie), CFG, T0).state.global_digest == "x"  # equals: first by id
+
+
 def test_no_epoch_without_a_model_or_an_offer() -> None:
     snap = Snapshot(RunState("unit-run"), {"a": pv("a"), "b": pv("b")})
     assert not tick(snap, CFG, T0).changed

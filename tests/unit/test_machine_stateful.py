@@ -139,10 +139,16 @@ class CoordinatorMachine(RuleBasedStateMachine):
                                              if any(p.attests(pid, u.digest) for p in proofs.values())}
             if isinstance(effect, Aggregate):
                 assert len(effect.inputs) >= self.config.min_updates, "aggregated with too few updates"
+                # the seats as the round closed: witnesses whose proofs were refused are unseated (redrawn, or the
+                # seat given up when nobody is left to draw), and the quorum is of the seats that remain
+                (closed,) = [e.summary for e in decision.effects
+                             if isinstance(e, RecordRound) and e.summary.round == effect.round]
                 if s.witnesses:
-                    need = quorum(len(s.witnesses))
+                    need = quorum(len(closed.witnesses))
+                    assert need >= 1 and closed.quorum == need
                     for item in effect.inputs:
-                        votes = sum(1 for p in proofs.values() if p.attests(item.participant, item.digest))
+                        votes = sum(1 for w, p in proofs.items() if w in closed.witnesses
+                                    and p.attests(item.participant, item.digest))
                         assert votes >= need, "aggregated an update a witness quorum did not attest"
                 for item in effect.inputs:
                     slot = (effect.round, item.participant)
