@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import base64
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -29,7 +32,17 @@ class Tampered(Exception):
     """No stored version of a content-addressed object holds the bytes its digest names."""
 
 
-MAX_VERSIONS_TRIED = 20  # how far back a verified read looks past versions someone wrote over the object
+# A verified read of an object whose version is not known (`Bucket.known_version`) and whose current version does
+# not match looks back through its older versions: it reads (hashes) at most MAX_VERSIONS_TRIED of them, the oldest
+# first, among the first MAX_VERSIONS_LISTED versions that S3 lists (newest first, LIST_PAGE a request, one page held
+# at a time). The coordinator writes a content-addressed key before anyone can know its name, so the oldest version
+# is its own: versions written over it, however many, cost a listing page per thousand, never a read each.
+MAX_VERSIONS_TRIED = 20
+MAX_VERSIONS_LISTED = 10_000
+LIST_PAGE = 1000
+KNOWN_VERSIONS = 4096  # object versions a Bucket remembers (key and version id: a few hundred bytes each)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -88,17 +101,48 @@ UNLISTED_MISSING_CODES = frozenset({"AccessDenied", "403", "Forbidden"})
 
 class Bucket:
     """`unlisted`: the caller holds no s3:ListBucket (a participant), so S3 answers a read of a missing key with 403
-    AccessDenied, and that answer, for a key the caller may read, means "not there" (and listing versions is not
-    possible: a verified read that finds the current version altered reports it as tampered)."""
+    AccessDenied, and that answer, for a key the caller may read, means "not there" (and neither listing versions nor
+    reading one by its id is possible: a verified read that finds the current version altered reports it as
+    tampered).
+
+    The bucket is versioned, and what the coordinator wrote is read back only by a verified read (`read_verified`,
+    `verified_version`): the version whose bytes match the digest the committed state names, never whatever was
+    written at the key since. The Bucket remembers the version id of each object it wrote and of each version a
+    verified read authenticated, and the state store tells it the versions a committed state records (`remember`),
+    so such a read goes straight to that version (one GET) however many versions were written over it."""
 
     def __init__(self, name: str, client: Any, unlisted: bool = False) -> None:
         self.name = name
         self.client = client
         self.unlisted = unlisted
+        self._known: OrderedDict[str, str] = OrderedDict()  # key -> version id, least recently used first
+        self._known_lock = threading.Lock()
 
     def _missing(self, exc: ClientError) -> bool:
         code = exc.response["Error"]["Code"]
         return code in MISSING_CODES or (self.unlisted and code in UNLISTED_MISSING_CODES)
+
+    # --- versions known to hold what the coordinator wrote ------------------------------------------------
+
+    def remember(self, key: str, version_id: str) -> None:
+        """Take `version_id` as the version of `key` a verified read tries first (it still checks its digest)."""
+        if not version_id:
+            return
+        with self._known_lock:
+            self._known[key] = version_id
+            self._known.move_to_end(key)
+            while len(self._known) > KNOWN_VERSIONS:
+                self._known.popitem(last=False)
+
+    def known_version(self, key: str) -> str:
+        """The version of `key` this Bucket wrote, authenticated or was told of last ("": none)."""
+        with self._known_lock:
+            version = self._known.get(key, "")
+            if version:
+                self._known.move_to_end(key)
+            return version
+
+    # --- reads ---------------------------------------------------------------------------------------------
 
     def _get_object(self, key: str, version_id: str = "", **extra: Any) -> dict[str, Any]:
         """GetObject (a given version if named); NotFound for a missing key, version or range."""
@@ -107,7 +151,9 @@ class Bucket:
         try:
             return dict(self.client.get_object(Bucket=self.name, Key=key, **extra))
         except ClientError as exc:
-            if self._missing(exc) or exc.response["Error"]["Code"] == "InvalidRange":
+            code = exc.response["Error"]["Code"]
+            # (a version id S3 cannot parse is answered InvalidArgument: no such version either)
+            if self._missing(exc) or code == "InvalidRange" or (version_id and code == "InvalidArgument"):
                 raise NotFound(f"{key}: {exc}" if "Range" in extra else key) from None
             raise
 
@@ -144,31 +190,92 @@ class Bucket:
         resp = self._get_object(key, version_id)
         return resp, resp["Body"].iter_chunks(chunk)
 
-    def verified_version(self, key: str, want: str) -> tuple[str, int]:
+    def verified_version(self, key: str, want: str, version_id: str = "") -> tuple[str, int]:
         """(version id, size) of the version of `key` whose digest is `want`, hashed as it streams (memory: one
-        chunk): the current version, or else the newest earlier one that matches. Objects the coordinator wrote
-        are read back only this way, so bytes written over them (locally nothing stops anyone; on AWS, IAM does)
-        are never taken for the coordinator's own."""
-        current = self.digest_of(key)
-        if current[0] == want:
-            return current[1], current[2]
-        if self.unlisted:
-            raise Tampered(f"{key[:200]} does not match its digest {want[:64]}")
-        pages = self.client.get_paginator("list_object_versions").paginate(Bucket=self.name, Prefix=key)
-        versions = [v for page in pages for v in page.get("Versions", []) if v["Key"] == key]
-        for v in sorted(versions, key=lambda v: v["LastModified"], reverse=True)[:MAX_VERSIONS_TRIED]:
-            if v["VersionId"] != current[1]:
-                older = self.digest_of(key, v["VersionId"])
-                if older[0] == want:
-                    return older[1], older[2]
-        raise Tampered(f"no version of {key[:200]} matches its digest {want[:64]}")
+        chunk). Objects the coordinator wrote are read back only this way (or by `read_verified`), so bytes written
+        over them (locally nothing stops anyone; on AWS, IAM does) are never taken for the coordinator's own."""
 
-    def get_verified(self, key: str, want: str, max_bytes: int) -> bytes:
+        def read(version: str) -> tuple[tuple[str, int] | None, str, str]:
+            found, got, size = self.digest_of(key, version)
+            return (got, size), got, found
+
+        return self._verified(key, want, version_id, read)
+
+    def read_verified(self, key: str, want: str, max_bytes: int, version_id: str = "") -> Blob:
+        """The version of `key` whose digest is `want` (a small object, read whole; versions over `max_bytes` are
+        not it)."""
+
+        def read(version: str) -> tuple[Blob | None, str, str]:
+            try:
+                blob = self.get(key, max_bytes, version)
+            except ValueError:  # too large to be it
+                return None, version, ""
+            return blob, blob.version_id, digest(blob.data)
+
+        return self._verified(key, want, version_id, read, max_bytes)
+
+    def get_verified(self, key: str, want: str, max_bytes: int, version_id: str = "") -> bytes:
         """The bytes of the version of `key` whose digest is `want` (a small object, read whole)."""
-        blob = self.get(key, max_bytes)
-        if digest(blob.data) == want:
-            return blob.data
-        return self.get(key, max_bytes, self.verified_version(key, want)[0]).data
+        return self.read_verified(key, want, max_bytes, version_id).data
+
+    def _verified(self, key: str, want: str, version_id: str, read: Callable[[str], tuple[T | None, str, str]],
+                  max_bytes: int | None = None) -> T:
+        """The first version whose digest is `want` of: the one named (`version_id`, else the one known: a committed
+        state names it), the current one, and the look-back (`MAX_VERSIONS_TRIED`). `read(version)` ("": the
+        current one) gives (what to return, its version id, its digest: "" if it cannot be the one wanted)."""
+        tried: set[str] = set()
+        named = "" if self.unlisted else (version_id or self.known_version(key))
+        candidates = [named] if named else []
+        candidates.append("")
+        missing = True
+        for version in candidates:
+            try:
+                result, got, found = read(version)
+            except NotFound:
+                continue  # a version named but gone (a restored run wrote the object again): look further
+            missing = False
+            if found == want and result is not None:
+                self.remember(key, got or version)
+                return result
+            tried.update(v for v in (version, got) if v)
+        if self.unlisted:
+            if missing:
+                raise NotFound(key)
+            raise Tampered(f"{key[:200]} does not match its digest {want[:64]}")
+        older, listed = self._look_back(key, tried, max_bytes)
+        for version in older:
+            try:
+                result, got, found = read(version)
+            except NotFound:
+                continue  # deleted since it was listed
+            if found == want and result is not None:
+                self.remember(key, got or version)
+                return result
+        if missing and not listed:
+            raise NotFound(key)
+        raise Tampered(f"no version of {key[:200]} matches its digest {want[:64]} (the current one and "
+                       f"{len(older)} of the {listed} listed were tried)")
+
+    def _look_back(self, key: str, skip: set[str], max_bytes: int | None) -> tuple[list[str], int]:
+        """The versions of `key` a verified read tries after the named and current ones, oldest first: at most
+        MAX_VERSIONS_TRIED, none in `skip` or larger than `max_bytes`, among the first MAX_VERSIONS_LISTED listed;
+        and how many were listed. One page is held at a time."""
+        tail: deque[str] = deque(maxlen=MAX_VERSIONS_TRIED)  # the oldest seen so far: S3 lists newest first
+        listed = 0
+        marker: dict[str, str] = {}
+        while listed < MAX_VERSIONS_LISTED:
+            page = self.client.list_object_versions(Bucket=self.name, Prefix=key, **marker,
+                                                    MaxKeys=min(LIST_PAGE, MAX_VERSIONS_LISTED - listed))
+            for v in page.get("Versions", []):
+                if v["Key"] != key:  # S3 lists keys in order: past `key`'s versions, into longer keys
+                    return list(reversed(tail)), listed
+                listed += 1
+                if v["VersionId"] not in skip and (max_bytes is None or int(v.get("Size", 0)) <= max_bytes):
+                    tail.append(v["VersionId"])
+            if not page.get("IsTruncated") or not page.get("NextKeyMarker"):
+                break
+            marker = {"KeyMarker": page["NextKeyMarker"], "VersionIdMarker": page.get("NextVersionIdMarker", "")}
+        return list(reversed(tail)), listed
 
     def digest_of(self, key: str, version_id: str = "") -> tuple[str, str, int]:
         """(content digest, version id, size) of an object version, hashed as it streams."""
@@ -201,7 +308,9 @@ class Bucket:
                  for n, (etag, sha) in enumerate(written, start=1)]
         resp = self.client.complete_multipart_upload(Bucket=self.name, Key=key, UploadId=upload_id,
                                                      MultipartUpload={"Parts": parts})
-        return str(resp.get("VersionId") or "")
+        version = str(resp.get("VersionId") or "")
+        self.remember(key, version)
+        return version
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         try:
@@ -227,13 +336,22 @@ class Bucket:
             raise
 
     def put(self, key: str, data: bytes | bytearray, metadata: dict[str, str] | None = None) -> str:
+        """Write an object whole; its ETag (its version is remembered: `known_version`)."""
         resp = self.client.put_object(Bucket=self.name, Key=key, Body=bytes(data), Metadata=metadata or {})
+        self.remember(key, str(resp.get("VersionId") or ""))
         return str(resp["ETag"]).strip('"')
 
     def copy(self, source: str, dest: str, version_id: str = "") -> None:
         """Server-side copy of `source` (a given version if named) to `dest`: one CopyObject up to S3's 5 GB limit
-        for it, beyond that a multipart copy (UploadPartCopy) in parallel parts."""
-        origin = {"Bucket": self.name, "Key": source} | ({"VersionId": version_id} if version_id else {})
+        for it (the version it makes is remembered), beyond that a multipart copy (UploadPartCopy) in parallel
+        parts (whose version a verified read finds: the oldest at a content-addressed key)."""
+        which = {"VersionId": version_id} if version_id else {}
+        origin = {"Bucket": self.name, "Key": source} | which
+        head = self.client.head_object(Bucket=self.name, Key=source, **which)
+        if int(head["ContentLength"]) < COPY_CONFIG.multipart_threshold:
+            resp = self.client.copy_object(Bucket=self.name, Key=dest, CopySource=origin)
+            self.remember(dest, str(resp.get("VersionId") or ""))
+            return
         self.client.copy(origin, self.name, dest, Config=COPY_CONFIG)
 
     def keys(self, prefix: str) -> list[str]:

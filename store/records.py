@@ -217,6 +217,11 @@ def state_to_body(state: RunState) -> dict[str, Any]:
 ROSTER_FIELDS = ("members", "selected", "counted", "counted_last", "excluded", "witnesses", "health", "strikes",
                  "witness_strikes", "unseated", "speeds", "plan", "late")
 ROSTER = "roster"  # the state item's field naming its roster (a digest; "": every roster field empty)
+# The state item's field recording the S3 version id of each object it names that is read back by a verified read
+# (`store.blobs.Bucket.read_verified`), by its role: ROSTER, GLOBAL, OPTIMIZER (`store.table.named_objects`). Absent
+# from items committed before it existed, and for an object whose version the committing process did not know.
+VERSIONS = "versions"
+GLOBAL, OPTIMIZER = "global", "optimizer"
 
 
 def split_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -226,7 +231,7 @@ def split_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def joined_body(head: dict[str, Any], roster: dict[str, Any]) -> dict[str, Any]:
     """The whole state body of a state item's part and its roster ({}: the empty one)."""
-    return {**_EMPTY_ROSTER, **roster, **{k: v for k, v in head.items() if k != ROSTER}}
+    return {**_EMPTY_ROSTER, **roster, **{k: v for k, v in head.items() if k not in (ROSTER, VERSIONS)}}
 
 
 def state_from_body(body: dict[str, Any], version: int) -> RunState:

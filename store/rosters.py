@@ -8,7 +8,8 @@ run), and the roster is read again only when a commit changed it — a few times
 
 Writes come before the state item's conditional commit and are idempotent (same content, same key): a commit
 that loses its race leaves at most an object nobody names. Reads check the bytes against the digest the
-committed state names (`Bucket.get_verified`), so nothing written over a roster is taken for the coordinator's.
+committed state names (`Bucket.read_verified`), reading first the version the state item records (`VERSIONS`),
+so nothing written over a roster, however often, is taken for the coordinator's or keeps it from being read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from shared import keys
 from shared.digest import digest
 from shared.state import RunState
 from store.blobs import Bucket
-from store.records import ROSTER, ROSTER_FIELDS, joined_body, state_from_body
+from store.records import ROSTER, ROSTER_FIELDS, VERSIONS, joined_body, state_from_body
 
 MAX_ROSTER_BYTES = 64 * 1024 * 1024  # ~300,000 members: far beyond what one run admits
 OPTIONAL_FIELDS = {"counted_last", "strikes"}  # absent from the rosters of runs started before they existed
@@ -53,13 +54,15 @@ class Rosters:
             self._last = (name, roster, data)
         return name
 
-    def read(self, name: str, delivered: bytes = b"") -> dict[str, Any]:
+    def read(self, name: str, delivered: bytes = b"", version_id: str = "") -> dict[str, Any]:
         """The roster a state item names ({} for EMPTY): the one last seen, the `delivered` bytes if they are that
-        roster's (a push carries them: `store.push`), else read from the bucket."""
+        roster's (a push carries them: `store.push`), else read from the bucket (`version_id`: the version the
+        item records, "": not recorded)."""
         if name == EMPTY:
             return {}
         if name != self._last[0] and not (delivered and self._take(name, delivered)):
-            self._adopt(name, self.bucket.get_verified(keys.roster_key(self.run_id, name), name, MAX_ROSTER_BYTES))
+            key = keys.roster_key(self.run_id, name)
+            self._adopt(name, self.bucket.get_verified(key, name, MAX_ROSTER_BYTES, version_id))
         return self._last[1]
 
     def held(self, name: str) -> bytes:
@@ -86,4 +89,6 @@ class Rosters:
 def state_of_item(body: dict[str, Any], version: int, rosters: Rosters, roster: bytes = b"") -> RunState:
     """The whole run state of a state item's body: the item's fields and the roster it names (`roster`: the bytes a
     push delivered with the body, used if they are that roster's)."""
-    return state_from_body(joined_body(body, rosters.read(body[ROSTER], roster)), version)
+    recorded = body.get(VERSIONS) or {}
+    return state_from_body(joined_body(body, rosters.read(body[ROSTER], roster, str(recorded.get(ROSTER, "")))),
+                           version)

@@ -19,6 +19,7 @@ from pynamodb.exceptions import (
 )
 from pynamodb.transactions import TransactWrite
 
+from shared import keys
 from shared.limits import MAX_ID_CHARS, MAX_KEY_CHARS, MAX_REASON_CHARS, bounded
 from shared.state import ParticipantView, RoundSummary, RunState, Snapshot, UpdateView, heard_through_updates
 from shared.table_keys import (
@@ -39,7 +40,10 @@ from shared.witness import Proof
 from store.blobs import Bucket, s3_client
 from store.connection import Connection as ConnectionInfo
 from store.records import (
+    GLOBAL,
+    OPTIMIZER,
     ROSTER,
+    VERSIONS,
     Models,
     models,
     participant_record,
@@ -80,6 +84,20 @@ class Conflict(Exception):
     """Another writer changed the record first; re-read and decide again."""
 
 
+def named_objects(run_id: str, state: RunState, roster: str) -> dict[str, str]:
+    """The objects a state names that are read back by a verified read, by their role in the item's `VERSIONS`
+    field: its roster (`roster`: its digest), the global model its round trains from and the server optimizer
+    state that round starts from."""
+    named = {}
+    if roster:
+        named[ROSTER] = keys.roster_key(run_id, roster)
+    if state.global_digest:
+        named[GLOBAL] = keys.global_key(run_id, state.round, state.global_digest)
+    if state.optimizer_digest:
+        named[OPTIMIZER] = keys.optimizer_key(run_id, state.round, state.optimizer_digest)
+    return named
+
+
 class StateStore:
     def __init__(self, table: str, run_id: str, bucket: Bucket, endpoint: str | None = None,
                  region: str = "us-east-1") -> None:
@@ -103,7 +121,7 @@ class StateStore:
             item = self.m.run.get(self.pk, STATE_SK, consistent_read=True)
         except DoesNotExist:
             return RunState(self.run_id)
-        return state_of_item(item.body, int(item.version), self.rosters)
+        return self.state_of(item.body, int(item.version))
 
     def load_snapshot(self) -> Snapshot:
         state = self.read_state()
@@ -114,13 +132,25 @@ class StateStore:
         return Snapshot(state, participants, updates, proofs, reports, refused_proofs=refused)
 
     def state_of(self, body: dict[str, Any], version: int, roster: bytes = b"") -> RunState:
-        """The state a state item's body names (as read, or as pushed with its roster's bytes: `store.push`)."""
-        return state_of_item(body, version, self.rosters, roster)
+        """The state a state item's body names (as read, or as pushed with its roster's bytes: `store.push`). The
+        versions the item records are remembered by the bucket: the verified reads of this state's objects (its
+        global model, its optimizer state) go straight to them."""
+        state = state_of_item(body, version, self.rosters, roster)
+        recorded = body.get(VERSIONS) or {}
+        for role, key in named_objects(self.run_id, state, str(body.get(ROSTER, ""))).items():
+            self.rosters.bucket.remember(key, str(recorded.get(role, "")))
+        return state
 
     def item_body(self, state: RunState) -> dict[str, Any]:
-        """The state item's body for `state`: its constant-size part and the digest of its roster (written)."""
+        """The state item's body for `state`: its constant-size part, the digest of its roster (written), and the
+        version id of each object it names whose version this process knows (wrote, authenticated, or read in the
+        state it committed on)."""
         head, roster = split_body(state_to_body(state))
-        return {**head, ROSTER: self.rosters.write(roster)}
+        name = self.rosters.write(roster)
+        bucket = self.rosters.bucket
+        versions = {role: version for role, key in named_objects(self.run_id, state, name).items()
+                    if (version := bucket.known_version(key))}
+        return {**head, ROSTER: name, **({VERSIONS: versions} if versions else {})}
 
     def item_and_roster(self, state: RunState) -> tuple[dict[str, Any], bytes]:
         """`item_body`, and the canonical bytes of the roster it names (b"": none)."""
