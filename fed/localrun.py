@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
 from local.stack import LocalStack
 from participant.tasks import digits_meta
 from shared.config import RunConfig
-from shared.state import RoundSummary
+from shared.state import Phase, RoundSummary
+from store.blobs import Tampered
 from store.connection import DEFAULT_LOCAL_FILE, Connection
 from store.table import StateStore
 
 LOCAL_RUN_ID = "local"
+
+log = logging.getLogger("fed.local")
+T = TypeVar("T")
 
 
 def default_local_config(run_id: str = LOCAL_RUN_ID, **overrides: Any) -> RunConfig:
@@ -59,6 +64,52 @@ class RoundFollower:
         fresh = [s for s in sorted(self.store.rounds(), key=lambda s: s.round) if s.round not in self.seen]
         self.seen.update(s.round for s in fresh)
         return fresh
+
+
+class RunFollower:
+    """What `fed local` prints while it serves a run: a line per recorded round (`RoundFollower`) and one when the
+    run finishes.
+
+    Following only observes: the stack holds the run in memory, and whatever a read meets (the server busy or
+    refusing, an object the state names found altered: `Tampered`) must not end the process that holds it. A failed
+    read is reported once, with what was being read and the error, then tried again at each poll; its recovery is
+    reported too."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.rounds = RoundFollower(store)
+        self.finished = False
+        self.failing: dict[str, str] = {}  # what -> the error last reported for it (until it reads again)
+
+    def poll(self) -> list[str]:
+        """The lines to print now (rich markup); never raises an Exception."""
+        lines: list[str] = []
+        summaries = self._read("the recorded rounds", self.rounds.new, lines)
+        lines += [describe_round(s) for s in summaries or []]
+        state = self._read("the run state", self.store.read_state, lines)
+        if state is not None and state.phase is Phase.FINISHED and not self.finished:
+            self.finished = True
+            lines.append(f"[green]run finished[/]: {state.aggregated} rounds aggregated; the stack stays up for "
+                         "`fed status` until Ctrl-C")
+        return lines
+
+    def _read(self, what: str, read: Callable[[], T], lines: list[str]) -> T | None:
+        try:
+            value = read()
+        except Exception as exc:  # noqa: BLE001 - reported, and tried again at the next poll
+            error = f"{type(exc).__name__}: {exc}"
+            if self.failing.get(what) != error:
+                self.failing[what] = error
+                log.warning("reading %s of run %s failed; the stack keeps the run and reads again each poll",
+                            what, self.store.run_id, exc_info=exc)
+                hint = (" (an object the committed state names no longer holds the bytes its digest names: "
+                        "something wrote over it; `fed verify` checks the run)" if isinstance(exc, Tampered) else "")
+                lines.append(f"[yellow]reading {what} of run {self.store.run_id!r} failed: {error[:500]}{hint}; the "
+                             "stack keeps the run and reads again each second[/]")
+            return None
+        if self.failing.pop(what, None) is not None:
+            lines.append(f"reading {what} works again")
+        return value
 
 
 def store_for(connection: Connection) -> StateStore:
@@ -117,16 +168,10 @@ def run_local(
             console.print(f"  [cyan]{line}[/]")
         console.print(f"and watch it with:\n  [cyan]fed status --connection {connection_file} --watch[/]")
         console.print("Ctrl-C stops the stack.")
-        follower = RoundFollower(store_for(stack.connection))
-        finished = False
+        follower = RunFollower(store_for(stack.connection))
         while not stop.wait(1.0):
-            for summary in follower.new():
-                console.print(describe_round(summary))
-            state = follower.store.read_state()
-            if state.phase.value == "Finished" and not finished:
-                finished = True
-                console.print(f"[green]run finished[/]: {state.aggregated} rounds aggregated; "
-                              "the stack stays up for `fed status` until Ctrl-C")
+            for line in follower.poll():
+                console.print(line)
     finally:
         _restore_signals(previous)
         dispatcher = stack.dispatcher

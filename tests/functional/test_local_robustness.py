@@ -1,30 +1,125 @@
 """What a participant with its own identity cannot do to the local stack, or to the coordinator's reads.
 
-An object the coordinator wrote is read back by the version the committed state records, so versions written over
-it, however many, neither stop a tick nor make it list or read them all.
+`fed local` holds the run in memory: whatever its follower meets reading the run (an altered object, `Tampered`,
+or any other error) is reported and read again, never the end of the process. And an object the coordinator wrote
+is read back by the version the committed state records, so versions written over it, however many, neither stop a
+tick nor make it list or read them all.
 """
 
 from __future__ import annotations
 
+import io
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 from botocore.client import BaseClient
+from rich.console import Console
 
 from coordinator.deps import build_deps
 from coordinator.models import forget_models
+from fed import localrun
+from fed.localrun import RunFollower, default_local_config, run_local
 from shared import keys
 from shared.digest import digest
+from shared.state import Phase, RunState
 from shared.table_keys import STATE_SK
 from store import blobs
 from store.blobs import Tampered
 from store.records import GLOBAL, OPTIMIZER, ROSTER, VERSIONS
-from store.table import named_objects
-from tests.functional.conftest import Harness
+from store.table import StateStore, named_objects
+from tests.functional.conftest import MODEL, Harness
 
 PIDS = ["alice", "bob", "carol"]
+
+
+# --- fed local's follower -------------------------------------------------------------------------------------
+
+
+class FlakyStore:
+    """A run's store whose reads of the state first raise `failures`, one a read; `stop` is set at read `stop_at`."""
+
+    def __init__(self, store: StateStore, failures: list[Exception], stop: threading.Event | None = None,
+                 stop_at: int = 0) -> None:
+        self.store, self.run_id, self.failures = store, store.run_id, failures
+        self.stop, self.stop_at = stop, stop_at
+        self.reads = 0
+        self.states: list[RunState] = []  # what the reads that succeeded returned
+
+    def rounds(self) -> Any:
+        return self.store.rounds()
+
+    def read_state(self) -> RunState:
+        self.reads += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        state = self.store.read_state()
+        self.states.append(state)
+        if self.stop is not None and self.reads >= self.stop_at:
+            self.stop.set()
+        return state
+
+
+@pytest.mark.timeout(300)
+def test_fed_local_keeps_serving_its_run_when_its_follower_meets_tampered_and_other_errors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given `fed local` serving a run, whose follower's first reads of the state meet an altered object and a
+    # failing server
+    failures: list[Exception] = [Tampered("runs/robust/roster/ab12 does not match its digest ab12"),
+                                 ConnectionError("the server hung up")]
+    stop = threading.Event()
+    followed: list[FlakyStore] = []
+
+    def flaky_store_for(connection: Any) -> Any:
+        followed.append(FlakyStore(StateStore.of(connection), failures, stop, stop_at=4))
+        return followed[-1]
+
+    monkeypatch.setattr(localrun, "store_for", flaky_store_for)
+    out = io.StringIO()
+    config = default_local_config("robust", min_clients=2)
+    # When it runs until its follower has read the state twice more
+    code = run_local(config, 0, 0.2, tmp_path / "local.json", tmp_path / "local.log", "WARNING",
+                     Console(file=out, width=400, force_terminal=False), stop)
+    # Then it went on following after both errors, and the stack it held still held the run (its state read back
+    # after them: the run the stack started, committed by its ticks)
+    text = out.getvalue()
+    assert code == 0, text
+    store = followed[0]
+    assert store.reads >= 4 and not store.failures
+    assert store.states and all(s.run_id == "robust" and s.version >= 1 for s in store.states), store.states
+    # and reported each error once, saying what it was reading and what failed
+    assert "reading the run state of run 'robust' failed: Tampered: runs/robust/roster/ab12" in text, text
+    assert "something wrote over it" in text
+    assert "reading the run state of run 'robust' failed: ConnectionError: the server hung up" in text, text
+    assert "reading the run state works again" in text
+
+
+def test_the_follower_reports_every_round_once_and_the_end_when_reads_failed_in_between(harness_factory: Any) -> None:
+    # Given a follower of a run of two rounds, whose reads fail in round 1: an altered object, then another error
+    h: Harness = harness_factory(total_rounds=2)
+    h.start(["alice", "bob"])
+    flaky = FlakyStore(h.deps.store, [])
+    follower = RunFollower(flaky)  # type: ignore[arg-type]
+    assert follower.poll() == []
+    for pid in ("alice", "bob"):
+        h.upload(pid, {k: v + 1 for k, v in MODEL.items()}, samples=10)
+    round_0 = follower.poll()
+    flaky.failures += [Tampered("a roster does not match its digest"), RuntimeError("throttled")]
+    failed = follower.poll() + follower.poll()
+    # When the run goes on to its end meanwhile
+    for pid in ("alice", "bob"):
+        h.upload(pid, {k: v + 2 for k, v in MODEL.items()}, samples=10)
+    assert h.state().phase is Phase.FINISHED
+    after = follower.poll()
+    # Then each round was reported once, each failure once, and the end of the run once the reads worked again
+    assert [line.split(" aggregated")[0] for line in round_0] == ["round 0"], round_0
+    assert len(failed) == 2 and "Tampered" in failed[0] and "RuntimeError: throttled" in failed[1], failed
+    assert [line.split(" aggregated")[0] for line in after if line.startswith("round")] == ["round 1"], after
+    assert "reading the run state works again" in after and any("run finished" in line for line in after), after
+    assert follower.poll() == []
 
 
 # --- objects buried under forged versions ---------------------------------------------------------------------
