@@ -31,9 +31,9 @@ def test_a_round_end_to_end_and_the_global_equals_fedavg_of_accepted_files(harne
     # Given two members training round 0
     state = harness.start(["alice", "bob"])
     assert state.phase is Phase.TRAIN and set(state.selected) == {"alice", "bob"}
-    # When both upload (with different sample counts)
+    # When both upload (with different sample counts, within a fair share of each other: max_share_ratio)
     first = harness.upload("alice", scaled(1.0), samples=30)
-    result = harness.upload("bob", scaled(3.0), samples=10)
+    result = harness.upload("bob", scaled(3.0), samples=18)
     # Then the first is recorded without a tick (it cannot close the round), and the last upload's tick closes the
     # round at once
     assert first["accepted"] and "tick" not in first and harness.state().phase is Phase.TRAIN
@@ -53,12 +53,12 @@ def test_a_round_end_to_end_and_the_global_equals_fedavg_of_accepted_files(harne
     got = harness.global_model(1)
     for name in MODEL:
         np.testing.assert_array_equal(got[name], expected[name])
-    np.testing.assert_allclose(got["dense.bias"], np.full(4, (30 * 1.0 + 10 * 3.0) / 40))
+    np.testing.assert_allclose(got["dense.bias"], np.full(4, (30 * 1.0 + 18 * 3.0) / 48))
     # And the state points at exactly those bytes
     raw = harness.s3.get_object(Bucket=harness.res.bucket, Key=harness.global_key(1))["Body"]
     assert wire.digest(raw.read()) == state.global_digest
     (summary,) = harness.deps.store.rounds()
-    assert summary.counted == ("alice", "bob") and summary.samples == 40
+    assert summary.counted == ("alice", "bob") and summary.samples == 48
     assert summary.global_digest == state.global_digest
 
 
