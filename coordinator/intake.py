@@ -174,8 +174,9 @@ def _offer_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> None
     """Take the initial-model offer ingest kept for the participant (checked against the key of the join request
     just registered): a joiner of a run without a model offers one right after its join request and then listens,
     rather than polling its record until the join lane registers it. One read of a small item: no model here."""
-    if digest := deps.store.kept_offer(pid, public_key):
-        deps.store.set_init_offer(pid, digest)
+    digest, version_id = deps.store.kept_offer(pid, public_key)
+    if digest:
+        deps.store.set_init_offer(pid, digest, version_id)
 
 
 def _replayed(what: str, sent_at: float) -> str:
@@ -260,11 +261,11 @@ def _init_offer(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     if registered is None:
         # Kept for the join function, which takes it when it registers the joiner. It may have registered it since
         # we looked (and looked for a kept offer before this one was kept): look again, after keeping it.
-        deps.store.keep_offer(pid, scanned.digest, key)
+        deps.store.keep_offer(pid, scanned.digest, key, obj.version_id)
         record = deps.store.participant(pid)
         if record is None or record.public_key != key:
             return Outcome("init", obj.key, True, "kept until its join request is registered", pid, ticks=False)
-    deps.store.set_init_offer(pid, scanned.digest)
+    deps.store.set_init_offer(pid, scanned.digest, obj.version_id)
     # An offer can start the first epoch only once enough participants registered (as a heartbeat, a tick reads
     # every participant: a tick on each of a thousand joiners' offers was quadratic)
     return Outcome("init", obj.key, True, participant=pid,

@@ -62,6 +62,7 @@ def run_tick(deps: Deps, now: float | None = None) -> TickResult:
 
 def _attempts(deps: Deps, at: float | None, lease: RoundLease) -> TickResult:
     caught_up = 0
+    withdrawn: list[str] = []
     for attempt in range(1, MAX_ATTEMPTS + 1):
         now = time.time() if at is None else at
         snap = deps.store.load_snapshot()
@@ -91,6 +92,10 @@ def _attempts(deps: Deps, at: float | None, lease: RoundLease) -> TickResult:
                 raise
             _exclude(deps, snap.state, exc)  # the round goes on without that input: decide again
             continue
+        except OfferGone as exc:  # withdraw it: the next decision adopts another offer
+            withdrawn.append(f"{exc}: withdrawn, another offer is adopted")
+            deps.store.set_init_offer(exc.participant, "")
+            continue
         aggregation_seconds = time.perf_counter() - started
         summaries = tuple(e.summary for e in decision.effects if isinstance(e, RecordRound))
         try:
@@ -100,6 +105,7 @@ def _attempts(deps: Deps, at: float | None, lease: RoundLease) -> TickResult:
         notes = tuple(e.message for e in decision.effects if isinstance(e, Note))
         if caught_up:
             notes = (f"ingested {caught_up} upload(s) the event queue had not delivered yet", *notes)
+        notes = (*withdrawn, *notes)
         state = decision.state.evolve(version=version)
         pace_schedule(deps, snap.state, state)
         announce(deps, snap.state, state)
@@ -184,14 +190,22 @@ def write_checkpoint(deps: Deps, effect: WriteCheckpoint, state: RunState) -> No
     deps.bucket.put(keys.latest_checkpoint_key(run_id), json.dumps(pointer).encode())
 
 
+class OfferGone(Exception):
+    """The initial-model offer a tick would adopt cannot be read as ingest recorded it."""
+
+    def __init__(self, participant: str) -> None:
+        super().__init__(f"initial model offer of {participant} cannot be read as it was recorded")
+        self.participant = participant
+
+
 def adopt_initial_model(deps: Deps, effect: AdoptInitialModel) -> None:
     """Copy the recorded version of the offer (hashed as it streams) to round 0's global key."""
     run_id = deps.config.run_id
     key = keys.init_key(run_id, effect.participant)
     try:
-        version_id, size = deps.bucket.verified_version(key, effect.digest)
+        version_id, size = deps.bucket.verified_version(key, effect.digest, effect.version_id)
         manifest = Manifest.of(read_header(deps.bucket, key, version_id, size))
     except (NotFound, Tampered, WireError):
-        raise CorruptInput(f"initial model offer of {effect.participant} changed after it was recorded") from None
+        raise OfferGone(effect.participant) from None
     deps.bucket.put(keys.manifest_key(run_id), manifest.to_json().encode())
     deps.bucket.copy(key, keys.global_key(run_id, effect.round, effect.digest), version_id=version_id)

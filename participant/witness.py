@@ -15,13 +15,13 @@ evaluates, on the task's held-out data, the round's aggregate `A` (the sample-we
 verified update, as FedAvg would make it) and, for each update `i`, the aggregate without it `A - i`
 (the round's global model if `i` is alone). It attests `i` if
 
-    cos(i - G, median_{j != i}(j - G)) >= witness_min_cosine     (with at least two other updates; with exactly
-                                                                  two, the median of all three)
+    cos(i - G, median_j(j - G)) >= witness_min_cosine     (with at least three updates; the median of an odd
+                                                           count: the others in an even round, all in an odd one)
     loss(A) <= loss(A - i) * (1 + witness_tolerance)
     loss(A - i + i at the median weight) <= loss(A - i) * (1 + witness_tolerance)   (when its weight differs)
 
 that is, if its change does not point away from the round's robust direction (the coordinate-wise median of
-the other updates' changes from the global model G: `directions`), and applying it to the rest of the round
+the updates' changes from the global model G: `directions`), and applying it to the rest of the round
 does not make the model clearly worse, at its own weight nor at the round's median weight (with shares sized by
 throughput a host that reports itself slow trains a small share, and a flipped update of a few steps passed
 both of the other tests at its 4 % weight). The direction test catches a sign-flipped update early in a run, where
@@ -240,17 +240,19 @@ class RoundWitness:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-LEAVE_ONE_OUT_MEDIAN = 32  # up to this many updates each is compared with the median of the others, beyond with all's
+LEAVE_ONE_OUT_MEDIAN = 32  # an even round up to this many updates: each compared with the median of its others
 
 
 def directions(base: dict[str, Any], paths: dict[str, Path]) -> dict[str, float]:
-    """For each update (a file of the round's weights), the cosine between its change from `base` and the
-    coordinate-wise median of the other updates' changes: a robust direction of the round that one update cannot
-    pull (over LEAVE_ONE_OUT_MEDIAN updates, the median of all of them). With three updates, the median of all
-    three: the median of an update's two others is their mean, which one flipped and scaled peer turns against the
-    honest one (measured: cosines -0.82 and -0.90 for two honest first-round digits updates beside a x5 flip),
-    while the middle value of three is held by the two that agree. Float tensors only, read one tensor of every
-    update at a time."""
+    """For each update (a file of the round's weights), the cosine between its change from `base` and a robust
+    direction of the round: the coordinate-wise median of an odd number of the round's changes, the other updates'
+    when there is an odd number of them (an even round), else all of them (an odd round; over
+    LEAVE_ONE_OUT_MEDIAN updates, all of them). The median of an odd count is held by a majority of it: fewer
+    than half of it flipped and scaled cannot move it. The median of an even count is the mean of its middle two,
+    which half of it can turn: with three updates an honest one's two others are one honest and one flipped
+    (measured: cosines -0.82 and -0.90 for two honest first-round digits updates beside a x5 flip), and with five
+    updates of which two are flipped, an honest one's four others are two and two (measured: every honest update
+    refused, every round). Float tensors only, read one tensor of every update at a time."""
     import contextlib
 
     import torch
@@ -268,7 +270,7 @@ def directions(base: dict[str, Any], paths: dict[str, Path]) -> dict[str, float]
             flat = reference.double().flatten()
             deltas = torch.stack([f.tensor(name).double().flatten() - flat for f in files])
             own += deltas.pow(2).sum(1)
-            everyone = _median(deltas) if n == 3 or n > LEAVE_ONE_OUT_MEDIAN else None
+            everyone = _median(deltas) if n % 2 == 1 or n > LEAVE_ONE_OUT_MEDIAN else None
             for i in range(n):
                 middle = everyone if everyone is not None else _median(torch.cat([deltas[:i], deltas[i + 1:]]))
                 dots[i] += deltas[i] @ middle

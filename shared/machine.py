@@ -295,7 +295,7 @@ def _start_epoch(c: Ctx) -> None:
     if not s.has_model:
         source = _initial_offer(eligible)
         s = s.evolve(global_digest=source.init_digest, model_source=source.pid)
-        c.effects.append(AdoptInitialModel(source.pid, source.init_digest, s.round))
+        c.effects.append(AdoptInitialModel(source.pid, source.init_digest, s.round, source.init_version))
     new = sum(1 for p in eligible if p.pid not in c.state.members)
     waiting = _waiting_for_admission(c, eligible)
     c.state = s
@@ -416,13 +416,19 @@ def _slow_but_progressing(c: Ctx, pid: str) -> bool:
 def _measure(c: Ctx, updates: dict[str, UpdateView], accepted: list[str], late: list[str]) -> None:
     """Fold the round's measurements into the throughput estimates: each accepted update's training rate (what it
     trained over the `train_seconds` its metrics report, taken within what its arrival shows:
-    `sizing.observed_seconds`) and the seconds it took beyond training (overhead); a late participant's rate cut to
-    what it achieved. Every bound is judged against the estimates before this round, the fleet's (its median rate
-    and overhead) among them, so no measurement of the round moves the bar it is judged by."""
+    `sizing.observed_seconds`, against the round's median overhead, which a minority cannot move) and the seconds
+    it took beyond training as it reports them (overhead); a late participant's rate cut to what it achieved. A
+    measurement is believed at most RATE_GROWTH x the estimate before this round (a first one, x the fleet's
+    median rate before it)."""
     s, cfg = c.state, c.config
     speeds = dict(s.speeds)
     fleet_rate = sizing.median_rate(s.speeds.values()) if s.speeds else None
-    fleet_overhead = sizing.median_overhead(s.speeds.values())
+    claims = {pid: (elapsed, claimed) for pid in accepted
+              if (claimed := updates[pid].metrics.get("train_seconds", 0.0)) > 0
+              and (elapsed := (updates[pid].received_at - s.round_started) if updates[pid].received_at else 0.0) > 0}
+    overheads = [max(0.0, elapsed - claimed) for elapsed, claimed in claims.values()]
+    fleet_overhead = statistics.median(overheads) if overheads else sizing.median_overhead(s.speeds.values())
+    typical = statistics.median(claimed for _, claimed in claims.values()) if claims else 0.0
     units_seen, fraction_seen = 0.0, 0.0
     for pid in accepted:
         u = updates[pid]
@@ -433,11 +439,13 @@ def _measure(c: Ctx, updates: dict[str, UpdateView], accepted: list[str], late: 
             continue
         elapsed = (u.received_at - s.round_started) if u.received_at else 0.0
         seconds = sizing.observed_seconds(claimed, elapsed, fleet_overhead)
-        if seconds > 2 * claimed:  # a claim the interval does not allow: say so, once per update
+        if seconds > 2 * claimed and 10 * claimed < typical:  # far below the others' and what its arrival shows
             c.effects.append(Note(f"{pid} reported training {claimed:.3g}s of the {elapsed:.3g}s between round "
-                                  f"{s.round}'s start and its update: measured at {seconds:.3g}s"))
+                                  f"{s.round}'s start and its update (the round's median report {typical:.3g}s): "
+                                  f"measured at {seconds:.3g}s"))
         rate = sizing.clamp_rate(trained / seconds)
-        speeds[pid] = sizing.smoothed(speeds.get(pid), rate, elapsed - seconds, cfg.throughput_smoothing, fleet_rate)
+        overhead = max(0.0, elapsed - claimed) if elapsed > 0 else 0.0
+        speeds[pid] = sizing.smoothed(speeds.get(pid), rate, overhead, cfg.throughput_smoothing, fleet_rate)
         if share is not None and not share.steps:
             units_seen += trained
             fraction_seen += sizing.fraction(s.plan, pid)

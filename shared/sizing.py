@@ -37,7 +37,7 @@ WEIGHT_SCALE = 1000  # a participant at the median rate weighs this much
 MAX_RATE = 1e9  # samples per second: anything above is not a measurement
 MIN_RATE = 1e-6
 RATE_GROWTH = 2.0  # an estimate at most doubles from one round's measurement to the next
-OBSERVED_FLOOR = 0.25  # a reported training time is taken as at least this share of the observed interval
+OBSERVED_FLOOR = 0.1  # a reported training time is taken as at least this share of the observed interval
 OVERHEAD_ALLOWANCE = 2.0  # ... and as at least that interval less this x the fleet's median overhead
 
 
@@ -75,9 +75,9 @@ def clamp_rate(value: float) -> float:
 def observed_seconds(claimed: float, elapsed: float, fleet_overhead: float | None) -> float:
     """The training seconds a measurement is taken at: the time the update reports, but not much shorter than the
     interval the coordinator observed from round start to its arrival (`elapsed`) less the seconds a round costs
-    beyond training (twice the fleet's median overhead, `fleet_overhead`; a quarter of the interval at least, and
-    without any estimate). A participant that reports `train_seconds = 1e-6` is measured at the rate its arrival
-    shows, not at a billion samples a second. A report longer than the interval is kept: it can only make its
+    beyond training (twice the fleet's median overhead, `fleet_overhead`), and at least a tenth of the interval.
+    A participant that reports `train_seconds = 1e-6` is measured at the rate its arrival shows, not at a billion
+    samples a second. A report longer than the interval is kept: it can only make its
     sender look slower (a smaller share, which witnesses judge at the median weight too). Without an observed
     interval (0), the report as it is."""
     if not elapsed > 0 or not math.isfinite(elapsed):

@@ -132,6 +132,7 @@ class ParticipantView:
     last_seen: float
     ready_epoch: int = 0  # last epoch for which it reported having the model loaded
     init_digest: str = ""  # digest of its initial-model offer, if it made one
+    init_version: str = ""  # the S3 version of that offer ingest checked ("": not recorded)
     # When ingest last accepted a signed message from it after the join request that registered it (a
     # heartbeat or ready report, a signed update, a newer join request); 0: none yet. A time, not a
     # comparison of last_seen with joined_at: event times are whole seconds, and a heartbeat sent within the
@@ -214,6 +215,7 @@ class AdoptInitialModel:
     participant: str
     digest: str
     round: int
+    version_id: str = ""  # the offer's S3 version ingest checked: read directly, not looked for
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class ParticipantItem(_Item):
     last_seen = NumberAttribute()
     ready_epoch = NumberAttribute(default=0)
     init_digest = UnicodeAttribute(default="")
+    init_version = UnicodeAttribute(default="")  # the S3 version of the offer ingest checked: adoption reads that one
     public_key = UnicodeAttribute(default="")
     info = JSONAttribute(default=dict)
     last_sent = NumberAttribute(default=0)  # `sent_at` of the last join or heartbeat accepted (replays are older)
@@ -63,6 +64,7 @@ class OfferItem(_Item):
 
     digest = UnicodeAttribute()
     public_key = UnicodeAttribute()
+    version_id = UnicodeAttribute(default="")  # the S3 version of the offer that was checked
 
 
 class UpdateItem(_Item):
@@ -289,6 +291,7 @@ def participant_record(item: ParticipantItem) -> ParticipantRecord:
         last_seen=float(item.last_seen),
         ready_epoch=int(item.ready_epoch),
         init_digest=item.init_digest,
+        init_version=item.init_version,
         public_key=item.public_key,
         info=dict(item.info or {}),
         last_sent=float(item.last_sent or 0),

@@ -312,22 +312,24 @@ class StateStore:
             return "unknown"
         return "duplicate" if record.last_sent == sent_at else "stale"
 
-    def keep_offer(self, pid: str, digest: str, public_key: str) -> None:
+    def keep_offer(self, pid: str, digest: str, public_key: str, version_id: str = "") -> None:
         """Keep an initial-model offer whose sender's join is not registered yet (registering it takes the offer)."""
-        self.m.offer(self.pk, offer_sk(pid), digest=digest, public_key=public_key).save()
+        self.m.offer(self.pk, offer_sk(pid), digest=digest, public_key=public_key, version_id=version_id).save()
 
-    def kept_offer(self, pid: str, public_key: str) -> str:
-        """The digest of the offer kept for `pid` if it was checked against `public_key`; "" if none."""
+    def kept_offer(self, pid: str, public_key: str) -> tuple[str, str]:
+        """(digest, S3 version) of the offer kept for `pid` if it was checked against `public_key`; ("", "") if
+        none."""
         try:
             item = self.m.offer.get(self.pk, offer_sk(pid), consistent_read=True)
         except DoesNotExist:
-            return ""
-        return str(item.digest) if item.public_key == public_key else ""
+            return "", ""
+        return (str(item.digest), str(item.version_id or "")) if item.public_key == public_key else ("", "")
 
-    def set_init_offer(self, pid: str, digest: str) -> None:
+    def set_init_offer(self, pid: str, digest: str, version_id: str = "") -> None:
+        """Record `pid`'s initial-model offer (its digest, and the S3 version ingest checked); "": withdraw it."""
         p = self.m.participant
         self.m.participant(self.pk, participant_sk(pid)).update(
-            actions=[p.init_digest.set(digest)], condition=p.pk.exists()
+            actions=[p.init_digest.set(digest), p.init_version.set(version_id)], condition=p.pk.exists()
         )
 
     def updates(self, round_no: int) -> dict[str, UpdateView]:

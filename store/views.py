@@ -22,6 +22,7 @@ class ParticipantRecord:
     last_seen: float
     ready_epoch: int = 0
     init_digest: str = ""
+    init_version: str = ""  # the S3 version of its offer ingest checked
     public_key: str = ""
     info: Mapping[str, Any] = field(default_factory=dict)  # participant-supplied, displayed and never trusted
     last_sent: float = 0.0  # `sent_at` of the last join request or heartbeat accepted
@@ -39,7 +40,8 @@ class ParticipantRecord:
         r, done, total = self.progress
         return ParticipantView(self.pid, self.joined_at, self.last_seen, self.ready_epoch, self.init_digest,
                                heard_at=self.heard_at, samples=self.samples, progress_round=r, progress_done=done,
-                               progress_total=total, progress_at=self.progress_at, rate=self.rate)
+                               progress_total=total, progress_at=self.progress_at, rate=self.rate,
+                               init_version=self.init_version)
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,14 @@ key, sends none of its own.
 
 from __future__ import annotations
 
-import itertools
-import json
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from shared import keys
 from shared.config import RunConfig
-from shared.signing import Signer
 from shared.state import MemberStatus, Phase
-from shared.witness import Proof
+from tests.e2e.attackers import ScriptedWitness
 from tests.e2e.harness import Run, e2e_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -36,44 +31,6 @@ def config(run_id: str) -> RunConfig:
     return e2e_config(run_id=run_id, min_clients=4, min_per_round=4, min_updates=3, total_rounds=8, witness_nodes=3,
                       round_witness_time=8, max_round_train_time=30, liveness_timeout=10, learning_rate=0.1,
                       local_epochs=2, batch_size=32, work_sizing="equal")  # equal: as tests/e2e/test_witnesses.py
-
-
-class ScriptedWitness:
-    """Uploads the attacker's proofs, signed with its key, the moment it is elected (plain S3 puts)."""
-
-    def __init__(self, run: Run, key_file: Path) -> None:
-        self.run, self.key_file = run, key_file
-        self.stop = threading.Event()
-        self.sent: dict[int, str] = {}  # round -> what kind of proof
-        self.kinds = itertools.cycle(["empty", "overfull"])
-        self.thread = threading.Thread(target=self._loop, name="attacker-witness", daemon=True)
-
-    def __enter__(self) -> ScriptedWitness:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self.stop.wait(0.2):
-            if not self.key_file.exists():
-                continue
-            s = self.run.state()
-            if s.phase is not Phase.TRAIN or ATTACKER not in s.witnesses or s.round in self.sent:
-                continue
-            kind = next(self.kinds)
-            proof = json.loads(Proof.build(self.run.config.run_id, s.round, ATTACKER, s.witnesses.index(ATTACKER), {},
-                                           len(s.selected), complete=True).to_json())
-            if kind == "overfull":
-                for name in ("participants", "digests"):
-                    proof[name]["hex"] = "ff" * (len(proof[name]["hex"]) // 2)
-            body = json.dumps(proof).encode()
-            key = keys.witness_key(self.run.config.run_id, s.round, ATTACKER)
-            signer = Signer.load_or_create(self.key_file)
-            self.run.bucket.put(key, body, signer.metadata(key, body))
-            self.sent[s.round] = kind
 
 
 def final_accuracy(run: Run) -> float:
@@ -94,7 +51,7 @@ def test_one_attacker_identity_neither_poisons_nor_blocks_nor_evicts(local_run: 
     # When the same run has a fifth member, the attacker: poisoned updates, and empty or over-full early proofs
     run = local_run(config("e2e-attacked"))
     run.start_participants([*HONEST, ATTACKER], tasks={ATTACKER: POISONED})
-    with ScriptedWitness(run, tmp_path / "participants" / ATTACKER / "signing-key.pem") as script:
+    with ScriptedWitness(run, ATTACKER, tmp_path / "participants" / ATTACKER / "signing-key.pem") as script:
         run.wait_for(lambda: run.state().phase is Phase.FINISHED, 360, "the attacked run to finish")
 
     # Then the run finished; no update of the attacker's was ever aggregated; every honest member stayed

@@ -15,6 +15,7 @@ from participant.tasks import digits_meta, flower_digits_meta, lm_meta
 from shared import keys, wire
 from shared.state import Phase
 from tests.functional.conftest import MODEL, Harness
+from tests.functional.test_local_robustness import cold_start
 
 SCHEMA = model_schema(wire.parse_header(wire.encode(MODEL)).tensors)
 # sorts before the honest participants: the first eligible offer by id was the one adopted
@@ -78,7 +79,7 @@ def test_an_offer_overtaking_its_join_is_checked_before_it_is_kept(harness_facto
     h.heartbeat(ATTACKER)
     # Then the offer was refused, not kept for the registration to take
     assert offer["accepted"] is False and "initial model refused" in offer["reason"]
-    assert h.deps.store.kept_offer(ATTACKER, h.signer(ATTACKER).public_key) == ""
+    assert h.deps.store.kept_offer(ATTACKER, h.signer(ATTACKER).public_key) == ("", "")
     assert h.deps.store.participants()[ATTACKER].init_digest == ""
     # And once alice and bob joined and alice offered, the run starts from hers
     for pid in HONEST:
@@ -102,6 +103,49 @@ def test_a_run_that_names_its_initial_models_digest_takes_no_other_weights(
     assert h.state().phase is Phase.WAITING
     # And the run starts from alice's offer of that model
     assert h.offer("alice")["accepted"] is True
+    trains_round_0_from_alices_offer(h)
+
+
+def test_an_offer_buried_under_versions_its_sender_wrote_first_is_adopted_by_its_recorded_version(
+        harness_factory: Callable[..., Harness]) -> None:
+    # Given an offerer that wrote 25 other objects at its own offer key before its offer and one after (it may
+    # write that key): a look-back through the key's versions, oldest first, gives up before reaching the offer
+    h = harness_factory(min_clients=3, min_per_round=3, initial_model_schema=SCHEMA)
+    h.scheduled_tick()
+    for pid in (ATTACKER, "alice"):
+        h.join_alive(pid)
+    key = keys.init_key(h.config.run_id, ATTACKER)
+    for i in range(25):
+        h.put(key, wire.encode(shifted(100.0 + i)))
+    assert h.offer(ATTACKER)["accepted"] is True
+    h.put(key, wire.encode(shifted(200.0)))  # and one more after it: its offer is neither the oldest nor the newest
+    # When the epoch starts (bob joins) and a tick that never saw the offer adopts it
+    calls = cold_start(h)
+    h.join_alive("bob")
+    # Then it read the version ingest recorded, directly (no listing of the key's versions): round 0 trains from it
+    assert not [c for c in calls.listings() if c.key == key], calls.listings()
+    state = h.state()
+    assert state.phase is Phase.TRAIN and state.model_source == ATTACKER
+    assert state.global_digest == wire.digest(wire.encode(MODEL))
+    assert np.array_equal(h.global_model(0)["dense.weight"], MODEL["dense.weight"])
+
+
+def test_a_recorded_offer_that_is_gone_is_withdrawn_and_another_adopted(
+        harness_factory: Callable[..., Harness]) -> None:
+    # Given two offers of the run's initial model recorded, the first by id then gone from the bucket
+    h = harness_factory(min_clients=3, min_per_round=3, initial_model_schema=SCHEMA)
+    h.scheduled_tick()
+    for pid in (ATTACKER, "alice"):
+        h.join_alive(pid)
+        assert h.offer(pid, shifted(1.0) if pid == ATTACKER else MODEL)["accepted"] is True
+    version = h.deps.store.participants()[ATTACKER].init_version
+    assert version
+    # (by whoever administers the bucket: no principal of the run may delete a version)
+    h.s3.delete_object(Bucket=h.res.bucket, Key=keys.init_key(h.config.run_id, ATTACKER), VersionId=version)
+    # When the epoch starts
+    h.join_alive("bob")
+    # Then the tick withdrew the offer it could not read as recorded (before: every tick failed) and adopted alice's
+    assert h.deps.store.participants()[ATTACKER].init_digest == ""
     trains_round_0_from_alices_offer(h)
 
 

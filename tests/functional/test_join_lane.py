@@ -211,10 +211,10 @@ def test_an_offer_kept_while_its_sender_was_being_registered_is_not_lost(harness
     join = harness.put(keys.join_key(run, "alice"), harness.join_bytes("alice"))
     keep = StateStore.keep_offer
 
-    def registered_meanwhile(self: StateStore, pid: str, digest: str, public_key: str) -> None:
+    def registered_meanwhile(self: StateStore, pid: str, digest: str, public_key: str, version_id: str = "") -> None:
         assert harness.deliver(join)["accepted"] is True
         assert harness.deps.store.participant("alice").init_digest == ""  # type: ignore[union-attr]
-        keep(self, pid, digest, public_key)
+        keep(self, pid, digest, public_key, version_id)
 
     monkeypatch.setattr(StateStore, "keep_offer", registered_meanwhile)
     # When her offer is delivered
@@ -236,7 +236,7 @@ def test_an_offer_from_no_joiner_is_refused_with_the_reason(harness: Harness, ca
                          signed_by="owner" if case == "no join request" else "mallory")
     # Then it is refused, the reason recorded, and nothing kept for a later registration to take
     assert offer["accepted"] is False and "initial model refused" in offer["reason"]
-    assert harness.deps.store.kept_offer("alice", harness.signer("alice").public_key) == ""
+    assert harness.deps.store.kept_offer("alice", harness.signer("alice").public_key) == ("", "")
     assert any("initial model refused" in r.reason for r in harness.deps.store.refusals())
 
 

@@ -128,3 +128,24 @@ def test_with_three_updates_a_flipped_one_does_not_turn_the_honest_ones_away(tmp
     assert not w.verdicts["p0"].attested and "points away" in w.verdicts["p0"].reason, w.verdicts["p0"]
     assert all(w.verdicts[p].attested for p in ("p1", "p2")), {p: v.reason for p, v in w.verdicts.items()}
     assert w.cosines["p0"] < -0.7 < 0 < min(w.cosines["p1"], w.cosines["p2"]), w.cosines
+
+
+@pytest.mark.parametrize("rounds", [0, 3])
+def test_with_two_of_five_updates_flipped_the_honest_ones_are_attested(tmp_path: Path, rounds: int) -> None:
+    # Given a round of five updates, two of them flipped and scaled x5 (two attacker identities, issue 31): an
+    # honest update's four others are two honest and two flipped, whose median is half a flip
+    task = Digits()
+    cfg = RunConfig(run_id="poison", **TRAINING)
+    base = task.build_model(cfg.seed).state_dict()
+    for r in range(rounds):  # later in a run as well as in its first round
+        updates, samples = honest_round(task, cfg, base, None, r)
+        base = {n: sum(u[n] for u in updates.values()) / len(updates) for n in base}
+    updates, samples = honest_round(task, cfg, base, None, rounds)
+    for attacker in ("p0", "p1"):
+        updates[attacker] = flipped(base, updates[attacker], 5.0)
+    # When a witness judges the round
+    w = judge(task, cfg, tmp_path / str(rounds), base, updates, samples)
+    # Then the direction is the median of all five, which the three honest hold: the flips are refused, the
+    # honest updates attested
+    assert not w.verdicts["p0"].attested and not w.verdicts["p1"].attested, {p: v.reason for p, v in w.verdicts.items()}
+    assert all(w.verdicts[p].attested for p in ("p2", "p3", "p4")), {p: v.reason for p, v in w.verdicts.items()}

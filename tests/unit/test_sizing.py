@@ -334,7 +334,7 @@ def test_another_process_cuts_the_same_slices_from_the_recorded_plan() -> None:
 def test_a_claimed_training_time_is_taken_within_what_its_arrival_shows() -> None:
     # 1e-6 s of training claimed by an update that arrived 10 s into the round, the fleet's overhead about 1 s
     assert sizing.observed_seconds(1e-6, 10.0, 1.0) == pytest.approx(8.0)
-    assert sizing.observed_seconds(1e-6, 10.0, None) == pytest.approx(2.5)  # no estimates yet: a quarter
+    assert sizing.observed_seconds(1e-6, 10.0, None) == pytest.approx(1.0)  # no estimates: a tenth at least
     assert sizing.observed_seconds(9.0, 10.0, 1.0) == 9.0  # an honest report stands
     assert sizing.observed_seconds(30.0, 10.0, 1.0) == 30.0  # longer than the interval: it only makes itself slow
     assert sizing.observed_seconds(1e-6, 0.0, 1.0) == 1e-6  # nothing observed
