@@ -264,7 +264,9 @@ class LocalServer:
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 
         from local import moto_dynamodb, moto_events, moto_objects, moto_routing, moto_sns, moto_sqs
+        from local.moto_pin import check_moto
 
+        check_moto()  # the patches below replace moto internals of one release
         moto_dynamodb.apply()
         moto_dynamodb.serve_query_results()  # (safe here: SerialDynamoDB serves each request and response whole)
         moto_events.apply()
