@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
+from rich.markup import escape
 
+from local.moto_pin import MotoVersionMismatch
 from local.stack import LocalStack
 from participant.tasks import digits_meta
 from shared.config import RunConfig
@@ -155,6 +157,9 @@ def run_local(
                 stack.start()
             except OSError as exc:
                 console.print(f"[red]cannot start the local endpoint on 127.0.0.1:{port or 'any port'}: {exc}[/]")
+                return 1
+            except MotoVersionMismatch as exc:
+                console.print(f"[red]{escape(str(exc))}[/]")
                 return 1
         stack.connection.save(connection_file)
         console.print(f"[bold]local run {config.run_id!r}[/] on {stack.endpoint} (moto; state is in memory)")

@@ -17,6 +17,7 @@ from typing import IO
 
 from local import access
 from local.dispatcher import Dispatcher, FaultPlan
+from local.moto_pin import check_moto
 from local.resources import LocalResources, create_resources
 from local.server import LocalServer, ServerProcess
 from shared.config import RunConfig
@@ -127,6 +128,7 @@ class LocalStack:
                           state_topic=r.state_topic)
 
     def start(self) -> LocalStack:
+        check_moto()  # before anything starts (a server process would only fail to come up)
         try:
             self._set_env({**client_environment(self.region), **{name: None for name in _CLEARED}})
             kind = ServerProcess if self.server_process else LocalServer

@@ -29,3 +29,15 @@ def test_another_moto_version_stops_the_stack_with_what_to_do(monkeypatch: pytes
     monkeypatch.setattr("local.moto_pin.version", lambda name: "6.0.0")
     with pytest.raises(MotoVersionMismatch, match="moto 6.0.0 is installed"):
         LocalServer(port=0).start()
+
+
+def test_fed_local_says_so_and_exits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from fed.localrun import default_local_config, run_local
+
+    monkeypatch.setattr("local.moto_pin.version", lambda name: "5.0.0")
+    console = Console(record=True, width=200)
+    code = run_local(default_local_config(), 0, 0.5, tmp_path / "connection.json", console=console)
+    assert code == 1
+    assert "moto 5.0.0 is installed" in console.export_text()
