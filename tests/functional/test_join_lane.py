@@ -13,7 +13,7 @@ from typing import Any
 import boto3
 import pytest
 
-from coordinator import intake
+from coordinator.intake import heartbeat as heartbeat_intake
 from fed.localrun import wait_until
 from local.dispatcher import Dispatcher
 from local.stack import LocalStack
@@ -282,7 +282,7 @@ def test_while_waiting_only_a_heartbeat_that_makes_its_sender_eligible_ticks(har
     assert "tick" not in h.heartbeat("dave")
     # When bob heartbeats after a silence longer than the liveness timeout
     later = time.time() + h.config.liveness_timeout + 1
-    monkeypatch.setattr(intake, "time", SimpleNamespace(time=lambda: later))
+    monkeypatch.setattr(heartbeat_intake, "time", SimpleNamespace(time=lambda: later))
     back = h.heartbeat("bob")
     # Then it ticks: he was no longer eligible, and is again
     assert back["accepted"] and "tick" in back
