@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 from shared.config import RunConfig
@@ -12,7 +12,7 @@ from shared.naming import tick_rule_name
 from store.blobs import Bucket, s3_client
 from store.push import StateTopic
 from store.schedule import Schedule
-from store.table import StateStore
+from store.table import ParticipantRecord, StateStore
 
 
 class SettingsError(RuntimeError):
@@ -34,6 +34,11 @@ class Deps:
     shard_runner: ShardRunner | None = None  # None: threads of the calling process
     schedule: Schedule | None = None  # the tick schedule, switched to what each committed state needs; None: none
     topic: StateTopic | None = None  # announces commits that change phase, round, epoch or model; None: nothing
+    # What a warm function remembers between invocations lives here, with what it was read from, so that a test sees
+    # it and a fresh `Deps` (`build_deps.cache_clear()`: a cold start) forgets it. `dataclasses.replace` passes it on:
+    # the `Deps` derived per invocation (`functions.settings`) share their warm function's.
+    # (store.pk, pid) -> the participant's record as intake read it (`coordinator.intake.common.registered`)
+    registered: dict[tuple[str, str], ParticipantRecord] = field(default_factory=dict, compare=False, repr=False)
 
 
 @cache

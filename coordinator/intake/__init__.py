@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from coordinator.deps import Deps
 from coordinator.intake import health, heartbeat, join, offer, proof, update
-from coordinator.intake.common import ObjectCreated, Outcome, forget_registered, refuse
+from coordinator.intake.common import ObjectCreated, Outcome, refuse
 from coordinator.intake.common import signed_model as _signed_model  # (benchmarks/big_loop.py: one ingest alone)
 from coordinator.intake.offer import initial_model_problem, model_schema
 from shared import keys
 from shared.keys import KeyError_, ObjectKind
 
-__all__ = ["ObjectCreated", "Outcome", "forget_registered", "ingest_object", "initial_model_problem", "model_schema",
-           "_signed_model"]
+__all__ = ["ObjectCreated", "Outcome", "ingest_object", "initial_model_problem", "model_schema", "_signed_model"]
 
 
 def ingest_object(deps: Deps, obj: ObjectCreated) -> Outcome:

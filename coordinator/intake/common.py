@@ -1,8 +1,8 @@
 """What every kind of upload shares: the event, the outcome, refusals, and reads checked against the sender's key.
 
-A refusal is recorded, never raised: bad input must not stop the run. A signature is checked against the key the
-sender registered when it joined (`registered`), so the registered record is read once per participant per warm
-function, not once per upload.
+A refusal is recorded, never raised: bad input must not stop the run. A model's signature is checked against the key
+its sender registered when it joined, as the warm function holds it (`registered`): the participant's record is read
+once per participant, not once per update.
 """
 
 from __future__ import annotations
@@ -100,28 +100,23 @@ def streamed(deps: Deps, obj: ObjectCreated, model: GlobalModel | None, check: b
     return stream_model(deps, obj.key, obj.version_id, obj.size, model, check)
 
 
-# A participant's record as read for what stays fixed while the record exists (its public key: a join with another
-# key is refused; its registered sample count), per warm function: one read per participant, not one per update.
-# A record replaced since (a run restored from its checkpoint re-registers everyone) is read again when a
-# signature does not verify with the key held.
-_REGISTERED: dict[tuple[str, str], ParticipantRecord] = {}
-MAX_REGISTERED = 20_000
-
-
-def forget_registered() -> None:
-    """Drop every record held (a cold start: tests that start a new moto world)."""
-    _REGISTERED.clear()
+MAX_REGISTERED = 20_000  # records held by one warm function (`Deps.registered`) before it forgets them all
 
 
 def registered(deps: Deps, pid: str, again: bool = False) -> ParticipantRecord | None:
+    """`pid`'s record as read for what stays fixed while the record exists (its public key: a join with another key
+    is refused; its registered sample count), held by the warm function (`Deps.registered`): one read per
+    participant, not one per update. A record replaced since (a run restored from its checkpoint re-registers
+    everyone) is read again (`again`) when a signature does not verify with the key held."""
+    held_records = deps.registered
     key = (deps.store.pk, pid)
-    if not again and (held := _REGISTERED.get(key)) is not None:
+    if not again and (held := held_records.get(key)) is not None:
         return held
     record = deps.store.participant(pid)
     if record is None:
-        _REGISTERED.pop(key, None)
+        held_records.pop(key, None)
         return None
-    if len(_REGISTERED) >= MAX_REGISTERED:
-        _REGISTERED.clear()
-    _REGISTERED[key] = record
+    if len(held_records) >= MAX_REGISTERED:
+        held_records.clear()
+    held_records[key] = record
     return record

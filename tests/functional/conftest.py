@@ -19,7 +19,7 @@ from botocore.config import Config
 from moto import mock_aws
 from moto.dynamodb.models import DynamoDBBackend
 
-from coordinator.intake import forget_registered
+from coordinator.deps import build_deps
 from coordinator.models import forget_models
 from coordinator.tick import run_tick
 from functions import ingest, tick
@@ -71,7 +71,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     moto_objects.apply()  # objects move in blocks: ranged GETs, multipart completion, copies
     moto_sns.apply()  # a publish reaches every subscription, not the first 100
     moto_sqs.apply()  # a send costs the same whatever the queue's backlog
-    forget_registered()  # a new AWS: no warm function holds a participant's record from another
+    build_deps.cache_clear()  # a new AWS: every function starts cold, holding no participant's record from another
     forget_models()  # nor a model it authenticated there
     with mock_aws():
         yield

@@ -3,6 +3,7 @@ every other offer with its reason, and the run starts from an honest participant
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 from coordinator.intake import model_schema
 from participant.tasks import digits_meta, flower_digits_meta, lm_meta
 from shared import keys, wire
+from shared.signing import Signer
 from shared.state import Phase
 from tests.functional.conftest import MODEL, Harness
 from tests.functional.test_local_robustness import cold_start
@@ -104,6 +106,24 @@ def test_a_run_that_names_its_initial_models_digest_takes_no_other_weights(
     # And the run starts from alice's offer of that model
     assert h.offer("alice")["accepted"] is True
     trains_round_0_from_alices_offer(h)
+
+
+def test_an_offer_is_checked_against_the_record_read_again_when_the_one_held_has_another_key(
+        harness_factory: Callable[..., Harness]) -> None:
+    # Given alice registered, and the record of hers the warm function holds (`Deps.registered`) carrying another
+    # key, as one read before a restored run re-registered everyone would
+    h = harness_factory(min_clients=3, min_per_round=3, initial_model_schema=SCHEMA)
+    h.scheduled_tick()
+    h.join_alive("alice")
+    deps = h.deps
+    held = (deps.store.pk, "alice")
+    record = deps.store.participant("alice")
+    assert record is not None
+    deps.registered[held] = dataclasses.replace(record, public_key=Signer.generate().public_key)
+    # When she offers the task's model, signed with her registered key
+    assert h.offer("alice")["accepted"] is True
+    # Then the offer was checked against her record read again, which the function now holds
+    assert deps.registered[held].public_key == h.signer("alice").public_key
 
 
 def test_an_offer_buried_under_versions_its_sender_wrote_first_is_adopted_by_its_recorded_version(
