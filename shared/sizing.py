@@ -194,12 +194,13 @@ def make_plan(order: Sequence[str], speeds: Mapping[str, Speed], *, steps: int |
 
 def fedavg_weights(claims: Mapping[str, int], max_share: float) -> dict[str, int]:
     """Each counted update's FedAvg weight: the samples it claims (already bounded by its assignment, or by its
-    registered data), capped at `max_share` x the round's median claim (the lower median: with two updates, the
-    smaller claim), so that no claim, however it got past admission, weighs more than a fair share. Integers:
+    registered data), capped at `max_share` x the round's median claim (of two, the smaller: the mean of two is
+    half the larger's), so that no claim, however it got past admission, weighs more than a fair share. Integers:
     the tick, `fed verify` and every witness compute the same weights from the same records."""
     if not claims or not math.isfinite(max_share):
         return dict(claims)
-    cap = max(1, math.floor(max_share * statistics.median_low(claims.values())))
+    middle = min(claims.values()) if len(claims) == 2 else statistics.median(claims.values())
+    cap = max(1, math.floor(max_share * middle))
     return {pid: min(n, cap) for pid, n in claims.items()}
 
 

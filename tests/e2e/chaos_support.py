@@ -615,15 +615,17 @@ def safetensors_header(data: bytes) -> dict[str, Any]:
     return dict(json.loads(data[8 : 8 + n]))
 
 
-def recompute_fedavg(s3: Any, bucket: str, run_id: str, summary: RoundSummary, records: dict[tuple[int, str], Any]
-                     ) -> tuple[float, list[str]]:
+def recompute_fedavg(s3: Any, bucket: str, run_id: str, summary: RoundSummary, records: dict[tuple[int, str], Any],
+                     max_share: float) -> tuple[float, list[str]]:
     """FedAvg of a round's counted updates, computed independently (own parsing, weights from each update's
-    own header, numpy's weighted mean), against the stored global of the next round: (max abs difference,
-    problems)."""
+    own header, capped at a fair share as the run's rule says: `shared.sizing.fedavg_weights`, numpy's weighted
+    mean), against the stored global of the next round: (max abs difference, problems)."""
     from safetensors.numpy import load
 
+    from shared.sizing import fedavg_weights
+
     problems: list[str] = []
-    arrays, weights = [], []
+    arrays, claims = [], []
     for pid in summary.counted:
         rec = records[(summary.round, pid)]
         body = s3.get_object(Bucket=bucket, Key=keys.update_key(run_id, summary.round, pid),
@@ -632,7 +634,9 @@ def recompute_fedavg(s3: Any, bucket: str, run_id: str, summary: RoundSummary, r
         if samples != int(rec.samples):
             problems.append(f"round {summary.round} {pid}: file says {samples} samples, record {rec.samples}")
         arrays.append(load(body))
-        weights.append(samples)
+        claims.append(samples)
+    capped = fedavg_weights(dict(zip(summary.counted, claims, strict=True)), max_share)
+    weights = [capped[pid] for pid in summary.counted]
     stored = s3.get_object(Bucket=bucket, Key=keys.global_key(run_id, summary.round + 1, summary.global_digest))[
         "Body"
     ].read()

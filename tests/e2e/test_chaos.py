@@ -166,7 +166,7 @@ def test_the_run_survives_chaos_without_losing_or_double_counting_an_update(tmp_
         records = {(int(u.round), u.pid): u for u in store.all_updates()}
         worst = 0.0
         for summary in aggregated:
-            diff, problems = recompute_fedavg(s3, c.bucket, c.run_id, summary, records)
+            diff, problems = recompute_fedavg(s3, c.bucket, c.run_id, summary, records, config.max_share_ratio)
             assert not problems, problems
             worst = max(worst, diff)
         print(f"fed verify: {len(checks)} rounds match; independent FedAvg of {len(aggregated)} rounds: largest "

@@ -49,6 +49,7 @@ from participant.decide import JOIN_RETRY_SECONDS, READY_RETRY_SECONDS
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.messages import BILLED_CHUNK_BYTES
+from shared.sizing import fedavg_weights
 from shared.state import Phase
 from tests.e2e.chaos_support import DispatcherPlan, DispatcherProcess
 from tests.e2e.load_support import Clients, RequestCounter, SimParticipant, StackProcess, stack_process
@@ -178,7 +179,9 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
 
     # and the final global model is the FedAvg of the last round's updates as the participants sent them
     updates = {s.pid: wire.decode(s.sent[last]) for s in sims}
-    weights = np.array([int(updates[p][1].metadata["fed.samples"]) for p in sorted(updates)], np.float64)
+    claims = {p: int(updates[p][1].metadata["fed.samples"]) for p in sorted(updates)}
+    capped = fedavg_weights(claims, config.max_share_ratio)  # (equal shares: no claim is over the cap here)
+    weights = np.array([capped[p] for p in sorted(updates)], np.float64)
     body = s3.get_object(Bucket=conn.bucket, Key=keys.global_key(config.run_id, ROUNDS, state.global_digest))[
         "Body"].read()
     stored, _ = wire.decode(body)

@@ -40,7 +40,7 @@ def test_the_join_registers_the_sample_count_and_updates_are_weighted_by_their_c
     assert local.upload("alice", model(1), samples=300)["accepted"]
     assert local.upload("bob", model(5), samples=100)["accepted"]
     assert local.state().round == 1
-    # weighted by their claims, alice's three times bob's counted at max_share_ratio (2) x the lower median claim
+    # weighted by their claims, alice's three times bob's counted at max_share_ratio (2) x the smaller of the two
     np.testing.assert_allclose(local.global_model(1)["dense.bias"], (200 * 1 + 100 * 5) / 300)
 
 

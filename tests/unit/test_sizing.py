@@ -360,7 +360,7 @@ def test_no_claimed_speed_buys_more_than_a_fair_share_of_the_round() -> None:
 
 def test_fedavg_weights_are_capped_at_a_fair_share_of_the_median_claim() -> None:
     assert sizing.fedavg_weights({"a": 100, "b": 120, "c": 90, "x": 10_000}, 2.0) == {"a": 100, "b": 120, "c": 90,
-                                                                                        "x": 200}
-    assert sizing.fedavg_weights({"a": 100, "x": 10_000}, 2.0) == {"a": 100, "x": 200}  # the lower median of two
+                                                                                        "x": 220}
+    assert sizing.fedavg_weights({"a": 100, "x": 10_000}, 2.0) == {"a": 100, "x": 200}  # of two, the smaller
     assert sizing.fedavg_weights({"a": 100, "x": 10_000}, float("inf")) == {"a": 100, "x": 10_000}
     assert sizing.fedavg_weights({}, 2.0) == {}
