@@ -227,14 +227,14 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
     c.reads(ticks, "s3:GetObjectVersion", [keys.update_key(run, r, pid), keys.heartbeat_key(run, pid),
                                            keys.witness_key(run, r, pid), keys.health_key(run, r, pid)],
             "ingest reads an upload by the version its event names; aggregation reads the accepted updates by "
-            "version (coordinator/intake.py, coordinator/aggregation.py)", everything)
+            "version (coordinator/intake/, coordinator/aggregation.py)", everything)
     c.reads(ticks, "s3:GetObjectVersion", [keys.init_key(run, pid), keys.global_key(run, r, d),
                                            keys.staging_key(run, nxt, job), keys.optimizer_key(run, r, d)],
             "models are read and copied by the version authenticated: the initial offer, the round's global, the "
             "staged aggregate, the optimizer state (coordinator/models.py, aggregation.py, optimizer_state.py)",
             everything)
     c.reads(ticks, "s3:GetObject", [keys.join_key(run, pid)],
-            "an offer or update is checked against its sender's join request (coordinator/intake.py)", everything)
+            "an offer or update is checked against its sender's join request (coordinator/intake/)", everything)
     c.reads(ticks, "s3:GetObject", [keys.global_key(run, r, d), keys.roster_key(run, d),
                                     keys.optimizer_key(run, r, d)],
             "the global model, the state's roster and the optimizer state, read back and authenticated by digest "
@@ -282,10 +282,10 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
 
     # The join function (register joiners, from the join queue)
     c.add(join, "s3:GetObjectVersion", w.obj(keys.join_key(run, pid)),
-          "a join request, by the version its event names (coordinator/intake.py)",
+          "a join request, by the version its event names (coordinator/intake/)",
           w.obj(f"{keys.join_prefix(run)}*"))
     c.add(join, "s3:GetObject", w.obj(keys.heartbeat_key(run, pid)),
-          "the heartbeat that overtook the join request (coordinator/intake.py)",
+          "the heartbeat that overtook the join request (coordinator/intake/)",
           w.obj(f"{keys.heartbeat_prefix(run)}*"))
     c.add(join, "s3:ListBucket", w.bucket_arn, "no heartbeat yet answers 404, not 403")
     for action, why in (("dynamodb:GetItem", "the joiner's record, a kept offer"),

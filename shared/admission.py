@@ -1,7 +1,7 @@
 """Admission rules: whether an upload may take a round slot, whether an update's metadata is believable, how far
 an update lies from the global model, and what of a participant's self-description is kept.
 
-Pure functions of core types (RunState, RunConfig, UpdateMeta, numpy arrays): ingest (coordinator/intake.py)
+Pure functions of core types (RunState, RunConfig, UpdateMeta, numpy arrays): ingest (coordinator/intake/)
 reads the object, checks its signature and records the outcome; these decide.
 """
 
