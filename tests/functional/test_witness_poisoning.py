@@ -149,3 +149,33 @@ def test_with_two_of_five_updates_flipped_the_honest_ones_are_attested(tmp_path:
     # honest updates attested
     assert not w.verdicts["p0"].attested and not w.verdicts["p1"].attested, {p: v.reason for p, v in w.verdicts.items()}
     assert all(w.verdicts[p].attested for p in ("p2", "p3", "p4")), {p: v.reason for p, v in w.verdicts.items()}
+
+
+def test_a_flip_at_twice_the_weight_does_not_turn_the_honest_away(tmp_path: Path) -> None:
+    # Given a run's second round of four updates, one of them trained on twice the data (a claimed speed buys at
+    # most max_share_ratio 2 x the median share), flipped and scaled x5 (the end-to-end attack's settings)
+    task = Digits()
+    cfg = RunConfig(run_id="poison", **{**TRAINING, "learning_rate": 0.1, "local_epochs": 2, "batch_size": 32})
+    parts = partition(task._data[1].numpy(), PARTICIPANTS, None, seed=digits_meta.SPLIT_SEED)
+
+    def trained(base: dict[str, torch.Tensor], indices: list[int], seed: int) -> dict[str, torch.Tensor]:
+        model = task.build_model(cfg.seed)
+        model.load_state_dict(base)
+        task.train(model, indices, cfg, CPU, seed=seed)
+        return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+    base = task.build_model(cfg.seed).state_dict()
+    for r in range(2):
+        updates = {f"p{i}": trained(base, parts[i].tolist(), 1000 * r + i) for i in (1, 2, 3)}
+        samples = {f"p{i}": len(parts[i]) for i in (1, 2, 3)}
+        if r == 0:  # the first round aggregated the honest updates alone
+            base = {n: sum(u[n] for u in updates.values()) / 3 for n in base}
+    big = parts[0].tolist() + parts[4].tolist()
+    updates["p0"] = flipped(base, trained(base, big, 1000), 5.0)
+    samples["p0"] = len(big)
+    # When a witness judges the round
+    w = judge(task, cfg, tmp_path, base, updates, samples)
+    # Then the flip is refused for its direction and left out of the aggregate the honest updates are judged
+    # against (with it in, leaving any honest update out looked better: loss 1.49 with it, 1.17-1.19 without)
+    assert not w.verdicts["p0"].attested and "points away" in w.verdicts["p0"].reason, w.verdicts["p0"]
+    assert all(w.verdicts[p].attested for p in ("p1", "p2", "p3")), {p: v.reason for p, v in w.verdicts.items()}
