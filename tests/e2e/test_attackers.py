@@ -63,12 +63,13 @@ def test_two_attacker_identities_neither_steer_nor_wedge_the_run(local_run: Call
         print(f"round {r.round} epoch {r.epoch}: aggregated {r.aggregated}, counted {r.counted}, shares {r.shares}, "
               f"witnesses {r.witnesses}, dropped {dict(r.dropped)}")
 
-    # Then the run finished, trained from an honest initial model: both 3 x 3 offers were refused with their reason
+    # Then the run finished, trained from an honest initial model: no 3 x 3 offer was ever taken (one that arrived
+    # before the model was adopted was refused with its reason; one after it, moot)
     assert state.aggregated == ROUNDS
     assert state.model_source in HONEST
-    for a in ATTACKERS:
-        assert any(r.pid == a and "initial model refused" in r.reason for r in refusals), [
-            (r.pid, r.reason) for r in refusals]
+    participants = run.store.participants()
+    assert all(participants[a].init_digest == "" for a in ATTACKERS)
+    print("refused offers:", [(r.pid, r.reason[:80]) for r in refusals if "initial model refused" in r.reason])
     # And every honest member stayed: none was ever dropped
     assert all(state.members[p].status is MemberStatus.ACTIVE for p in HONEST), state.members
     assert not any(set(r.dropped) & set(HONEST) for r in rounds), [(r.round, r.dropped) for r in rounds]
