@@ -423,21 +423,22 @@ def _measure(c: Ctx, updates: dict[str, UpdateView], accepted: list[str], late: 
     s, cfg = c.state, c.config
     speeds = dict(s.speeds)
     fleet_rate = sizing.median_rate(s.speeds.values()) if s.speeds else None
-    claims = {pid: (elapsed, claimed) for pid in accepted
-              if (claimed := updates[pid].metrics.get("train_seconds", 0.0)) > 0
-              and (elapsed := (updates[pid].received_at - s.round_started) if updates[pid].received_at else 0.0) > 0}
-    overheads = [max(0.0, elapsed - claimed) for elapsed, claimed in claims.values()]
+    # (reported training seconds, seconds from round start to arrival; 0: not observed) of each accepted update
+    timing = {pid: (updates[pid].metrics.get("train_seconds", 0.0),
+                    (updates[pid].received_at - s.round_started) if updates[pid].received_at else 0.0)
+              for pid in accepted}
+    reported = [(claimed, elapsed) for claimed, elapsed in timing.values() if claimed > 0 and elapsed > 0]
+    overheads = [max(0.0, elapsed - claimed) for claimed, elapsed in reported]
     fleet_overhead = statistics.median(overheads) if overheads else sizing.median_overhead(s.speeds.values())
-    typical = statistics.median(claimed for _, claimed in claims.values()) if claims else 0.0
+    typical = statistics.median(claimed for claimed, _ in reported) if reported else 0.0
     units_seen, fraction_seen = 0.0, 0.0
     for pid in accepted:
         u = updates[pid]
         share = sizing.share_of(s.plan, pid)
         trained = trained_units(cfg, share, u.samples)
-        claimed = u.metrics.get("train_seconds", 0.0)
+        claimed, elapsed = timing[pid]
         if not claimed > 0 or not trained > 0:
             continue
-        elapsed = (u.received_at - s.round_started) if u.received_at else 0.0
         seconds = sizing.observed_seconds(claimed, elapsed, fleet_overhead)
         if seconds > 2 * claimed and 10 * claimed < typical:  # far below the others' and what its arrival shows
             c.effects.append(Note(f"{pid} reported training {claimed:.3g}s of the {elapsed:.3g}s between round "
@@ -642,10 +643,9 @@ def _strike_witnesses(c: Ctx, struck: Mapping[str, str]) -> None:
     """One strike for each witness whose proof was refused; `witness_strikes` of them drop it (and bar it from
     witness seats for the rest of the run)."""
     s, need = c.state, c.config.witness_strikes
-    counts = dict(s.witness_strikes)
+    counts = {**s.witness_strikes, **{w: s.witness_strikes.get(w, 0) + 1 for w in struck}}
+    c.state = s.evolve(witness_strikes=counts)
     for w, why in sorted(struck.items()):
-        counts[w] = counts.get(w, 0) + 1
-        c.state = c.state.evolve(witness_strikes=counts)
         reason = f"its witness proof of round {s.round} was refused ({counts[w]} of {need}): {why}"
         if counts[w] >= need and (m := c.state.members.get(w)) is not None and m.status is MemberStatus.ACTIVE:
             c.drop(w, reason)
