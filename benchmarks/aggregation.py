@@ -10,7 +10,7 @@ temporary directory, then aggregates them (FedAvg, weighted by sample counts) wi
   GET streamed in slices — hashed with the digest's piece hash, and written once to an output file), in one
   process;
 - project K=1, 1 core and K=2, 1 core each: the same pieces as one shard, and cut into two shards as
-  `Plan.shards` cuts them (as evenly as whole pieces allow) computed
+  `PiecePlan.shards` cuts them (as evenly as whole pieces allow) computed
   by two processes at once, each pinned to its own core (a shard-worker function below 1,769 MB has one
   vCPU; the local stack's workers are processes): wall time from the common start to the last end;
 - Flower: Flower's `aggregate_inplace` algorithm reproduced (every update loaded with safetensors first,
@@ -47,7 +47,7 @@ from shared import wire  # noqa: E402
 from shared.aggregate import AtOffsets, PieceAggregator, WeightedInput, round_plan  # noqa: E402
 from shared.config import RunConfig  # noqa: E402
 from shared.digest import combine, piece_hash  # noqa: E402
-from shared.plan import Plan  # noqa: E402
+from shared.plan import PiecePlan  # noqa: E402
 
 GB = 1e9
 METHODS = ("project K=1", "project K=1, 1 core", "project K=2, 1 core each", "Flower", "numpy from files",
@@ -94,7 +94,7 @@ class FileRange:
         return AtOffsets(self, begin)
 
 
-def project_plan(files: list[tuple[Path, int]]) -> tuple[Plan, list[WeightedInput], RunConfig]:
+def project_plan(files: list[tuple[Path, int]]) -> tuple[PiecePlan, list[WeightedInput], RunConfig]:
     config = RunConfig(run_id="bench")
     path = files[0][0]
     with path.open("rb") as f:
@@ -109,7 +109,7 @@ def project(files: list[tuple[Path, int]], out: Path, shard: int = 0, shards: in
     """Pieces of the global (shard `shard` of `shards`) written to `out` at their offsets; their hash."""
     plan, inputs, config = project_plan(files)
     worker = PieceAggregator(config, plan, inputs, None)
-    pieces = range(shard * plan.pieces // shards, (shard + 1) * plan.pieces // shards)  # as `Plan.shards` cuts
+    pieces = range(shard * plan.pieces // shards, (shard + 1) * plan.pieces // shards)  # as `PiecePlan.shards` cuts
     hashes = []
     with out.open("r+b" if out.exists() else "w+b") as f, ThreadPoolExecutor(max_workers=1) as writer:
 

@@ -289,7 +289,7 @@ def alone(kind: str, out: Path) -> None:
     """(In a fresh process, with the stack's function environment inherited.)"""
     from coordinator.aggregation import job_id, run_shard
     from coordinator.intake import ObjectCreated, _signed_model
-    from coordinator.models import read_global
+    from coordinator.model_files import read_global
     from functions.settings import deps_from_env
     from shared import keys
     from shared.aggregate import round_plan

@@ -3,7 +3,7 @@ poisoned updates (the honest change sign-flipped and scaled, under the norm boun
 
 Each setting trains `--participants` participants for `--rounds` rounds of FedAvg on their own part of the training
 set (`iid` or `dirichlet:0.5`, as `fed demo --split` gives them), with the demo's digits settings. Every round a
-witness judges (1) the honest updates, with `participant.witness.RoundWitness.evaluate`, the code a witness runs,
+witness judges (1) the honest updates, with `participant.witness_eval.RoundWitness.evaluate`, the code a witness runs,
 and (2) the same round with one participant's update replaced by `global - scale x (trained - global)`, for each
 scale. Only honest updates are aggregated, so the run is the run without an attacker. Prints, per setting, the
 cosine and leave-one-out loss ratio distributions of honest and poisoned updates and both error rates at the
@@ -33,7 +33,7 @@ from participant.splits import partition  # noqa: E402
 from participant.tasks import digits_meta  # noqa: E402
 from participant.tasks.digits import Digits  # noqa: E402
 from participant.tensors import save_model_file  # noqa: E402
-from participant.witness import Check, RoundWitness  # noqa: E402
+from participant.witness_eval import Check, RoundWitness  # noqa: E402
 from shared.config import RunConfig  # noqa: E402
 
 SPLITS = {"iid": None, "dirichlet:0.5": 0.5}

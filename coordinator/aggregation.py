@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from coordinator.deps import Deps, ShardRunner
-from coordinator.models import CorruptInput, GlobalModel, HeldRange, ObjectRange, read_global, read_header
+from coordinator.model_files import CorruptInput, GlobalModel, HeldRange, ObjectRange, read_global, read_header
 from coordinator.optimizer_state import StoredState
 from shared import keys
 from shared.aggregate import PieceAggregator, PieceOutput, RangeSource, StateSource, WeightedInput, round_plan
@@ -44,7 +44,7 @@ from shared.messages import (
     parse_message,
     shard_task_digest,
 )
-from shared.plan import Plan
+from shared.plan import PiecePlan
 from shared.server_opt import ServerStep, encode_index
 from shared.state import Aggregate, AggregateInput
 from shared.wire import Manifest
@@ -113,7 +113,7 @@ def weighted_inputs(
     return [WeightedInput(i.participant, i.samples, i.digest, source(i), i.norm) for i in inputs]
 
 
-def job_id(plan: Plan, base_digest: str, optimizer_digest: str = "") -> str:
+def job_id(plan: PiecePlan, base_digest: str, optimizer_digest: str = "") -> str:
     return hashlib.sha256(plan.header + base_digest.encode() + optimizer_digest.encode()).hexdigest()
 
 
@@ -158,7 +158,7 @@ def _write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:
     return _write_in_shards(deps, effect, plan, base)
 
 
-def _finish(deps: Deps, effect: Aggregate, plan: Plan, written: str, pieces: list[PieceDone]) -> tuple[str, str]:
+def _finish(deps: Deps, effect: Aggregate, plan: PiecePlan, written: str, pieces: list[PieceDone]) -> tuple[str, str]:
     """Once the global model of `effect.round + 1` is in: its download delta's index and its optimizer state's
     index (each written after every piece it lists). Returns the global's and the state's digests."""
     if deps.config.download.is_delta:
@@ -169,7 +169,7 @@ def _finish(deps: Deps, effect: Aggregate, plan: Plan, written: str, pieces: lis
                                      [plan.layout(p.index).count for p in pieces if p.state])
 
 
-def state_source(deps: Deps, round_no: int, optimizer_digest: str, plan: Plan) -> StateSource | None:
+def state_source(deps: Deps, round_no: int, optimizer_digest: str, plan: PiecePlan) -> StateSource | None:
     """The server optimizer state round `round_no` starts from (None: zeros, or no optimizer)."""
     step = ServerStep.of(deps.config)
     if step is None or not optimizer_digest:
@@ -204,7 +204,7 @@ def _put_state_index(deps: Deps, round_no: int, global_digest: str, pieces: list
     return _put_state_piece(deps, round_no, encode_index(step, round_no, global_digest, pieces, counts))
 
 
-def _write_in_shards(deps: Deps, effect: Aggregate, plan: Plan, base: GlobalModel) -> tuple[str, str]:
+def _write_in_shards(deps: Deps, effect: Aggregate, plan: PiecePlan, base: GlobalModel) -> tuple[str, str]:
     run_id = deps.config.run_id
     staging = keys.staging_key(run_id, effect.round + 1, job_id(plan, effect.base_digest, effect.optimizer_digest))
     upload_id = deps.bucket.start_multipart(staging)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from coordinator.deps import Deps
-from coordinator.models import CorruptInput
+from coordinator.model_files import CorruptInput
 from shared import keys
 from shared.digest import PIECE_BYTES
 from shared.server_opt import (

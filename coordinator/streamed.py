@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.deps import Deps
-from coordinator.models import GlobalModel, ObjectRange
+from coordinator.model_files import GlobalModel, ObjectRange
 from shared.compress import CachedRange, CompressError, DecodedSource, Encoding, encoded_manifest
 from shared.digest import PIECE_BYTES, TreeHasher
 from shared.scan import DataScan

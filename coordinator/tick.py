@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from coordinator.aggregation import AggregationBusy, RoundLease, write_aggregate
 from coordinator.catchup import catch_up
 from coordinator.deps import Deps
-from coordinator.models import CorruptInput, copy_global, read_header
+from coordinator.model_files import CorruptInput, copy_global, read_header
 from coordinator.optimizer_state import copy_state
 from shared import keys
 from shared.machine import Decision, exclude_input, resolve, tick

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from coordinator.aggregation import base_source, state_source, weighted_inputs
 from coordinator.deps import Deps
-from coordinator.models import CorruptInput, read_global
+from coordinator.model_files import CorruptInput, read_global
 from coordinator.optimizer_state import state_files
 from shared import keys
 from shared.aggregate import aggregate_digest, round_plan

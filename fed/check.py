@@ -231,14 +231,14 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
     c.reads(ticks, "s3:GetObjectVersion", [keys.init_key(run, pid), keys.global_key(run, r, d),
                                            keys.staging_key(run, nxt, job), keys.optimizer_key(run, r, d)],
             "models are read and copied by the version authenticated: the initial offer, the round's global, the "
-            "staged aggregate, the optimizer state (coordinator/models.py, aggregation.py, optimizer_state.py)",
+            "staged aggregate, the optimizer state (coordinator/model_files.py, aggregation.py, optimizer_state.py)",
             everything)
     c.reads(ticks, "s3:GetObject", [keys.join_key(run, pid)],
             "an offer or update is checked against its sender's join request (coordinator/intake/)", everything)
     c.reads(ticks, "s3:GetObject", [keys.global_key(run, r, d), keys.roster_key(run, d),
                                     keys.optimizer_key(run, r, d)],
             "the global model, the state's roster and the optimizer state, read back and authenticated by digest "
-            "(coordinator/models.py, store/rosters.py, coordinator/optimizer_state.py)", everything)
+            "(coordinator/model_files.py, store/rosters.py, coordinator/optimizer_state.py)", everything)
     c.reads(ticks, "s3:GetObject", [keys.latest_checkpoint_key(run), keys.shard_result_key(run, nxt, job, 0)],
             "the first tick looks for a checkpoint; a waiting tick looks for its shards' outcomes "
             "(coordinator/tick.py, functions/shard_runners.py)", everything)
@@ -348,7 +348,7 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
               keys.update_key(run, r, pid)]
     if witnessing:
         p("s3:GetObjectVersion", w.obj(keys.update_key(run, r, peer)),
-          "a witness downloads each update by the version the coordinator accepted (participant/witnessing.py)",
+          "a witness downloads each update by the version the coordinator accepted (participant/witness_duty.py)",
           w.obj(layout.round_objects(run)))
         writes += [keys.witness_key(run, r, pid), keys.health_key(run, r, pid)]
     for key in writes:

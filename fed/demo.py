@@ -119,7 +119,7 @@ def demo_config(participants: int, rounds: int | None = None, kill_one: bool = F
 
     Every participant trains every round (fraction 1.0) on its 1/N share of the training set. Two of them,
     drawn each round, witness it: each checks every update on its held-out data and the round is aggregated
-    from the updates both attested (see participant/witness.py). With `kill_one`, one participant will die
+    from the updates both attested (see participant/witness_eval.py). With `kill_one`, one participant will die
     mid-run, so the run must keep going with N-1 members.
     """
     if participants < 1:
@@ -195,7 +195,7 @@ def participant_command() -> list[str]:
 
 
 @dataclass
-class Participant:
+class ParticipantProcess:
     name: str
     process: subprocess.Popen[bytes] | Forked
     log: Path
@@ -211,7 +211,7 @@ class Participants:
     connection_file: Path
     workdir: Path
     extra_args: list[str] = field(default_factory=list)
-    procs: dict[str, Participant] = field(default_factory=dict)
+    procs: dict[str, ParticipantProcess] = field(default_factory=dict)
     forked: bool = False
     zygote: Zygote | None = None
 
@@ -231,7 +231,7 @@ class Participants:
             args = ["start", "--connection", str(self.connection_file), "--id", name, "--state-dir", str(state_dir),
                     "--threads", "1", "--poll-max", str(POLL_MAX), *self.extra_args, *(extra or {}).get(name, [])]
             log.write_bytes(b"")
-            self.procs[name] = Participant(name, self._start(args, env, log), log)
+            self.procs[name] = ParticipantProcess(name, self._start(args, env, log), log)
 
     def start_helper(self, module: str, args: list[str], log: Path) -> subprocess.Popen[bytes] | Forked:
         """`python -m <module> <args>` (its `main(args)`), forked from the zygote if there is one: a helper of the
@@ -263,12 +263,12 @@ class Participants:
         p.process.send_signal(signal.SIGKILL)
         p.process.wait()
 
-    def failed(self) -> list[Participant]:
+    def failed(self) -> list[ParticipantProcess]:
         """Processes that exited with an error (a killed one does not count)."""
         return [p for p in self.procs.values()
                 if not p.killed and p.process.poll() is not None and p.process.returncode != 0]
 
-    def running(self) -> list[Participant]:
+    def running(self) -> list[ParticipantProcess]:
         return [p for p in self.procs.values() if p.process.poll() is None]
 
     def wait_exit(self, timeout: float) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from rich.console import Console
 from rich.markup import escape
 
-from local.moto_pin import MotoVersionMismatch
+from local.moto.pin import MotoVersionMismatch
 from local.stack import LocalStack
 from participant.tasks import digits_meta
 from shared.config import RunConfig

@@ -16,14 +16,14 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from coordinator.intake import Outcome, ingest_object
+from coordinator.intake import Ingested, ingest_object
 from functions.events import BadEvent, object_created
 from functions.observability import logger, metrics, traced
 from functions.settings import Deps, deps_from_env
 from shared.keys import join_prefix
 
 
-def join_request(deps: Deps, event: dict[str, Any]) -> Outcome | None:
+def join_request(deps: Deps, event: dict[str, Any]) -> Ingested | None:
     """Ingest one join request's "Object Created" event; None if the event is not one (logged, not retried)."""
     try:
         obj = object_created(event)

@@ -39,7 +39,7 @@ def subscribe_conditions(own_queue_arn: str) -> dict[str, dict[str, object]]:
     return {"StringEquals": {"sns:Protocol": SUBSCRIBE_PROTOCOL, "sns:Endpoint": own_queue_arn}}
 
 
-class StateTopic(Construct):
+class StateNotifications(Construct):
     """The topic; `admit` writes its policy once the publishing roles and the participant role exist."""
 
     def __init__(self, scope: Construct, id: str, *, config: RunConfig) -> None:

@@ -10,7 +10,7 @@ from constructs import Construct
 
 from infra.coordinator import Coordinator
 from infra.lambdas import function_code
-from infra.notifications import StateTopic
+from infra.notifications import StateNotifications
 from infra.observability import Observability
 from infra.operators import OperatorAccess
 from infra.participants import ParticipantAccess
@@ -48,7 +48,7 @@ class FedRunStack(Stack):
         self.storage = Storage(self, "Storage", config=config, settings=settings)
         self.state = StateTable(self, "State", config=config, settings=settings)
         bucket, table = self.storage.bucket, self.state.table
-        self.notifications = StateTopic(self, "StateTopic", config=config)
+        self.notifications = StateNotifications(self, "StateTopic", config=config)
         topic = self.notifications.topic
         self.coordinator = Coordinator(
             self, "Coordinator", config=config, settings=settings, bucket=bucket, table=table,

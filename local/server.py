@@ -263,17 +263,11 @@ class LocalServer:
         # Imported here: moto costs about a second to import and only the local run needs it.
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 
-        from local import moto_dynamodb, moto_events, moto_objects, moto_routing, moto_sns, moto_sqs
-        from local.moto_pin import check_moto
+        from local.moto import apply_all
+        from local.moto.pin import check_moto
 
-        check_moto()  # the patches below replace moto internals of one release
-        moto_dynamodb.apply()
-        moto_dynamodb.serve_query_results()  # (safe here: SerialDynamoDB serves each request and response whole)
-        moto_events.apply()
-        moto_objects.apply()
-        moto_routing.apply()
-        moto_sns.apply()
-        moto_sqs.apply()
+        check_moto()  # the patches replace moto internals of one release
+        apply_all(server=True)  # (the server's too: SerialDynamoDB serves each request and response whole)
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log line per request
         self.access = AccessMiddleware(SerialDynamoDB(DomainDispatcherApplication(create_backend_app)))

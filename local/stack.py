@@ -17,7 +17,7 @@ from typing import IO
 
 from local import access
 from local.dispatcher import Dispatcher, FaultPlan
-from local.moto_pin import check_moto
+from local.moto.pin import check_moto
 from local.resources import LocalResources, create_resources
 from local.server import LocalServer, ServerProcess
 from shared.config import RunConfig

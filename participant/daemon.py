@@ -5,7 +5,7 @@ shared with the load test's simulated participants); this module runs them for r
 signing key, sends heartbeats on their own thread, retries through AWS faults (`participant.remote`), keeps the
 on-disk journal that makes restarts resume (`participant.journal`), and hands the rest to its duties: training
 (`participant.training`: the task, the global-model cache, a round's training and upload) and witnessing
-(`participant.witnessing`: witness duty and health reports).
+(`participant.witness_duty`: witness duty and health reports).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from participant.decide import (
     next_heartbeat,
 )
 from participant.journal import JournalFile, JournalKeeper
-from participant.protocol import POLL_MAX, Outcome, Participant
+from participant.protocol import POLL_MAX, Participant, ParticipantExit
 from participant.remote import Remote, Retrier, Stopped
 from participant.training import Training, Workload, load_workload
 from participant.ui import Reporter
-from participant.witnessing import Witnessing
+from participant.witness_duty import Witnessing
 from shared import keys
 from shared.config import RunConfig
 from shared.messages import MAX_RATE, Heartbeat, JoinRequest, Progress
@@ -103,7 +103,7 @@ class Daemon(Participant):
         self._beat_lock = threading.Lock()
         self._beats_stop = threading.Event()
 
-    def run(self) -> Outcome:
+    def run(self) -> ParticipantExit:
         heart = None
         try:
             work = None
@@ -129,7 +129,7 @@ class Daemon(Participant):
             return self._loop()
         except Stopped:
             log.info("stopped; progress is saved in %s", self.journal_file.path)
-            return Outcome(False, self.rounds_uploaded, reason="stopped")
+            return ParticipantExit(False, self.rounds_uploaded, reason="stopped")
         finally:
             self._beats_stop.set()
             if heart is not None:
@@ -321,16 +321,17 @@ class Daemon(Participant):
     def _report_health(self, action: ReportHealth, state: RunState) -> None:
         self.witnessing.report_health(action, state)
 
-    def _finish(self, action: Finish) -> Outcome:
+    def _finish(self, action: Finish) -> ParticipantExit:
         if self.feed is not None:  # the run is over: no more changes to hear of
             self.feed.close()
             self.feed = None
         if not action.digest:
             log.warning("the run finished without a model")
-            return Outcome(True, self.rounds_uploaded, reason="finished without a model")
+            return ParticipantExit(True, self.rounds_uploaded, reason="finished without a model")
         if action.unfit:
             log.warning("the run finished with a global model that does not fit our task: nothing to evaluate")
-            return Outcome(True, self.rounds_uploaded, reason="finished with a model that does not fit our task")
+            return ParticipantExit(True, self.rounds_uploaded,
+                                   reason="finished with a model that does not fit our task")
         final = self.training.evaluate(self._work(), self.held_model)
         result = {"run_id": self.run_id, "participant": self.pid, "round": action.round, "digest": action.digest,
                   "rounds_uploaded": len(self.journal.uploaded), **final}
@@ -338,4 +339,4 @@ class Daemon(Participant):
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1, sort_keys=True))
         log.info("run finished: final global model %s (round %d)", action.digest[:12], action.round)
-        return Outcome(True, self.rounds_uploaded, final)
+        return ParticipantExit(True, self.rounds_uploaded, final)

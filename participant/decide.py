@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.selection import as_plan
-from shared.sizing import Plan
+from shared.sizing import WorkPlan
 from shared.state import LIVE_PHASES, MemberStatus, Phase, RunState
 
 # Re-sending what the coordinator has not recorded yet: the join request first after 15 s, the ready report after
@@ -103,11 +103,11 @@ class Train:
     seed: str
     selected: tuple[str, ...]
     digest: str
-    plan: Plan = ()  # the round's shares (shared.sizing): everyone's weight and local steps; (): equal shares
+    plan: WorkPlan = ()  # the round's shares (shared.sizing): everyone's weight and local steps; (): equal shares
     deadline: float = 0.0  # when the round closes at the latest (before it, only our being dropped closes it to us)
 
     @property
-    def planned(self) -> Plan:
+    def planned(self) -> WorkPlan:
         """The round's plan (a bare selection: equal weights)."""
         return self.plan or as_plan(self.selected)
 

@@ -20,7 +20,7 @@ from shared import keys
 from shared.compress import Encoding
 from shared.delta import MAX_INDEX_BYTES, DeltaError, DeltaIndex, decode_delta_piece, header_of, rebuild_piece
 from shared.digest import PIECE_BYTES, digest, piece_hash
-from shared.plan import Plan
+from shared.plan import PiecePlan
 from shared.wire import WireError, header_length
 from store.blobs import NotFound
 
@@ -85,7 +85,7 @@ def rebuild_from_delta(remote: Remote, run_id: str, round_no: int, want: str, en
 def _rebuild(remote: Remote, run_id: str, round_no: int, index: DeltaIndex, base: FileRange, out: Path,
              progress: Callable[[int, int], None] | None) -> int:
     fetched, heads = 0, b""
-    plan: Plan | None = None
+    plan: PiecePlan | None = None
     try:
         with out.open("wb") as f:
             for i, (want_hash, want_file) in enumerate(zip(index.hashes, index.pieces, strict=True)):
@@ -98,7 +98,7 @@ def _rebuild(remote: Remote, run_id: str, round_no: int, index: DeltaIndex, base
                 if plan is None:
                     heads += piece.head.tobytes()
                     if (found := header_of(heads, index.size)) is not None:
-                        plan = Plan(found[1], found[0])
+                        plan = PiecePlan(found[1], found[0])
                 if plan is None:
                     raise DeltaError(f"delta piece {i} holds data before the model's header is complete")
                 rebuilt = rebuild_piece(plan.layout(i), base, piece, index.encoding)

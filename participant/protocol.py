@@ -106,7 +106,7 @@ class UnfitModel(ParticipantError):
 
 
 @dataclass
-class Outcome:
+class ParticipantExit:
     """How the participant ended."""
 
     finished: bool
@@ -223,7 +223,7 @@ class Participant(ABC):
     def _train(self, action: Train) -> bool: ...  # train and upload; False if the update was not sent
 
     @abstractmethod
-    def _finish(self, action: Finish) -> Outcome: ...
+    def _finish(self, action: Finish) -> ParticipantExit: ...
 
     def _check_updates(self, action: CheckUpdates, state: RunState) -> None:
         raise NotImplementedError(f"{type(self).__name__} does no witness duty")
@@ -242,7 +242,7 @@ class Participant(ABC):
 
     # --- the loop ---------------------------------------------------------------------------------------
 
-    def _loop(self) -> Outcome:
+    def _loop(self) -> ParticipantExit:
         delay, last_wait = POLL_FIRST, None
         state: RunState | None = None
         kept = False  # `state` was kept, not read again, while waiting for our join to be recorded
@@ -350,7 +350,7 @@ class Participant(ABC):
         self._pause(delay * self.rng.uniform(0.75, 1.25))
         return min(delay * POLL_GROWTH, self.poll_max)
 
-    def _act(self, action: Action, state: RunState, resend: bool) -> Outcome | None:
+    def _act(self, action: Action, state: RunState, resend: bool) -> ParticipantExit | None:
         """Carry out one action; an outcome ends the loop."""
         if isinstance(action, Finish):
             return self._finish(action)
@@ -385,7 +385,7 @@ class Participant(ABC):
                 self.kept.stop_training()
             if self.max_rounds and self.rounds_uploaded >= self.max_rounds:
                 log.info("leaving after %d uploaded round(s) (--max-rounds)", self.rounds_uploaded)
-                return Outcome(False, self.rounds_uploaded, reason="max-rounds")
+                return ParticipantExit(False, self.rounds_uploaded, reason="max-rounds")
         return None
 
     def _wait_for_config(self) -> RunConfig:

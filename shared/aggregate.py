@@ -6,7 +6,7 @@ from byte range [a, b) of each update's data section alone — every strategy he
 the per-update quantities that span the model (weights, clipping factors) are known up front. The output
 file is cut into the digest's pieces (`shared.digest.PIECE_BYTES`, 8 MiB); each piece is computed from
 ranged reads of the inputs into reused buffers, hashed, and handed on (written as one part of a multipart
-upload). Any subset of the pieces can be computed anywhere (`Plan.shards`): the same piece is the same
+upload). Any subset of the pieces can be computed anywhere (`PiecePlan.shards`): the same piece is the same
 bytes whichever worker computes it, so K shards and one give byte-identical globals.
 
 Memory: FedAvg holds float32 scratch the size of a piece, a slice of input and, for inputs that do not stream,
@@ -31,7 +31,7 @@ from shared.compress import Encoding
 from shared.config import RunConfig, Strategy
 from shared.delta import applied, codes_of, encode_delta_piece
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
-from shared.plan import PieceLayout, Plan, store
+from shared.plan import PieceLayout, PiecePlan, store
 from shared.server_opt import ServerStep, decode_piece, encode_index, encode_piece, gather, new_state
 from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, TensorSpec, tensor_view
 
@@ -94,7 +94,7 @@ def close_all(streams: Sequence[RangeStream]) -> None:
 Block = tuple[str, int, int, int]  # dtype, offset in the piece's data, element count, offset in its slice
 
 
-def slice_blocks(plan: Plan, begin: int, end: int) -> list[list[Block]]:
+def slice_blocks(plan: PiecePlan, begin: int, end: int) -> list[list[Block]]:
     """The float blocks of each SLICE_BYTES slice of data range [begin, end) (8-aligned slices cut no element)."""
     out = []
     for lo in range(begin, end, SLICE_BYTES):
@@ -155,7 +155,7 @@ class WeightedInput:
 class PieceAggregator:
     """Computes pieces of a round's global model from ranged reads of its inputs."""
 
-    def __init__(self, config: RunConfig, plan: Plan, inputs: list[WeightedInput], base: RangeSource | None,
+    def __init__(self, config: RunConfig, plan: PiecePlan, inputs: list[WeightedInput], base: RangeSource | None,
                  state: StateSource | None = None) -> None:
         if not inputs:
             raise ValueError("nothing to aggregate")
@@ -439,8 +439,8 @@ def global_metadata(run_id: str, round_no: int, inputs: Iterable[WeightedInput],
     }
 
 
-def round_plan(config: RunConfig, manifest: Manifest, out_round: int, inputs: Iterable[WeightedInput]) -> Plan:
-    return Plan.of(manifest, global_metadata(config.run_id, out_round, inputs, config.strategy.value))
+def round_plan(config: RunConfig, manifest: Manifest, out_round: int, inputs: Iterable[WeightedInput]) -> PiecePlan:
+    return PiecePlan.of(manifest, global_metadata(config.run_id, out_round, inputs, config.strategy.value))
 
 
 @dataclass(frozen=True)

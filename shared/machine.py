@@ -44,7 +44,7 @@ MAX_STEPS = 16
 
 
 @dataclass
-class Ctx:
+class TickInProgress:
     """One tick in progress: the inputs, the state being built and the effects asked for."""
 
     snap: Snapshot
@@ -89,8 +89,8 @@ class Transition:
     source: Phase
     target: Phase
     name: str
-    guard: Callable[[Ctx], bool]
-    action: Callable[[Ctx], None]
+    guard: Callable[[TickInProgress], bool]
+    action: Callable[[TickInProgress], None]
     doc: str
 
 
@@ -105,21 +105,21 @@ class Decision:
 # --- guards --------------------------------------------------------------------------------------------
 
 
-def _deadline_passed(c: Ctx) -> bool:
+def _deadline_passed(c: TickInProgress) -> bool:
     return c.now >= c.state.deadline
 
 
-def _too_few_members(c: Ctx) -> bool:
+def _too_few_members(c: TickInProgress) -> bool:
     return len(c.state.active()) < c.config.min_clients
 
 
-def _can_start_epoch(c: Ctx) -> bool:
+def _can_start_epoch(c: TickInProgress) -> bool:
     eligible = c.eligible()
     has_model = c.state.has_model or any(p.init_digest for p in eligible)
     return len(eligible) >= c.config.min_clients and has_model and not _joiners_awaited(c, eligible)
 
 
-def _joiners_awaited(c: Ctx, eligible: list[ParticipantView]) -> bool:
+def _joiners_awaited(c: TickInProgress, eligible: list[ParticipantView]) -> bool:
     """While the run waits for members, within `start_grace` seconds of the join of the min_clients-th participant
     the epoch would admit: is a live joiner not yet heard from since its join (and room for it among the epoch's
     admissions)? Its heartbeat may be queued behind the others' (ingest runs behind the uploads), or on its way.
@@ -135,7 +135,7 @@ def _joiners_awaited(c: Ctx, eligible: list[ParticipantView]) -> bool:
     return any(not p.proven and p.alive(c.now, timeout) for p in c.snap.participants.values())
 
 
-def _warmup_over(c: Ctx) -> bool:
+def _warmup_over(c: TickInProgress) -> bool:
     ready = all(
         (p := c.snap.participants.get(pid)) is not None and p.ready_epoch >= c.state.epoch
         for pid in c.state.active()
@@ -154,11 +154,11 @@ def stuck(snap: Snapshot, config: RunConfig, state: RunState, pid: str, now: flo
     return still if still >= config.stuck_timeout else None
 
 
-def _stuck(c: Ctx, pid: str) -> float | None:
+def _stuck(c: TickInProgress, pid: str) -> float | None:
     return stuck(c.snap, c.config, c.state, pid, c.now)
 
 
-def _round_closed(c: Ctx) -> bool:
+def _round_closed(c: TickInProgress) -> bool:
     updates = c.updates()
     recorded = all(pid in updates or _stuck(c, pid) is not None for pid in c.state.selected)
     if c.state.witnesses:  # opportunistic witnessing: a quorum has checked everything recorded
@@ -167,7 +167,7 @@ def _round_closed(c: Ctx) -> bool:
     return recorded or _deadline_passed(c)
 
 
-def _witness_over(c: Ctx) -> bool:
+def _witness_over(c: TickInProgress) -> bool:
     """Every elected witness's proof is in, or a quorum of proofs is in and every one of them attests every
     counted update (nothing a later proof could dispute), or the witness deadline passed. Proofs that disagree
     wait for the others: one early empty proof and one honest proof must not decide the round between them; and
@@ -182,17 +182,17 @@ def _witness_over(c: Ctx) -> bool:
     return every_proof_in or all_attested or _deadline_passed(c)
 
 
-def _counted_digests(c: Ctx) -> dict[str, str]:
+def _counted_digests(c: TickInProgress) -> dict[str, str]:
     updates = c.updates()
     return {pid: updates[pid].digest for pid in c.state.counted if pid in updates}
 
 
-def _health(c: Ctx) -> dict[str, int]:
+def _health(c: TickInProgress) -> dict[str, int]:
     """Each counted update's health score: the proofs that attest exactly its bytes."""
     return health_scores(c.proofs().values(), _counted_digests(c))
 
 
-def _attested(c: Ctx) -> tuple[str, ...]:
+def _attested(c: TickInProgress) -> tuple[str, ...]:
     """The counted updates that will be aggregated: all of them, or those a witness quorum attested."""
     if not c.state.witnesses:
         return c.state.counted
@@ -200,17 +200,17 @@ def _attested(c: Ctx) -> tuple[str, ...]:
     return tuple(pid for pid, score in sorted(_health(c).items()) if score >= need)
 
 
-def _quorum_missed(c: Ctx) -> bool:
+def _quorum_missed(c: TickInProgress) -> bool:
     return bool(c.state.witnesses) and len(c.proofs()) < quorum(len(c.state.witnesses))
 
 
-def _seatable(c: Ctx, candidates: Iterable[str]) -> list[str]:
+def _seatable(c: TickInProgress, candidates: Iterable[str]) -> list[str]:
     """Who may hold a witness seat: not a participant whose proofs were refused `witness_strikes` times."""
     barred = c.config.witness_strikes
     return [p for p in candidates if c.state.witness_strikes.get(p, 0) < barred]
 
 
-def _refused_proofs(c: Ctx) -> dict[str, str]:
+def _refused_proofs(c: TickInProgress) -> dict[str, str]:
     """The round's elected witnesses whose proof is refused, with why: refused by ingest (over-full, malformed,
     spoofed), or empty against the records (it attests none of the round's counted updates while another witness
     attests some of them). A witness that withholds every attestation cannot be told from one that found every
@@ -228,7 +228,7 @@ def _refused_proofs(c: Ctx) -> dict[str, str]:
     return out
 
 
-def _replacements(c: Ctx, count: int) -> list[str]:
+def _replacements(c: TickInProgress, count: int) -> list[str]:
     """Up to `count` new witnesses for the round, in the order its seed shuffles the selected participants: not
     one of its witnesses now or before, and not barred."""
     s = c.state
@@ -237,12 +237,12 @@ def _replacements(c: Ctx, count: int) -> list[str]:
     return [p for p in order if p not in taken][:count]
 
 
-def _refused_by_ingest(c: Ctx) -> dict[str, str]:
+def _refused_by_ingest(c: TickInProgress) -> dict[str, str]:
     return {w: f"ingest refused it: {why}" for w, why in sorted(c.snap.refused_proofs.items())
             if w in c.state.witnesses}
 
 
-def _seats_to_redraw(c: Ctx) -> bool:
+def _seats_to_redraw(c: TickInProgress) -> bool:
     """A proof ingest refused takes its seat's proof away at once: redraw it now. One empty against the records is
     judged once the witness phase is over, and only if the round cannot aggregate without redrawing: a round that
     aggregates strikes it at close."""
@@ -251,32 +251,32 @@ def _seats_to_redraw(c: Ctx) -> bool:
     return _witness_over(c) and bool(_refused_proofs(c)) and (_quorum_missed(c) or not _enough_updates(c))
 
 
-def _enough_updates(c: Ctx) -> bool:
+def _enough_updates(c: TickInProgress) -> bool:
     return not _quorum_missed(c) and len(_attested(c)) >= c.config.min_updates
 
 
-def _epoch_ends_after_this_round(c: Ctx) -> bool:
+def _epoch_ends_after_this_round(c: TickInProgress) -> bool:
     s, cfg = c.state, c.config
     timed_out = cfg.epoch_time > 0 and c.now - s.epoch_started >= cfg.epoch_time
     return s.aggregated + 1 >= cfg.total_rounds or s.rounds_in_epoch + 1 >= cfg.epoch_rounds or timed_out
 
 
-def _pause_requested(c: Ctx) -> bool:
+def _pause_requested(c: TickInProgress) -> bool:
     return c.state.pause_requested
 
 
-def _resume_requested(c: Ctx) -> bool:
+def _resume_requested(c: TickInProgress) -> bool:
     return not c.state.pause_requested
 
 
-def _run_complete(c: Ctx) -> bool:
+def _run_complete(c: TickInProgress) -> bool:
     return c.state.aggregated >= c.config.total_rounds
 
 
 # --- actions -------------------------------------------------------------------------------------------
 
 
-def _start_epoch(c: Ctx) -> None:
+def _start_epoch(c: TickInProgress) -> None:
     eligible = c.eligible()
     s = c.state.evolve(
         epoch=c.state.epoch + 1,
@@ -316,34 +316,34 @@ def _initial_offer(eligible: list[ParticipantView]) -> ParticipantView:
     return next(p for p in offers if votes[p.init_digest] == best)
 
 
-def _waiting_for_admission(c: Ctx, admitted: list[ParticipantView]) -> int:
+def _waiting_for_admission(c: TickInProgress, admitted: list[ParticipantView]) -> int:
     """Live participants heard from since they joined that the admission bound left out of this epoch."""
     timeout, chosen = c.config.liveness_timeout, {p.pid for p in admitted}
     return sum(1 for p in c.snap.participants.values()
                if p.alive(c.now, timeout) and p.proven and p.pid not in chosen)
 
 
-def _back_to_waiting(c: Ctx) -> None:
+def _back_to_waiting(c: TickInProgress) -> None:
     _leave_epoch(c)
     c.effects.append(Note(f"fewer than {c.config.min_clients} members: waiting for members"))
 
 
-def _leave_epoch(c: Ctx) -> None:
+def _leave_epoch(c: TickInProgress) -> None:
     if c.state.phase in (Phase.TRAIN, Phase.WITNESS):  # the round was started: close it unaggregated
         _close_round(c, aggregated=False)
     c.state = c.state.evolve(members={}, selected=(), counted=(), witnesses=(), deadline=0.0)
 
 
-def _pause(c: Ctx) -> None:
+def _pause(c: TickInProgress) -> None:
     _leave_epoch(c)
     c.effects.append(Note("paused by the operator"))
 
 
-def _resume(c: Ctx) -> None:
+def _resume(c: TickInProgress) -> None:
     c.effects.append(Note("resumed by the operator: waiting for members"))
 
 
-def _begin_round(c: Ctx) -> None:
+def _begin_round(c: TickInProgress) -> None:
     s, cfg = c.state, c.config
     seed = round_seed(cfg.seed, s.epoch, s.round)
     chosen = select(seed, s.active(), cfg.fraction_per_round, cfg.min_per_round)
@@ -365,7 +365,7 @@ def _begin_round(c: Ctx) -> None:
     )
 
 
-def _plan(c: Ctx, chosen: tuple[str, ...]) -> sizing.Plan:
+def _plan(c: TickInProgress, chosen: tuple[str, ...]) -> sizing.WorkPlan:
     """The round's shares (shared.sizing): weights from the throughput estimates, and local steps."""
     cfg = c.config
     steps: int | dict[str, int] = cfg.local_steps
@@ -378,7 +378,7 @@ def _plan(c: Ctx, chosen: tuple[str, ...]) -> sizing.Plan:
                             max_ratio=cfg.max_speed_ratio, max_share=cfg.max_share_ratio)
 
 
-def _freeze_round(c: Ctx) -> None:
+def _freeze_round(c: TickInProgress) -> None:
     updates = c.updates()
     late: list[str] = []
     for pid in c.state.selected:  # with witnesses, the health checks deal with those who did not deliver
@@ -405,7 +405,7 @@ def _freeze_round(c: Ctx) -> None:
     c.state = c.state.evolve(counted=counted, excluded=excluded, deadline=c.now + c.config.round_witness_time)
 
 
-def _slow_but_progressing(c: Ctx, pid: str) -> bool:
+def _slow_but_progressing(c: TickInProgress, pid: str) -> bool:
     """A participant that missed the deadline while its training was still moving, for the first time in a row: kept,
     with a smaller share next time (throughput sizing only; a second miss in a row drops it)."""
     view = c.snap.participants.get(pid)
@@ -413,7 +413,7 @@ def _slow_but_progressing(c: Ctx, pid: str) -> bool:
             and view.progress_round == c.state.round and view.progress_total > 0)
 
 
-def _measure(c: Ctx, updates: dict[str, UpdateView], accepted: list[str], late: list[str]) -> None:
+def _measure(c: TickInProgress, updates: dict[str, UpdateView], accepted: list[str], late: list[str]) -> None:
     """Fold the round's measurements into the throughput estimates: each accepted update's training rate (what it
     trained over the `train_seconds` its metrics report, taken within what its arrival shows:
     `sizing.observed_seconds`, against the round's median overhead, which a minority cannot move) and the seconds
@@ -513,7 +513,7 @@ def _norm_outliers(config: RunConfig, norms: dict[str, float]) -> dict[str, str]
     }
 
 
-def _weighted_metric(c: Ctx, name: str) -> float | None:
+def _weighted_metric(c: TickInProgress, name: str) -> float | None:
     updates = c.updates()
     pairs = [
         (u.samples, u.metrics[name])
@@ -530,7 +530,7 @@ def _heard_from(members: Mapping[str, Member], updates: Mapping[str, UpdateView]
             for pid, m in members.items()}
 
 
-def _close_round(c: Ctx, aggregated: bool) -> None:
+def _close_round(c: TickInProgress, aggregated: bool) -> None:
     s = c.state
     updates = c.updates()
     counted = _attested(c) if aggregated else ()
@@ -614,7 +614,7 @@ def count_strikes(before: Mapping[str, int], health: Mapping[str, int], need: in
     return out
 
 
-def _aggregate_and_continue(c: Ctx) -> None:
+def _aggregate_and_continue(c: TickInProgress) -> None:
     _close_round(c, aggregated=True)
     every = c.config.checkpoint_every
     if every and c.state.aggregated % every == 0:  # a run that loses its table mid-epoch loses at most these
@@ -622,24 +622,24 @@ def _aggregate_and_continue(c: Ctx) -> None:
     _begin_round(c)
 
 
-def _aggregate_and_cool_down(c: Ctx) -> None:
+def _aggregate_and_cool_down(c: TickInProgress) -> None:
     _close_round(c, aggregated=True)
     _cool_down(c)
 
 
-def _cool_down(c: Ctx) -> None:
+def _cool_down(c: TickInProgress) -> None:
     c.state = c.state.evolve(deadline=c.now + c.config.cooldown_time)
     c.effects.append(WriteCheckpoint(c.state.epoch, c.state.round))
 
 
-def _quorum_missed_cool_down(c: Ctx) -> None:
+def _quorum_missed_cool_down(c: TickInProgress) -> None:
     n = len(c.state.witnesses)
     c.effects.append(Note(f"round {c.state.round}: {len(c.proofs())} of {n} witness proofs, quorum {quorum(n)}"))
     _close_round(c, aggregated=False)
     _cool_down(c)
 
 
-def _strike_witnesses(c: Ctx, struck: Mapping[str, str]) -> None:
+def _strike_witnesses(c: TickInProgress, struck: Mapping[str, str]) -> None:
     """One strike for each witness whose proof was refused; `witness_strikes` of them drop it (and bar it from
     witness seats for the rest of the run)."""
     s, need = c.state, c.config.witness_strikes
@@ -653,16 +653,16 @@ def _strike_witnesses(c: Ctx, struck: Mapping[str, str]) -> None:
             c.effects.append(Note(f"round {s.round}: witness {w}: {reason}"))
 
 
-def _redraw_witnesses(c: Ctx) -> None:
+def _redraw_witnesses(c: TickInProgress) -> None:
     _redraw(c, _refused_proofs(c))
     c.state = c.state.evolve(deadline=c.now + c.config.round_witness_time)
 
 
-def _redraw_while_training(c: Ctx) -> None:
+def _redraw_while_training(c: TickInProgress) -> None:
     _redraw(c, _refused_by_ingest(c))
 
 
-def _redraw(c: Ctx, struck: Mapping[str, str]) -> None:
+def _redraw(c: TickInProgress, struck: Mapping[str, str]) -> None:
     """Unseat the witnesses whose proofs were refused (a strike each) and draw others in their seats from the
     round's seed; the round is witnessed again, not given up. The other witnesses' proofs stand. A seat nobody is
     left to fill is given up (the quorum is of the seats that remain)."""
@@ -675,36 +675,34 @@ def _redraw(c: Ctx, struck: Mapping[str, str]) -> None:
                           f"witnessed again by {', '.join(seats)}"))
 
 
-def _retry_round(c: Ctx) -> None:
+def _retry_round(c: TickInProgress) -> None:
     c.effects.append(Note(f"round {c.state.round}: {len(c.state.counted)} accepted updates, retrying"))
     _close_round(c, aggregated=False)
     _begin_round(c)
 
 
-def _close_and_wait(c: Ctx) -> None:
+def _close_and_wait(c: TickInProgress) -> None:
     _close_round(c, aggregated=_enough_updates(c))
     c.state = c.state.evolve(members={}, selected=(), counted=(), witnesses=(), deadline=0.0)
     c.effects.append(Note(f"fewer than {c.config.min_clients} members: waiting for members"))
 
 
-def _finish(c: Ctx) -> None:
+def _finish(c: TickInProgress) -> None:
     c.state = c.state.evolve(deadline=0.0, selected=(), counted=())
     c.effects.append(Note("run finished"))
 
 
-def _nothing(c: Ctx) -> None:
+def _nothing(c: TickInProgress) -> None:
     c.state = c.state.evolve(deadline=0.0)
 
 
-def _all(*guards: Callable[[Ctx], bool]) -> Callable[[Ctx], bool]:
+def _all(*guards: Callable[[TickInProgress], bool]) -> Callable[[TickInProgress], bool]:
     return lambda c: all(g(c) for g in guards)
 
 
-def _not(guard: Callable[[Ctx], bool]) -> Callable[[Ctx], bool]:
+def _not(guard: Callable[[TickInProgress], bool]) -> Callable[[TickInProgress], bool]:
     return lambda c: not guard(c)
 
-
-W, WU, T, RW, CD, F = Phase.WAITING, Phase.WARMUP, Phase.TRAIN, Phase.WITNESS, Phase.COOLDOWN, Phase.FINISHED
 
 # Order matters within a source phase: the first row whose guard holds fires.
 TRANSITIONS: tuple[Transition, ...] = (
@@ -715,46 +713,49 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(Phase.PAUSED, Phase.WAITING, "resume", _resume_requested, _resume,
                "the operator resumed the run (`fed run resume`)"),
-    Transition(W, F, "finish_waiting", _run_complete, _finish,
+    Transition(Phase.WAITING, Phase.FINISHED, "finish_waiting", _run_complete, _finish,
                "total_rounds aggregated before the epoch could cool down (members left, or a pause)"),
-    Transition(W, WU, "epoch_start", _can_start_epoch, _start_epoch,
+    Transition(Phase.WAITING, Phase.WARMUP, "epoch_start", _can_start_epoch, _start_epoch,
                "min_clients live participants heard from since joining (and a model or an offer of one), and no "
                "live joiner still awaited within start_grace: admit them, at most max_admissions_per_epoch"),
-    Transition(WU, W, "warmup_too_few", _too_few_members, _back_to_waiting,
+    Transition(Phase.WARMUP, Phase.WAITING, "warmup_too_few", _too_few_members, _back_to_waiting,
                "members dropped below min_clients during warmup"),
-    Transition(WU, T, "warmup_done", _warmup_over, _begin_round,
+    Transition(Phase.WARMUP, Phase.TRAIN, "warmup_done", _warmup_over, _begin_round,
                "every member reported ready, or warmup_time passed: select the round's trainers and size their shares"),
-    Transition(T, W, "train_too_few", _too_few_members, _back_to_waiting,
+    Transition(Phase.TRAIN, Phase.WAITING, "train_too_few", _too_few_members, _back_to_waiting,
                "members dropped below min_clients: the round closes unaggregated"),
-    Transition(T, T, "witness_redraw_training", lambda c: bool(_refused_by_ingest(c)), _redraw_while_training,
+    Transition(Phase.TRAIN, Phase.TRAIN, "witness_redraw_training",
+               lambda c: bool(_refused_by_ingest(c)), _redraw_while_training,
                "ingest refused an elected witness's proof: strike it and draw another in its seat"),
-    Transition(T, RW, "round_closed", _round_closed, _freeze_round,
+    Transition(Phase.TRAIN, Phase.WITNESS, "round_closed", _round_closed, _freeze_round,
                "every selected participant uploaded (or is stuck), or the round's deadline passed: freeze the count"),
-    Transition(RW, RW, "witness_redraw", _seats_to_redraw, _redraw_witnesses,
+    Transition(Phase.WITNESS, Phase.WITNESS, "witness_redraw", _seats_to_redraw, _redraw_witnesses,
                "a proof was refused by ingest, or proofs empty against the records leave the round unable to "
                "aggregate: strike their witnesses and draw others in their seats from the round's seed"),
-    Transition(RW, CD, "witness_quorum_missed", _all(_witness_over, _quorum_missed), _quorum_missed_cool_down,
+    Transition(Phase.WITNESS, Phase.COOLDOWN, "witness_quorum_missed",
+               _all(_witness_over, _quorum_missed), _quorum_missed_cool_down,
                "fewer witness proofs than the quorum: no aggregation, the epoch ends"),
-    Transition(RW, CD, "aggregate_epoch_end",
+    Transition(Phase.WITNESS, Phase.COOLDOWN, "aggregate_epoch_end",
                _all(_witness_over, _enough_updates, _epoch_ends_after_this_round), _aggregate_and_cool_down,
                "aggregate; the epoch (or the run) has had its rounds"),
-    Transition(RW, W, "witness_too_few", _all(_witness_over, _too_few_members), _close_and_wait,
+    Transition(Phase.WITNESS, Phase.WAITING, "witness_too_few", _all(_witness_over, _too_few_members), _close_and_wait,
                "aggregate if enough updates arrived, then wait: members dropped below min_clients"),
-    Transition(RW, T, "aggregate_next_round", _all(_witness_over, _enough_updates), _aggregate_and_continue,
+    Transition(Phase.WITNESS, Phase.TRAIN, "aggregate_next_round",
+               _all(_witness_over, _enough_updates), _aggregate_and_continue,
                "aggregate and start the next round"),
-    Transition(RW, T, "round_retry", _all(_witness_over, _not(_enough_updates)), _retry_round,
+    Transition(Phase.WITNESS, Phase.TRAIN, "round_retry", _all(_witness_over, _not(_enough_updates)), _retry_round,
                "fewer than min_updates accepted: carry the model over and train a new round"),
-    Transition(CD, F, "run_complete", _all(_deadline_passed, _run_complete), _finish,
+    Transition(Phase.COOLDOWN, Phase.FINISHED, "run_complete", _all(_deadline_passed, _run_complete), _finish,
                "total_rounds aggregated"),
-    Transition(CD, WU, "next_epoch", _all(_deadline_passed, _can_start_epoch), _start_epoch,
+    Transition(Phase.COOLDOWN, Phase.WARMUP, "next_epoch", _all(_deadline_passed, _can_start_epoch), _start_epoch,
                "cooldown over: admit the live members and at most max_admissions_per_epoch new participants "
                "heard from since joining"),
-    Transition(CD, W, "next_epoch_waiting", _deadline_passed, _back_to_waiting,
+    Transition(Phase.COOLDOWN, Phase.WAITING, "next_epoch_waiting", _deadline_passed, _back_to_waiting,
                "cooldown over but too few live participants"),
 )
 
 
-def _apply_health_reports(c: Ctx) -> None:
+def _apply_health_reports(c: TickInProgress) -> None:
     """Drop a participant named by a member's health report only if the witness records agree: it was attested by
     fewer than a quorum in the last `health_strikes` witnessed rounds that scored it (RunState.unhealthy)."""
     s = c.state
@@ -776,7 +777,7 @@ def _silent(snap: Snapshot, config: RunConfig, now: float) -> list[str]:
             if (view := snap.participants.get(pid)) is None or not view.alive(now, config.liveness_timeout)]
 
 
-def _drop_silent(c: Ctx) -> None:
+def _drop_silent(c: TickInProgress) -> None:
     timeout = c.config.liveness_timeout
     for pid in _silent(c.snap, c.config, c.now):
         view = c.snap.participants.get(pid)
@@ -813,7 +814,7 @@ def tick(snap: Snapshot, config: RunConfig, now: float) -> Decision:
     state's last change, never before it. Otherwise a member it drops would be dated before the round it was
     dropped in, and that round's record would miss the drop."""
     now = max(now, math.nextafter(max(snap.state.phase_started, snap.state.round_started), math.inf))
-    c = Ctx(snap, config, now, snap.state)
+    c = TickInProgress(snap, config, now, snap.state)
     _drop_silent(c)
     _apply_health_reports(c)
     for _ in range(MAX_STEPS):

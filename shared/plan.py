@@ -6,7 +6,7 @@ Piece `i` is bytes [i * PIECE_BYTES, (i + 1) * PIECE_BYTES) of the file; it may 
 a range of the data section. Within that range, the elements of float tensors, taken in data order, are the
 piece's *float elements*: the download delta (`shared.delta`) is a flat array over them, so any piece can be
 computed, stored and rebuilt on its own. The optimizer state (`shared.server_opt`) is addressed by the index of
-a float element among the whole model's (`Plan.floats_before`), which the header's length never moves.
+a float element among the whole model's (`PiecePlan.floats_before`), which the header's length never moves.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class Plan:
+class PiecePlan:
     """The layout of one output file: its header bytes, then its data section, cut into pieces."""
 
     manifest: Manifest
     header: bytes
 
     @classmethod
-    def of(cls, manifest: Manifest, metadata: dict[str, str]) -> Plan:
+    def of(cls, manifest: Manifest, metadata: dict[str, str]) -> PiecePlan:
         return cls(manifest, encode_header(manifest.tensors, metadata))
 
     @property
@@ -105,7 +105,7 @@ class PieceLayout:
     count: int  # float elements in the piece
 
     @classmethod
-    def of(cls, plan: Plan, index: int) -> PieceLayout:
+    def of(cls, plan: PiecePlan, index: int) -> PieceLayout:
         start, stop = plan.piece_span(index)
         head = len(plan.header)
         in_header = max(0, min(stop, head) - start)

@@ -11,13 +11,13 @@ import math
 
 import numpy as np
 
-from shared.plan import Plan
+from shared.plan import PiecePlan
 from shared.wire import FLOAT_TAGS, Manifest, TensorSpec, tensor_view
 
 
 class DataScan:
     def __init__(self, manifest: Manifest) -> None:
-        self.plan = Plan(manifest, b"")
+        self.plan = PiecePlan(manifest, b"")
         self.problem = ""
         self._squares = 0.0
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shared.sizing import Plan, Share, bounds
+from shared.sizing import Share, WorkPlan, bounds
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -66,18 +66,18 @@ def shard_bounds(n: int, parts: int, position: int) -> tuple[int, int]:
     return start, start + base + (1 if position < extra else 0)
 
 
-def as_plan(planned: Plan | Sequence[str]) -> Plan:
+def as_plan(planned: WorkPlan | Sequence[str]) -> WorkPlan:
     """A round's plan (`shared.sizing`); a bare selection is a plan of equal weights."""
     return tuple(Share(p) if isinstance(p, str) else p for p in planned)
 
 
-def assigned_count(dataset_size: int, planned: Plan | Sequence[str], participant: str) -> int:
+def assigned_count(dataset_size: int, planned: WorkPlan | Sequence[str], participant: str) -> int:
     """How many samples a participant was assigned (the most it may claim to have trained)."""
     start, end = bounds(as_plan(planned), dataset_size, participant)
     return end - start
 
 
-def assignment(seed_hex: str, dataset_size: int, planned: Plan | Sequence[str], participant: str) -> np.ndarray:
+def assignment(seed_hex: str, dataset_size: int, planned: WorkPlan | Sequence[str], participant: str) -> np.ndarray:
     """The sample indices a planned participant trains this round: a contiguous slice of the round's permutation,
     as long as its weight makes it; disjoint across the round, covering the data set."""
     start, end = bounds(as_plan(planned), dataset_size, participant)

@@ -62,7 +62,7 @@ class Share:
     steps: int = 0
 
 
-Plan = tuple[Share, ...]
+WorkPlan = tuple[Share, ...]
 
 
 def clamp_rate(value: float) -> float:
@@ -154,7 +154,7 @@ def split(total: int, w: Sequence[int]) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def bounds(plan: Plan, total: int, pid: str) -> tuple[int, int]:
+def bounds(plan: WorkPlan, total: int, pid: str) -> tuple[int, int]:
     """The contiguous [start, end) of `pid`'s part when `total` samples are split by the plan's weights; (0, 0) if
     it has no share."""
     start = 0
@@ -165,12 +165,12 @@ def bounds(plan: Plan, total: int, pid: str) -> tuple[int, int]:
     return 0, 0
 
 
-def share_of(plan: Plan, pid: str) -> Share | None:
+def share_of(plan: WorkPlan, pid: str) -> Share | None:
     return next((s for s in plan if s.pid == pid), None)
 
 
 def make_plan(order: Sequence[str], speeds: Mapping[str, Speed], *, steps: int | Mapping[str, int], sized: bool,
-              max_ratio: float, max_share: float | None = None) -> Plan:
+              max_ratio: float, max_share: float | None = None) -> WorkPlan:
     """The round's plan. `steps`: the optimizer steps one participant takes by default (local_steps; 0: passes over
     its samples), split by the weights; or in local data mode each participant's own default (its passes over its
     own data, in steps), scaled by its weight against the median weight (a host four times slower than the median
@@ -204,14 +204,14 @@ def fedavg_weights(claims: Mapping[str, int], max_share: float) -> dict[str, int
     return {pid: min(n, cap) for pid, n in claims.items()}
 
 
-def fraction(plan: Plan, pid: str) -> float:
+def fraction(plan: WorkPlan, pid: str) -> float:
     """`pid`'s fraction of the plan's weight (0 if it has no share)."""
     total = sum(s.weight for s in plan)
     share = share_of(plan, pid)
     return share.weight / total if share is not None and total else 0.0
 
 
-def units(plan: Plan, share: Share, batch_size: int, round_units: float) -> float:
+def units(plan: WorkPlan, share: Share, batch_size: int, round_units: float) -> float:
     """Samples a share has its participant train (what its time grows with): steps x batch, or its fraction of the
     round's `round_units` (every sample of the round times the passes, as measured from the last round)."""
     if share.steps:
@@ -219,7 +219,7 @@ def units(plan: Plan, share: Share, batch_size: int, round_units: float) -> floa
     return fraction(plan, share.pid) * round_units
 
 
-def predicted_seconds(plan: Plan, speeds: Mapping[str, Speed], batch_size: int, round_units: float,
+def predicted_seconds(plan: WorkPlan, speeds: Mapping[str, Speed], batch_size: int, round_units: float,
                       max_ratio: float, max_share: float | None = None) -> dict[str, float]:
     """Each planned participant's predicted round time: overhead + units / rate (only with an estimate, and only
     once the round's size in units is known)."""

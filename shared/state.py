@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from shared.sizing import Plan, Speed
+from shared.sizing import Speed, WorkPlan
 from shared.witness import Proof
 
 
@@ -92,7 +92,7 @@ class RunState:
     # round's plan (who trains which share, fixed at round start), and who missed the last deadline while still
     # making progress (kept with a smaller share; a second miss drops it).
     speeds: Mapping[str, Speed] = field(default_factory=dict)
-    plan: Plan = ()
+    plan: WorkPlan = ()
     late: tuple[str, ...] = ()
     round_units: float = 0.0  # samples x passes a whole round trains, as the last measured round's updates said
 

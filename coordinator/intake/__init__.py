@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from coordinator.deps import Deps
 from coordinator.intake import health, heartbeat, join, offer, proof, update
-from coordinator.intake.common import ObjectCreated, Outcome, refuse
+from coordinator.intake.common import Ingested, ObjectCreated, refuse
 from coordinator.intake.common import signed_model as _signed_model  # (benchmarks/big_loop.py: one ingest alone)
 from coordinator.intake.offer import initial_model_problem, model_schema
 from shared import keys
 from shared.keys import KeyError_, ObjectKind
 
-__all__ = ["ObjectCreated", "Outcome", "ingest_object", "initial_model_problem", "model_schema", "_signed_model"]
+__all__ = ["ObjectCreated", "Ingested", "ingest_object", "initial_model_problem", "model_schema", "_signed_model"]
 
 
-def ingest_object(deps: Deps, obj: ObjectCreated) -> Outcome:
+def ingest_object(deps: Deps, obj: ObjectCreated) -> Ingested:
     try:
         parsed = keys.parse_key(obj.key)
     except KeyError_ as exc:
@@ -44,4 +44,4 @@ def ingest_object(deps: Deps, obj: ObjectCreated) -> Outcome:
     if parsed.kind is ObjectKind.HEALTH:
         assert parsed.round is not None
         return health.ingest(deps, obj, pid, parsed.round)
-    return Outcome(parsed.kind.value, obj.key, True, "written by the coordinator", recorded=False)
+    return Ingested(parsed.kind.value, obj.key, True, "written by the coordinator", recorded=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coordinator.deps import Deps
-from coordinator.models import GlobalModel
+from coordinator.model_files import GlobalModel
 from coordinator.streamed import Streamed, stream_model
 from shared.limits import MAX_REASON_CHARS, bounded
 from shared.signing import SignatureError, verify, verify_digest
@@ -31,7 +31,7 @@ class ObjectCreated:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Ingested:
     kind: str
     key: str
     accepted: bool
@@ -47,10 +47,10 @@ class Outcome:
         object.__setattr__(self, "reason", bounded(self.reason, MAX_REASON_CHARS))
 
 
-def refuse(deps: Deps, obj: ObjectCreated, kind: str, reason: str, pid: str = "") -> Outcome:
+def refuse(deps: Deps, obj: ObjectCreated, kind: str, reason: str, pid: str = "") -> Ingested:
     # keyed on the object's version too: the same bytes uploaded twice (say unsigned, then forged) are two uploads
     recorded = deps.store.record_refusal(obj.key, f"{obj.etag}:{obj.version_id}", reason, obj.time, pid)
-    return Outcome(kind, obj.key, False, reason, pid, recorded, refusal=True)
+    return Ingested(kind, obj.key, False, reason, pid, recorded, refusal=True)
 
 
 def replayed(what: str, sent_at: float) -> str:

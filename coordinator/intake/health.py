@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from coordinator.deps import Deps
-from coordinator.intake.common import ObjectCreated, Outcome, refuse, signed
+from coordinator.intake.common import Ingested, ObjectCreated, refuse, signed
 from shared.messages import MAX_CONTROL_BYTES, HealthReport, parse_message
 from store.blobs import NotFound
 
 
-def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
+def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Ingested:
     try:
         named = parse_message(HealthReport, signed(deps, obj, pid, MAX_CONTROL_BYTES)).unhealthy
     except (ValueError, NotFound) as exc:
@@ -20,4 +20,4 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
     if pid not in state.members:
         return refuse(deps, obj, "health", f"{pid} is not a member of epoch {state.epoch}", pid)
     recorded = deps.store.record_health_report(round_no, pid, sorted(set(named)), obj.time)
-    return Outcome("health", obj.key, True, participant=pid, recorded=recorded)
+    return Ingested("health", obj.key, True, participant=pid, recorded=recorded)

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from coordinator.deps import Deps
-from coordinator.intake.common import ObjectCreated, Outcome, refuse, replayed, signed
+from coordinator.intake.common import Ingested, ObjectCreated, refuse, replayed, signed
 from shared.admission import bounded_info, staleness
 from shared.messages import MAX_CONTROL_BYTES, Heartbeat, parse_message
 from shared.state import MemberStatus, Phase
@@ -18,7 +18,7 @@ from store.blobs import NotFound
 from store.table import ParticipantRecord
 
 
-def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
+def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Ingested:
     try:
         record = deps.store.participant(pid)
         beat = parse_message(Heartbeat, signed(deps, obj, pid, MAX_CONTROL_BYTES, record))
@@ -35,7 +35,7 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     if taken == "stale":
         return refuse(deps, obj, "heartbeat", replayed("heartbeat", beat.sent_at), pid)
     recorded = taken == "accepted"
-    return Outcome("heartbeat", obj.key, True, participant=pid, recorded=recorded,
+    return Ingested("heartbeat", obj.key, True, participant=pid, recorded=recorded,
                    ticks=recorded and _heartbeat_matters_now(deps, beat, pid, record))
 
 

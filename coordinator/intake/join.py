@@ -8,7 +8,7 @@ reached ingest first; registering takes it then.
 from __future__ import annotations
 
 from coordinator.deps import Deps
-from coordinator.intake.common import ObjectCreated, Outcome, read, refuse, replayed
+from coordinator.intake.common import Ingested, ObjectCreated, read, refuse, replayed
 from shared import keys
 from shared.admission import bounded_info, staleness
 from shared.config import DataMode
@@ -17,7 +17,7 @@ from shared.signing import verify
 from store.blobs import NotFound
 
 
-def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
+def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Ingested:
     try:  # a join is signed with the key it registers: proof that the joiner holds it
         blob = read(deps, obj, MAX_CONTROL_BYTES)
         request = parse_message(JoinRequest, blob.data)
@@ -45,7 +45,7 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
         if created == "created":
             _heartbeat_that_overtook_the_join(deps, pid, public_key)
             _offer_that_overtook_the_join(deps, pid, public_key)
-            return Outcome("join", obj.key, True, "", pid)
+            return Ingested("join", obj.key, True, "", pid)
         existing = deps.store.participant(pid)  # a racing join registered pid first
         if existing is None:  # lost the race, yet no record to read back: nothing to compare the key with
             return refuse(deps, obj, "join", f"join request raced with another registration of {pid} whose "
@@ -55,7 +55,7 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
     taken = deps.store.accept_message(pid, request.sent_at, obj.time)
     if taken == "stale":
         return refuse(deps, obj, "join", replayed("join request", request.sent_at), pid)
-    return Outcome("join", obj.key, True, "rejoined", pid, recorded=taken == "accepted")
+    return Ingested("join", obj.key, True, "rejoined", pid, recorded=taken == "accepted")
 
 
 def _heartbeat_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> None:

@@ -7,7 +7,7 @@ yet is checked against the key its join request registers, and kept for the join
 from __future__ import annotations
 
 from coordinator.deps import Deps
-from coordinator.intake.common import ObjectCreated, Outcome, refuse, registered, signed_model, streamed
+from coordinator.intake.common import Ingested, ObjectCreated, refuse, registered, signed_model, streamed
 from coordinator.streamed import Streamed
 from shared import keys
 from shared.config import RunConfig
@@ -18,10 +18,10 @@ from shared.wire import TensorSpec, WireError, encode_header
 from store.blobs import NotFound
 
 
-def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
+def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Ingested:
     state = deps.store.read_state()
     if state.has_model:  # every participant offers; once one offer was adopted the others are moot
-        return Outcome("init", obj.key, False, "the run already has a model", pid, recorded=False, refusal=True)
+        return Ingested("init", obj.key, False, "the run already has a model", pid, recorded=False, refusal=True)
     record = registered(deps, pid)
     key = ""
     try:
@@ -43,11 +43,11 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Outcome:
         deps.store.keep_offer(pid, scanned.digest, key, obj.version_id)
         joined = deps.store.participant(pid)
         if joined is None or joined.public_key != key:
-            return Outcome("init", obj.key, True, "kept until its join request is registered", pid, ticks=False)
+            return Ingested("init", obj.key, True, "kept until its join request is registered", pid, ticks=False)
     deps.store.set_init_offer(pid, scanned.digest, obj.version_id)
     # An offer can start the first epoch only once enough participants registered (as a heartbeat, a tick reads
     # every participant: a tick on each of a thousand joiners' offers was quadratic)
-    return Outcome("init", obj.key, True, participant=pid,
+    return Ingested("init", obj.key, True, participant=pid,
                    ticks=deps.store.participant_count() >= deps.config.min_clients)
 
 

@@ -7,17 +7,17 @@ the updates recorded; too long to record) is still recorded for its seat, as ref
 from __future__ import annotations
 
 from coordinator.deps import Deps
-from coordinator.intake.common import ObjectCreated, Outcome, refuse, signed
+from coordinator.intake.common import Ingested, ObjectCreated, refuse, signed
 from shared.state import Phase
 from shared.witness import MAX_PROOF_BYTES, MAX_PROOF_RECORD_BYTES, Proof, ProofError, overclaim
 from store.blobs import NotFound
 
 
-def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
+def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Ingested:
     existing = deps.store.proof_record(round_no, pid)
     if existing is not None:
         if existing.etag == obj.etag:
-            return Outcome("witness", obj.key, True, participant=pid, recorded=False)
+            return Ingested("witness", obj.key, True, participant=pid, recorded=False)
         return refuse(deps, obj, "witness", f"duplicate: {pid} already sent its proof for round {round_no}", pid)
     state = deps.store.read_state()
     if round_no != state.round or state.phase not in (Phase.TRAIN, Phase.WITNESS):
@@ -45,5 +45,5 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
         deps.store.record_proof(round_no, pid, "", obj.etag, obj.time, refused=why)
         return refuse(deps, obj, "witness", why, pid)
     if not deps.store.record_proof(round_no, pid, body, obj.etag, obj.time):
-        return Outcome("witness", obj.key, True, participant=pid, recorded=False)
-    return Outcome("witness", obj.key, True, participant=pid)
+        return Ingested("witness", obj.key, True, participant=pid, recorded=False)
+    return Ingested("witness", obj.key, True, participant=pid)

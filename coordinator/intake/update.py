@@ -11,8 +11,8 @@ import dataclasses
 from typing import Any
 
 from coordinator.deps import Deps
-from coordinator.intake.common import ObjectCreated, Outcome, refuse, registered, signed_model
-from coordinator.models import GlobalModel, read_global
+from coordinator.intake.common import Ingested, ObjectCreated, refuse, registered, signed_model
+from coordinator.model_files import GlobalModel, read_global
 from coordinator.streamed import Streamed
 from shared.admission import check_update_meta, slot_problem
 from shared.config import DataMode
@@ -23,7 +23,7 @@ from store.blobs import NotFound
 from store.table import UpdateRecord
 
 
-def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
+def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Ingested:
     state = deps.store.read_state()
     if reason := slot_problem(state, round_no, pid, obj.time):
         return _already_recorded(deps, obj, pid, round_no) or refuse(deps, obj, "update", reason, pid)
@@ -40,15 +40,15 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome:
     # A tick reads every participant and update record: worth it only when this record can close the round (the
     # last of the selection's). A count lost to a crash here delays the close to the next scheduled tick.
     last = deps.store.count_update(round_no) >= len(state.selected)
-    return Outcome("update", obj.key, record.accepted, record.reason, pid, ticks=last)
+    return Ingested("update", obj.key, record.accepted, record.reason, pid, ticks=last)
 
 
-def _already_recorded(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Outcome | None:
+def _already_recorded(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Ingested | None:
     """The outcome recorded for this very object (its event delivered again: nothing to do), or None."""
     existing = deps.store.update_record(round_no, pid)
     if existing is None or (existing.etag, existing.version_id) != (obj.etag, obj.version_id):
         return None
-    return Outcome("update", obj.key, existing.accepted, existing.reason, pid, recorded=False)
+    return Ingested("update", obj.key, existing.accepted, existing.reason, pid, recorded=False)
 
 
 def _validate_update(

@@ -48,7 +48,7 @@ from participant.decide import (
     next_heartbeat,
 )
 from participant.journal import Journal, JournalKeeper
-from participant.protocol import Outcome, Participant, closed_while_training
+from participant.protocol import Participant, ParticipantExit, closed_while_training
 from participant.remote import Retrier, Stopped
 from shared import keys, wire
 from shared.config import RunConfig
@@ -463,8 +463,8 @@ class SimParticipant(Participant):
         self.sent[a.round] = data
         return True
 
-    def _finish(self, action: Finish) -> Outcome:
+    def _finish(self, action: Finish) -> ParticipantExit:
         if self.feed is not None:
             self.feed.close()
         self.finished_digest = action.digest
-        return Outcome(True, self.rounds_uploaded)
+        return ParticipantExit(True, self.rounds_uploaded)

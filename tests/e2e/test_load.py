@@ -20,9 +20,9 @@ The local server is one Python process, so a round of a thousand lasts a minute 
 one process): measured 1,067-1,179 s for the test at first, rounds of 115-463 s; 694-718 s with the participants'
 requests at most 64 in flight (`load_support.Clients`); but one run in three or four collapsed (load average 1,400,
 875 of the server's 1,178 threads in SQS long polls that moto woke every second). With the local stack's waiting
-receives asleep until something comes (local/moto_sqs.py) the server answers within ~1 s throughout (the load
+receives asleep until something comes (local/moto/sqs.py) the server answers within ~1 s throughout (the load
 average peaks briefly at a round's start, when this process's participants train at once), and with DynamoDB's
-responses written directly (local/moto_dynamodb.py): 615-640 s in three runs (one in fresh-clone CI), Warmup at
+responses written directly (local/moto/dynamodb.py): 615-640 s in three runs (one in fresh-clone CI), Warmup at
 301-318 s, rounds of 91-110 s.
 """
 
@@ -195,7 +195,7 @@ def test_a_thousand_participants_upload_in_every_round_and_none_is_lost(stack: S
 def stall_report(stack: StackProcess, sims: list[SimParticipant], progress: Progress, stack_log: Path) -> str:
     """Where a run that did not finish stood: its phase and round, the phases it went through and when, what the
     participants not done were doing, the ingest queue's backlog, and S3 events the local stand-in failed to deliver
-    (local.moto_events logs each). Printed, and carried by the failing assertion (the end of CI's output)."""
+    (local.moto.events logs each). Printed, and carried by the failing assertion (the end of CI's output)."""
     lines = ["the run did not finish: " + ", ".join(f"{k} at {v:.0f}s" for k, v in progress.phases.items())]
     try:
         store = store_for(stack.connection)

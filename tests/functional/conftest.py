@@ -20,13 +20,14 @@ from moto import mock_aws
 from moto.dynamodb.models import DynamoDBBackend
 
 from coordinator.deps import build_deps
-from coordinator.models import forget_models
+from coordinator.model_files import forget_models
 from coordinator.tick import run_tick
 from functions import ingest, tick
 from functions.settings import Deps, deps_from_env
-from local import access, moto_dynamodb, moto_events, moto_objects, moto_sns, moto_sqs
+from local import access
 from local.access.control import install_in_process
 from local.context import LocalContext
+from local.moto import apply_all
 from local.resources import create_resources
 from shared import keys, wire
 from shared.config import RunConfig
@@ -66,11 +67,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         "POWERTOOLS_LOG_LEVEL": "WARNING",
     }.items():
         monkeypatch.setenv(name, value)
-    moto_dynamodb.apply()  # a transaction copies the items it names, not its table
-    moto_events.apply()  # an S3 event whose delivery raises is logged and delivered again, not dropped
-    moto_objects.apply()  # objects move in blocks: ranged GETs, multipart completion, copies
-    moto_sns.apply()  # a publish reaches every subscription, not the first 100
-    moto_sqs.apply()  # a send costs the same whatever the queue's backlog
+    apply_all()  # moto as the local stack runs it (local/moto/: each patch, its kind and why)
     build_deps.cache_clear()  # a new AWS: every function starts cold, holding no participant's record from another
     forget_models()  # nor a model it authenticated there
     with mock_aws():

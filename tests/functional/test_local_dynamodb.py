@@ -1,4 +1,4 @@
-"""local.moto_dynamodb: a TransactWriteItems copies the items it names, not its whole table, and DynamoDB behaves as
+"""local.moto.dynamodb: a TransactWriteItems copies the items it names, not its whole table, and DynamoDB behaves as
 before: a transaction writes all of its items or, when one of its conditions fails, none."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import boto3
 import pytest
 
-from local import moto_dynamodb
+from local.moto import dynamodb as moto_dynamodb
 
 
 def table() -> Any:

@@ -1,4 +1,4 @@
-"""local.moto_events: an S3 event whose delivery to EventBridge raises is logged and delivered again, where moto
+"""local.moto.events: an S3 event whose delivery to EventBridge raises is logged and delivered again, where moto
 dropped it without a word; a delivery that never succeeds is logged as an error."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import boto3
 import pytest
 
-from local import moto_events
+from local.moto import events as moto_events
 from local.resources import create_resources
 from shared import keys
 

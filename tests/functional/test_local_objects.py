@@ -1,4 +1,4 @@
-"""local.moto_objects: a completed multipart upload and a copy are written block by block, and are moto's own
+"""local.moto.s3: a completed multipart upload and a copy are written block by block, and are moto's own
 objects, ETags and checksums byte for byte; ranged and whole reads return the object's bytes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from moto.s3.models import FakeMultipart
 
-from local import moto_objects
+from local.moto import s3 as moto_s3
 
 MiB = 1024 * 1024
 BUCKET = "objects"
@@ -52,7 +52,7 @@ def test_a_completed_upload_is_motos_own_object_etag_and_checksum(aws: None, mon
 
     def both(self: Any, body: Any) -> Any:
         body = list(body)
-        seen.append((moto_objects._moto["complete"](self, iter(body)), ours(self, iter(body))))
+        seen.append((moto_s3._moto["complete"](self, iter(body)), ours(self, iter(body))))
         return seen[-1][1]
 
     monkeypatch.setattr(FakeMultipart, "complete", both)
@@ -62,7 +62,7 @@ def test_a_completed_upload_is_motos_own_object_etag_and_checksum(aws: None, mon
     upload(s3, "model", parts, **checksum)
     # Then ours gives moto's ETag and checksum, and the stored object is the parts' bytes, as moto's would be
     (value, etag, details), (blocks, our_etag, our_details) = seen[0]
-    assert isinstance(blocks, moto_objects._Joined) and len(blocks) == len(value)
+    assert isinstance(blocks, moto_s3._Joined) and len(blocks) == len(value)
     assert our_etag == etag and our_details == details
     assert etag == hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest() + "-3"
     assert s3.get_object(Bucket=BUCKET, Key="model")["Body"].read() == value == b"".join(parts)
@@ -117,7 +117,7 @@ def test_a_completed_upload_is_its_parts_files_and_its_composite_checksum_reads_
     def no_read(*_: Any) -> Any:
         raise AssertionError("completion read a part's bytes")
 
-    monkeypatch.setattr(moto_objects, "_read", no_read)
+    monkeypatch.setattr(moto_s3, "_read", no_read)
     # When it completes
     upload(s3, "staged", parts, ChecksumAlgorithm="SHA256")
     # Then its checksum is of the parts' checksums, taken as they arrived, and its bytes are the parts' files
@@ -125,7 +125,7 @@ def test_a_completed_upload_is_its_parts_files_and_its_composite_checksum_reads_
     head = s3.head_object(Bucket=BUCKET, Key="staged", ChecksumMode="ENABLED")
     assert head["ChecksumSHA256"].split("-")[0] == base64.b64encode(of_parts).decode()
     span = stored("staged")._value_buffer
-    assert isinstance(span, moto_objects._Span)
+    assert isinstance(span, moto_s3._Span)
     assert [length for _, _, length in span.segments] == [len(p) for p in parts]
     whole = b"".join(parts)
     reader = boto3.client("s3", region_name="us-east-1", config=Config(response_checksum_validation="when_required"))

@@ -20,7 +20,7 @@ from botocore.client import BaseClient
 from rich.console import Console
 
 from coordinator.deps import build_deps
-from coordinator.models import forget_models
+from coordinator.model_files import forget_models
 from fed import localrun
 from fed.localrun import RunFollower, default_local_config, run_local
 from shared import keys

@@ -1,4 +1,4 @@
-"""local.moto_sqs: a send or a receive no longer reads every attribute of its queue (three scans of its messages),
+"""local.moto.sqs: a send or a receive no longer reads every attribute of its queue (three scans of its messages),
 and SQS behaves as before: counts, deduplication on a FIFO queue, delivery, retention."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import boto3
 import pytest
 
-from local import moto_sqs
+from local.moto import sqs as moto_sqs
 
 
 def counts(sqs: object, url: str) -> tuple[int, int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from local.moto_pin import MOTO_VERSION, MotoVersionMismatch, check_moto
+from local.moto.pin import MOTO_VERSION, MotoVersionMismatch, check_moto
 from local.server import LocalServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ def test_another_moto_version_stops_the_stack_with_what_to_do(monkeypatch: pytes
     assert f"moto {MOTO_VERSION}" in message and "moto 5.1.0 is installed" in message
     assert f"pip install 'moto[server]=={MOTO_VERSION}'" in message
     # the server checks before it patches anything
-    monkeypatch.setattr("local.moto_pin.version", lambda name: "6.0.0")
+    monkeypatch.setattr("local.moto.pin.version", lambda name: "6.0.0")
     with pytest.raises(MotoVersionMismatch, match="moto 6.0.0 is installed"):
         LocalServer(port=0).start()
 
@@ -36,7 +36,7 @@ def test_fed_local_says_so_and_exits(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
     from fed.localrun import default_local_config, run_local
 
-    monkeypatch.setattr("local.moto_pin.version", lambda name: "5.0.0")
+    monkeypatch.setattr("local.moto.pin.version", lambda name: "5.0.0")
     console = Console(record=True, width=200)
     code = run_local(default_local_config(), 0, 0.5, tmp_path / "connection.json", console=console)
     assert code == 1

@@ -24,7 +24,7 @@ from local.context import LocalContext
 from participant.daemon import Daemon, Options
 from participant.decide import Wait
 from participant.journal import JournalFile
-from participant.protocol import Outcome, ParticipantError
+from participant.protocol import ParticipantError, ParticipantExit
 from participant.tasks.digits import Digits
 from participant.tensors import from_bytes, load_into
 from participant.training import train_seed
@@ -147,7 +147,7 @@ class Participant:
         self.daemon = Daemon(conn, opts, self.stop, Reporter(bars=False))
         if prepare is not None:
             prepare(self.daemon)
-        self.outcome: Outcome | None = None
+        self.outcome: ParticipantExit | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=pid, daemon=True)
         self.thread.start()
@@ -158,7 +158,7 @@ class Participant:
         except BaseException as exc:
             self.error = exc
 
-    def wait(self, deadline: float = DEADLINE) -> Outcome:
+    def wait(self, deadline: float = DEADLINE) -> ParticipantExit:
         self.thread.join(timeout=deadline)
         assert not self.thread.is_alive(), f"{self.pid} did not finish within {deadline}s"
         if self.error is not None:

@@ -27,7 +27,7 @@ from participant.tasks.digits import task as digits
 from participant.tensors import load_into, save_model, save_model_file, specs_of, to_bytes
 from participant.training import Training, Workload, round_work
 from participant.ui import Reporter, TransferLog
-from participant.witness import PeerUpdate, RoundWitness
+from participant.witness_eval import PeerUpdate, RoundWitness
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.digest import digest_file

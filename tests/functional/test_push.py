@@ -181,7 +181,7 @@ def test_a_closed_queue_is_gone(harness: Harness) -> None:
 
 
 def test_a_change_reaches_every_participant_queue_past_a_hundred(harness: Harness) -> None:
-    # (moto alone delivers a publish to a topic's first 100 subscriptions: local.moto_sns)
+    # (moto alone delivers a publish to a topic's first 100 subscriptions: local.moto.sns)
     queues = [_queue(harness, f"p{i:03d}")[0] for i in range(120)]
     harness.start(["alice", "bob"])
     version = harness.state().version

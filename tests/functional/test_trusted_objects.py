@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from coordinator import models
+from coordinator import model_files as models
 from coordinator.verify import verify_run
 from shared import keys, wire
 from tests.functional.conftest import MODEL, Harness

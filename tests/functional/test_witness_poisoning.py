@@ -13,7 +13,7 @@ from participant.splits import partition
 from participant.tasks import digits_meta
 from participant.tasks.digits import Digits
 from participant.tensors import save_model_file
-from participant.witness import Check, RoundWitness
+from participant.witness_eval import Check, RoundWitness
 from shared.config import RunConfig
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ from shared.compress import Encoding
 from shared.config import parse_config
 from shared.delta import DeltaError, DeltaIndex, decode_delta_piece, header_of, index_of, rebuild_piece
 from shared.digest import PIECE_BYTES, digest, piece_hashes
-from shared.plan import Plan
+from shared.plan import PiecePlan
 from shared.wire import Manifest, TensorSpec, decode
 
 BIG = PIECE_BYTES // 4 + 300_000  # the model spans two pieces, a float32 tensor crossing the boundary
@@ -49,13 +49,13 @@ class FileSource:
 def rebuild(previous: bytes, index: DeltaIndex, pieces: list[bytes]) -> bytes:
     """What a participant does: header from the pieces' heads, then each piece from the previous model."""
     source, heads, out = FileSource(previous), b"", []
-    plan: Plan | None = None
+    plan: PiecePlan | None = None
     for i, data in enumerate(pieces):
         assert digest(data) == index.pieces[i]
         piece = decode_delta_piece(data, i, index.encoding)
         heads += piece.head.tobytes()
         if plan is None and (found := header_of(heads, index.size)) is not None:
-            plan = Plan(found[1], found[0])
+            plan = PiecePlan(found[1], found[0])
         assert plan is not None
         out.append(bytes(rebuild_piece(plan.layout(i), source, piece, index.encoding)))
     return b"".join(out)
@@ -79,7 +79,7 @@ def round_with(kind: str, strategy: str = "fedavg", block: int = 64) -> tuple[by
 @pytest.mark.parametrize("strategy", ["fedavg", "median"])
 def test_a_participant_rebuilds_the_global_byte_for_byte(kind: str, strategy: str) -> None:
     written, base, updates, previous, pieces = round_with(kind, strategy)
-    assert len(pieces) == Plan.of(MANIFEST, {}).pieces == 2
+    assert len(pieces) == PiecePlan.of(MANIFEST, {}).pieces == 2
     index = index_of(1, digest(written), digest(previous), Encoding(kind, 64), len(written), piece_hashes(written),
                      [digest(p) for p in pieces])
     again = DeltaIndex.decode(index.encode(), digest(written))

@@ -11,7 +11,7 @@ import pytest
 from participant import protocol
 from participant.decide import JOIN_RETRY_SECONDS, Fetch, Finish, Train, still_open
 from participant.journal import Journal, JournalKeeper
-from participant.protocol import POLL_FIRST, POLL_GROWTH, Outcome, Participant, UnfitModel, quiet_seconds
+from participant.protocol import POLL_FIRST, POLL_GROWTH, Participant, ParticipantExit, UnfitModel, quiet_seconds
 from shared.config import RunConfig
 from shared.state import Member, Phase, RunState
 from store.push import Pushed
@@ -84,9 +84,9 @@ class Recorder(Participant):
         self.kept.uploaded(action.round, {"digest": "d"})
         return True
 
-    def _finish(self, action: Finish) -> Outcome:
+    def _finish(self, action: Finish) -> ParticipantExit:
         self.did.append("finish")
-        return Outcome(True, self.rounds_uploaded)
+        return ParticipantExit(True, self.rounds_uploaded)
 
 
 def run_state(phase: Phase, round_no: int = 0, digest: str = G, version: int = 1) -> RunState:
@@ -105,7 +105,7 @@ def test_a_participant_joins_offers_trains_and_finishes() -> None:
     p = Recorder(script)
     p._join()
     outcome = p._loop()
-    assert outcome == Outcome(True, 1)
+    assert outcome == ParticipantExit(True, 1)
     assert p.did == ["join", "offer", "fetch 0", "train 0", "finish"]  # the final model is the one held
     assert p.joined_at == 100.0 and p.journal.joined_at == 100.0  # the journal is tied to this incarnation
     # one wait (for members), jittered around the first poll interval
@@ -129,7 +129,7 @@ def test_until_its_join_is_recorded_it_polls_its_record_not_the_state() -> None:
     p = Recorder(script)
     p._join()
     # When she runs
-    assert p._loop() == Outcome(True, 1)
+    assert p._loop() == ParticipantExit(True, 1)
     # Then she read the state once while waiting for her join (nine record reads, nine pauses), then again as soon as
     # it was recorded: she decided on the current state (trained in round 0), not on the one she kept
     assert script.record_reads >= 10 and len(p.pauses) == 9
@@ -252,7 +252,7 @@ def test_a_global_model_that_does_not_fit_is_reported_and_waited_out(caplog: pyt
     # Then she said why, did not download it again, and waited (not exited) until a global model fit her task
     assert "does not fit our task" in caplog.text and "tensor weight" in caplog.text
     assert p.did == ["fetch 0", "fetch 1", "train 1", "finish"]
-    assert outcome == Outcome(True, 1) and len(p.pauses) >= 4
+    assert outcome == ParticipantExit(True, 1) and len(p.pauses) >= 4
 
 
 def test_still_open() -> None:
@@ -336,7 +336,7 @@ def test_after_its_upload_it_waits_for_a_third_of_the_shortest_wait_seen_without
                     (start + 228 + second_round, finished))
     p.feed = feed
     # When she runs
-    assert p._loop() == Outcome(True, 2)
+    assert p._loop() == ParticipantExit(True, 2)
     # Then in the first round (none before it to time) she listened every 20 s after her upload: 11 long polls; in the
     # second, she waited quietly from her upload for a third of the first round's wait after it, less 10 s, then
     # listened: as many long polls as the rest of the round takes, learning of its close at once — or, of a round far

@@ -1,4 +1,4 @@
-"""Witness duty and health reports, as the daemon carries them out (the evaluation itself: participant.witness).
+"""Witness duty and health reports, as the daemon carries them out (the evaluation itself: participant.witness_eval).
 
 As an elected witness of a round, once its own update is uploaded, the participant reads the coordinator's
 record of each selected participant's update, downloads and verifies every accepted one, and when all are in
@@ -19,7 +19,7 @@ from participant.decide import CheckUpdates, Local, ReportHealth, SendProof, is_
 from participant.journal import JournalKeeper
 from participant.remote import Remote, Stopped
 from participant.training import Doing, Training, Workload
-from participant.witness import PeerUpdate, RoundWitness
+from participant.witness_eval import PeerUpdate, RoundWitness
 from shared import keys
 from shared.compress import Encoding
 from shared.messages import HealthReport
