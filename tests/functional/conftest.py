@@ -20,7 +20,7 @@ from moto import mock_aws
 from moto.dynamodb.models import DynamoDBBackend
 
 from coordinator.deps import build_deps
-from coordinator.models import forget_models
+from coordinator.model_files import forget_models
 from coordinator.tick import run_tick
 from functions import ingest, tick
 from functions.settings import Deps, deps_from_env
