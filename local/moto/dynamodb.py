@@ -1,27 +1,5 @@
-"""moto's DynamoDB backs up, before every TransactWriteItems, each table the transaction names by deep-copying the
-whole table, so that it can roll back when an operation fails: a transaction costs time in proportion to the
-table. The run registers each participant in a transaction (the record and the run's participant count), so with a
-thousand joiners registration slowed as the table grew — in a profile of the local server at 1,000 participants a
-third of its time went to those copies, and the join lane fell behind. `apply()` backs up only the items the
-transaction names, and puts those back when it fails, as DynamoDB's cost does not grow with the table. What a
-transaction does, and refuses, is moto's unchanged. Idempotent; used by the local stack and the functional tests.
-
-And a Query sorts the table's items as Python sorts numbers and strings. moto sorts every item of the table for each
-Query by comparing key objects that cast both their values again at each comparison (twice for the hash key, twice
-for the range key): the run's items share one partition and grow by a thousand a round at 1,000 participants (an
-update record each), so the tick's queries held the local server's DynamoDB lock longer each round — py-spy found
-it sorting there while ingest waited.
-
-And moto writes a response's attribute values by looking each one's every member up in the service model, through
-a generic serializer: a Query of 1,000 participant records took ~0.3 s to write, and writing DynamoDB responses was
-the local server's largest use of its interpreter (a third of it, py-spy, in a round at 1,000 participants).
-`attribute_value` writes them as that serializer does, directly.
-
-moto also deep-copies every item a Query returns. A tick queries every participant record, and at 1,000 participants
-those copies held the local server's DynamoDB lock long enough that requests queued behind it timed out and were
-sent again, until nothing else was served (py-spy: 842 requests waiting on the lock). `serve_query_results()`, for
-the local server only, returns the stored items themselves: there every DynamoDB request, its response included, is
-served under one lock (`local.server.SerialDynamoDB`), so nothing changes an item while its response is written."""
+"""moto's DynamoDB, as the local stack runs it (`PATCHES`): costs that do not grow with the table, and its answers
+written directly. What a request does, and refuses, is moto's unchanged: every patch here is for speed."""
 
 from __future__ import annotations
 
@@ -30,21 +8,14 @@ import copy
 import threading
 from typing import Any
 
+from local.moto.patches import SPEED, Patch, argument
+
 _state = threading.local()
-_applied = False
 
 
-def apply() -> None:
-    global _applied
-    if _applied:
-        return
-    from moto.core.serialize import BaseJSONSerializer
-    from moto.dynamodb.models import DynamoDBBackend
+def _transaction_backs_up_its_items(table_deepcopy: Any, transact: Any) -> tuple[object, ...]:
+    """Table.__deepcopy__ (moto's Table has none: deepcopy's default), DynamoDBBackend.transact_write_items."""
     from moto.dynamodb.models.dynamo_type import DynamoType
-    from moto.dynamodb.models.table import Table
-
-    transact = DynamoDBBackend.transact_write_items
-    structure = BaseJSONSerializer._serialize_type_structure
 
     def table_copy(self: Any, memo: dict[int, Any]) -> Any:
         """The whole table, as deepcopy makes it; within a transaction, the table itself (its items are backed up)."""
@@ -97,27 +68,53 @@ def apply() -> None:
         finally:
             _state.transacting = False
 
-    def all_items(self: Any) -> list[Any]:
+    return table_copy, transact_write_items
+
+
+def _sorted_on_key_values(all_items: Any) -> tuple[object, ...]:
+    """Table.all_items."""
+
+    def sorted_items(self: Any) -> list[Any]:
         """Every item in key order, as moto's, sorted on the keys' values rather than by comparing DynamoTypes."""
         if not self.range_key_attr:
             return sorted(self.items.values(), key=lambda item: item.hash_key.cast_value)
         items = [item for partition in self.items.values() for item in partition.values()]
         return sorted(items, key=lambda item: (item.hash_key.cast_value, item.range_key.cast_value))
 
+    return (sorted_items,)
+
+
+def _attribute_values_written_directly(structure: Any) -> tuple[object, ...]:
+    """BaseJSONSerializer._serialize_type_structure."""
+
     def serialize_structure(self: Any, serialized: Any, value: Any, shape: Any, key: str) -> None:
         if shape.name != "AttributeValue" or not isinstance(value, dict):
-            return structure(self, serialized, value, shape, key)
+            structure(self, serialized, value, shape, key)
+            return
         wire = attribute_value(value)
         if key:
             self._default_serialize(serialized, wire, shape, key)
         else:
             serialized.update(wire)
 
-    Table.__deepcopy__ = table_copy  # type: ignore[attr-defined]
-    BaseJSONSerializer._serialize_type_structure = serialize_structure  # type: ignore[method-assign]
-    Table.all_items = all_items  # type: ignore[method-assign]
-    DynamoDBBackend.transact_write_items = transact_write_items  # type: ignore[method-assign]
-    _applied = True
+    return (serialize_structure,)
+
+
+def _query_results_uncopied(item_copy: Any, query: Any) -> tuple[object, ...]:
+    """Item.__deepcopy__, Table.query."""
+    index_name = argument(query, "index_name")
+
+    def uncopied(self: Any, memo: dict[int, Any]) -> Any:
+        return self if getattr(_state, "querying", False) else item_copy(self, memo)
+
+    def table_query(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _state.querying = index_name((self, *args), kwargs) is None  # (a query of an index copies, as moto's)
+        try:
+            return query(self, *args, **kwargs)
+        finally:
+            _state.querying = False
+
+    return uncopied, table_query
 
 
 def attribute_value(value: dict[str, Any]) -> dict[str, Any]:
@@ -147,32 +144,42 @@ def _base64(value: str | bytes) -> str:
     return base64.b64encode(value.encode() if isinstance(value, str) else value).strip().decode()
 
 
-_serving = False
-
-
-def serve_query_results() -> None:
-    """A Query on a table (not an index) returns its items uncopied. Only where requests and their responses are
-    served one at a time (the local server). Idempotent."""
-    global _serving
-    if _serving:
-        return
-    from moto.dynamodb.models.dynamo_type import Item
-    from moto.dynamodb.models.table import Table
-
-    query = Table.query
-    item_copy = Item.__deepcopy__
-
-    def uncopied(self: Any, memo: dict[int, Any]) -> Any:
-        return self if getattr(_state, "querying", False) else item_copy(self, memo)
-
-    def table_query(self: Any, *args: Any, **kwargs: Any) -> Any:
-        index_name = kwargs.get("index_name", args[7] if len(args) > 7 else None)  # (moto passes it 8th)
-        _state.querying = index_name is None
-        try:
-            return query(self, *args, **kwargs)
-        finally:
-            _state.querying = False
-
-    Item.__deepcopy__ = uncopied  # type: ignore[method-assign]
-    Table.query = table_query  # type: ignore[method-assign]
-    _serving = True
+PATCHES = (
+    Patch(
+        "dynamodb_transaction_backs_up_its_items", SPEED,
+        ("moto.dynamodb.models.table:Table.__deepcopy__", "moto.dynamodb.models:DynamoDBBackend.transact_write_items"),
+        "moto backs up, before every TransactWriteItems, each table the transaction names by deep-copying the whole "
+        "table, so that it can roll back when an operation fails: a transaction cost time in proportion to the "
+        "table. The run registers each participant in a transaction (the record and the run's participant count), "
+        "so with a thousand joiners registration slowed as the table grew: at 1,000 participants a third of the "
+        "local server's time went to those copies, and the join lane fell behind. This backs up only the items the "
+        "transaction names, and puts those back when it fails, as DynamoDB's cost does not grow with the table.",
+        _transaction_backs_up_its_items),
+    Patch(
+        "dynamodb_query_sorts_on_key_values", SPEED,
+        ("moto.dynamodb.models.table:Table.all_items",),
+        "A Query sorts the table's items as Python sorts numbers and strings. moto sorts every item of the table for "
+        "each Query by comparing key objects that cast both their values again at each comparison: the run's items "
+        "share one partition and grow by a thousand a round at 1,000 participants (an update record each), so the "
+        "tick's queries held the local server's DynamoDB lock longer each round (py-spy: sorting there while "
+        "ingest waited).",
+        _sorted_on_key_values),
+    Patch(
+        "dynamodb_attribute_values_written_directly", SPEED,
+        ("moto.core.serialize:BaseJSONSerializer._serialize_type_structure",),
+        "A response's attribute values are written as moto's generic serializer writes them, without looking each "
+        "one's every member up in the service model: a Query of 1,000 participant records took ~0.3 s to write, "
+        "and writing DynamoDB responses was a third of the local server's interpreter (py-spy, a round at 1,000 "
+        "participants).",
+        _attribute_values_written_directly),
+    Patch(
+        "dynamodb_query_results_uncopied", SPEED,
+        ("moto.dynamodb.models.dynamo_type:Item.__deepcopy__", "moto.dynamodb.models.table:Table.query"),
+        "A Query on a table (not an index) returns the stored items themselves; moto deep-copies every item it "
+        "returns. A tick queries every participant record, and at 1,000 participants those copies held the local "
+        "server's DynamoDB lock long enough that requests queued behind it timed out and were sent again, until "
+        "nothing else was served (py-spy: 842 requests waiting on the lock). For the local server only: there "
+        "every DynamoDB request, its response included, is served under one lock (`local.server.SerialDynamoDB`), "
+        "so nothing changes an item while its response is written.",
+        _query_results_uncopied, server_only=True),
+)

@@ -1,27 +1,11 @@
 """moto's S3 handles an object's bytes whole, several times over; at model sizes (1 GB updates and globals) that is
-gigabytes of copies in the local server for each request. `apply()` makes it move them in blocks, as S3 would:
+gigabytes of copies in the local server for each request. These patches (`PATCHES`) make it move them in blocks,
+as S3 would, and fix two of its answers. The objects, ETags and checksums are moto's own, byte for byte
+(tests/functional/test_local_objects.py and test_moto_patches.py compare them).
 
-- a ranged GET (`bytes=a-b`, `bytes=a-`; a shard worker reads 8 MiB ranges of 1 GB updates) reads only its bytes
-  from the object's spooled file (moto read the whole object and sliced it);
-- behind moto's server (a request context), a whole large object streams from that file in blocks instead of
-  being read into memory first;
-- completing a multipart upload makes the new object of the parts' files as they are, no byte copied or read
-  again: each part's checksum for the upload's composite checksum is taken when the part arrives (moto joined the
-  parts into one bytearray, copied it to bytes, joined them again for a whole-object checksum and copied that too:
-  four copies of the object in memory, 7.9 GB of server peak in `make bench-big` at 1 GB; then, written into a new
-  file block by block, still 1 GB written to disk and 1 GB read back for the checksum on the global's serial path);
-- a CopyObject of a large object makes the copy of the source's files (moto read the source whole and wrote it
-  again). Objects are never changed in place, so their files are shared, each closed when the last object made
-  of it is disposed. On this machine writing a GB into the server's temporary files costs ~2.5 CPU-s once a few
-  GB are held (page cache writeback), so each GB not written is seconds of a round at 1 GB;
-- an object's first ETag computation holds the object's lock (moto hashes the file unlocked, so a concurrent
-  ranged read moving the file's position would corrupt it);
-- a part sent to an upload that was completed or aborted is refused with NoSuchUpload, as S3 refuses it (moto
-  failed the request with an internal error): a shard worker delivered after its tick gave up tells its upload is
-  gone from that, and leaves no outcome (`functions.shard`).
-
-The objects, ETags and checksums are moto's own, byte for byte (tests/functional/test_local_objects.py compares
-them). Idempotent; used by the local stack and the functional tests."""
+Objects are never changed in place, so the files a completed upload or a copy is made of are shared, each closed
+when the last object made of it is disposed. On this machine writing a GB into the server's temporary files costs
+~2.5 CPU-s once a few GB are held (page cache writeback), so each GB not written is seconds of a round at 1 GB."""
 
 from __future__ import annotations
 
@@ -35,10 +19,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from local.moto.patches import BUG, SPEED, Patch
+
 _SIMPLE_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 _state = threading.local()
-_applied = False
-_moto: dict[str, Any] = {}  # moto's own methods this replaces (tests compare against them)
 
 STREAM_FROM = 16 * 1024 * 1024  # whole objects at least this large stream (server only)
 STREAM_BLOCK = 8 * 1024 * 1024
@@ -308,21 +292,9 @@ def _complete(self: Any, body: Any) -> tuple[_Joined, str, tuple[str, str, int]]
         checksum.build()
 
 
-def apply() -> None:
-    global _applied
-    if _applied:
-        return
+def _object_bytes_in_blocks(whole_value: Any, get_object: Any, copy_object: Any) -> tuple[object, ...]:
+    """FakeKey.value (a property), S3Response.get_object, S3Backend.copy_object."""
     import tempfile
-
-    from moto.s3.models import FakeKey, FakeMultipart, S3Backend
-    from moto.s3.responses import S3Response
-
-    _moto["complete"] = FakeMultipart.complete
-    whole_value: Any = FakeKey.__dict__["value"]  # the property object itself
-    original_get_object = S3Response.get_object
-    original_copy_object = S3Backend.copy_object
-    original_set_part = FakeMultipart.set_part
-    original_upload_part = S3Backend.upload_part
 
     def value(self: Any) -> Any:
         size, held = int(self.contentsize), self._value_buffer
@@ -346,47 +318,95 @@ def apply() -> None:
         self._value_buffer = _Span(new_value.segments)
         self.contentsize = len(new_value)
 
-    def set_part(self: Any, part_id: int, value: Any) -> Any:
-        part: Any = original_set_part(self, part_id, value)
-        part.fed_checksum = _part_checksum(self, bytes(value))
-        return part
-
-    def upload_part(self: Any, bucket_name: str, multipart_id: str, *args: Any, **kwargs: Any) -> Any:
-        from moto.s3.exceptions import NoSuchUpload
-
-        if multipart_id not in self.get_bucket(bucket_name).multiparts:
-            raise NoSuchUpload(upload_id=multipart_id)
-        return original_upload_part(self, bucket_name, multipart_id, *args, **kwargs)
-
-    def get_object(self: Any) -> Any:
+    def ranged_get_object(self: Any) -> Any:
         from flask import has_request_context
 
         match = _SIMPLE_RANGE.fullmatch(self.headers.get("range", "") or "")
         _state.first = int(match.group(1)) if match else None
         _state.stream = match is None and not self.headers.get("range") and has_request_context()
         try:
-            return original_get_object(self)
+            return get_object(self)
         finally:
             _state.first, _state.stream = None, False
 
-    def copy_object(self: Any, src_key: Any, *args: Any, **kwargs: Any) -> Any:
+    def sharing_copy_object(self: Any, src_key: Any, *args: Any, **kwargs: Any) -> Any:
         _state.copying = src_key
         try:
-            return original_copy_object(self, src_key, *args, **kwargs)
+            return copy_object(self, src_key, *args, **kwargs)
         finally:
             _state.copying = None
 
-    whole_etag: Any = FakeKey.__dict__["etag"]
+    return property(value, set_value), ranged_get_object, sharing_copy_object
 
-    def etag(self: Any) -> Any:  # moto hashes the spooled file unlocked the first time: ranged reads move its position
+
+def _completion_of_the_parts_files(complete: Any, set_part: Any) -> tuple[object, ...]:
+    """FakeMultipart.complete, FakeMultipart.set_part."""
+
+    def checksummed_set_part(self: Any, part_id: int, value: Any) -> Any:
+        part: Any = set_part(self, part_id, value)
+        part.fed_checksum = _part_checksum(self, bytes(value))
+        return part
+
+    return _complete, checksummed_set_part
+
+
+def _etag_under_the_lock(whole_etag: Any) -> tuple[object, ...]:
+    """FakeKey.etag (a property)."""
+
+    def etag(self: Any) -> Any:
         with self.lock:
             return whole_etag.fget(self)
 
-    FakeKey.value = property(value, set_value)  # type: ignore[method-assign,assignment]
-    FakeKey.etag = property(etag)  # type: ignore[method-assign,assignment]
-    FakeMultipart.complete = _complete  # type: ignore[method-assign,assignment]
-    FakeMultipart.set_part = set_part  # type: ignore[method-assign]
-    S3Response.get_object = get_object  # type: ignore[method-assign]
-    S3Backend.copy_object = copy_object  # type: ignore[method-assign]
-    S3Backend.upload_part = upload_part  # type: ignore[method-assign]
-    _applied = True
+    return (property(etag),)
+
+
+def _no_such_upload(upload_part: Any) -> tuple[object, ...]:
+    """S3Backend.upload_part."""
+
+    def upload_part_of_a_live_upload(self: Any, bucket_name: str, multipart_id: str, *args: Any,
+                                     **kwargs: Any) -> Any:
+        from moto.s3.exceptions import NoSuchUpload
+
+        if multipart_id not in self.get_bucket(bucket_name).multiparts:
+            raise NoSuchUpload(upload_id=multipart_id)
+        return upload_part(self, bucket_name, multipart_id, *args, **kwargs)
+
+    return (upload_part_of_a_live_upload,)
+
+
+PATCHES = (
+    Patch(
+        "s3_object_bytes_in_blocks", SPEED,
+        ("moto.s3.models:FakeKey.value", "moto.s3.responses:S3Response.get_object",
+         "moto.s3.models:S3Backend.copy_object"),
+        "A ranged GET (`bytes=a-b`, `bytes=a-`; a shard worker reads 8 MiB ranges of 1 GB updates) reads only its "
+        "bytes from the object's spooled file (moto read the whole object and sliced it). Behind moto's server (a "
+        "request context), a whole large object streams from that file in blocks instead of being read into memory "
+        "first. A CopyObject of a large object makes the copy of the source's files (moto read the source whole "
+        "and wrote it again).",
+        _object_bytes_in_blocks),
+    Patch(
+        "s3_completion_of_the_parts_files", SPEED,
+        ("moto.s3.models:FakeMultipart.complete", "moto.s3.models:FakeMultipart.set_part"),
+        "Completing a multipart upload makes the new object of the parts' files as they are, no byte copied or read "
+        "again: each part's checksum for the upload's composite checksum is taken when the part arrives. moto "
+        "joined the parts into one bytearray, copied it to bytes, joined them again for a whole-object checksum and "
+        "copied that too: four copies of the object in memory, 7.9 GB of server peak in `make bench-big` at 1 GB; "
+        "then, written into a new file block by block, still 1 GB written to disk and 1 GB read back for the "
+        "checksum on the global's serial path.",
+        _completion_of_the_parts_files, needs=("s3_object_bytes_in_blocks",)),  # (the value setter takes _Joined)
+    Patch(
+        "s3_etag_under_the_object_lock", BUG,
+        ("moto.s3.models:FakeKey.etag",),
+        "An object's first ETag computation holds the object's lock: moto hashes the spooled file unlocked, so a "
+        "concurrent read of the object (which moves the file's position, under the lock) makes it the MD5 of part "
+        "of the bytes.",
+        _etag_under_the_lock),
+    Patch(
+        "s3_part_of_a_gone_upload_is_no_such_upload", BUG,
+        ("moto.s3.models:S3Backend.upload_part",),
+        "A part sent to an upload that was completed or aborted is refused with NoSuchUpload, as S3 refuses it "
+        "(moto failed the request with an internal error, a KeyError): a shard worker delivered after its tick "
+        "gave up tells its upload is gone from that, and leaves no outcome (`functions.shard`).",
+        _no_such_upload),
+)

@@ -8,7 +8,8 @@ from typing import Any
 import boto3
 import pytest
 
-from local.moto import dynamodb as moto_dynamodb
+from local.moto import patch
+from local.moto.patches import applied
 
 
 def table() -> Any:
@@ -38,7 +39,6 @@ def item(ddb: Any, sk: str) -> dict[str, Any] | None:
 
 def test_a_transaction_copies_the_items_it_names_not_the_table(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given a table of 300 items, and moto's item copies counted
-    moto_dynamodb.apply()
     from moto.dynamodb.models.dynamo_type import Item
 
     ddb = table()
@@ -60,7 +60,6 @@ def test_a_transaction_copies_the_items_it_names_not_the_table(aws: None, monkey
 def test_a_transaction_that_fails_writes_none_of_its_items(aws: None, failing: str) -> None:
     # Given a table with a count, and a transaction whose first operation would write a new record and whose second
     # fails (its condition, or it names the first's item again)
-    moto_dynamodb.apply()
     ddb = table()
     ddb.put_item(TableName="t", Item={"pk": {"S": "run"}, "sk": {"S": "count"}, "n": {"N": "5"}})
     ddb.put_item(TableName="t", Item={"pk": {"S": "run"}, "sk": {"S": "p#old"}, "n": {"N": "7"}})
@@ -76,10 +75,9 @@ def test_a_transaction_that_fails_writes_none_of_its_items(aws: None, failing: s
 
 
 def test_the_local_server_serves_query_results_uncopied(aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Given a table of 300 participant records and 5 other items, moto's item copies counted, and what a Query of the
-    # records returns as moto has it
-    from moto.dynamodb.models.dynamo_type import Item
-    from moto.dynamodb.models.table import Table
+    # Given a table of 300 participant records and 5 other items, copies of their values counted, and what a Query of
+    # the records returns as moto has it
+    from moto.dynamodb.models.dynamo_type import DynamoType
 
     ddb = table()
     for i in range(300):
@@ -95,13 +93,12 @@ def test_the_local_server_serves_query_results_uncopied(aws: None, monkeypatch: 
 
     before = records()
     copies = []
-    copied = Item.__deepcopy__
-    monkeypatch.setattr(Item, "__deepcopy__", lambda self, memo: copies.append(1) or copied(self, memo))
-    monkeypatch.setattr(Table, "query", Table.query)  # (restored after the test: only the local server serves so)
-    monkeypatch.setattr(moto_dynamodb, "_serving", False)
-    # When the local server's patch is applied and the records queried again
-    moto_dynamodb.serve_query_results()
-    after = records()
+    copied = DynamoType.__deepcopy__
+    monkeypatch.setattr(DynamoType, "__deepcopy__", lambda self, memo: copies.append(1) or copied(self, memo))
+    # When the local server's patch is applied (for the test: only the local server serves so) and the records queried
+    # again
+    with applied([patch("dynamodb_query_results_uncopied")]):
+        after = records()
     # Then the same items come back, and none was copied (moto copied every one)
     assert after == before and len(after) == 300
     assert copies == []
@@ -135,8 +132,8 @@ def test_a_query_sorts_the_table_on_its_key_values(aws: None, monkeypatch: pytes
 
 
 def test_every_kind_of_attribute_value_comes_back_as_it_was_put(aws: None) -> None:
-    # Given an item with an attribute of every kind, nested in a map and a list too (moto_dynamodb writes attribute
-    # values itself, not through moto's generic serializer)
+    # Given an item with an attribute of every kind, nested in a map and a list too (local.moto.dynamodb writes
+    # attribute values itself, not through moto's generic serializer)
     ddb = table()
     scalars = {"s": {"S": "text é"}, "empty": {"S": ""}, "n": {"N": "-12.50"}, "b": {"B": b"\x00\xffbytes"},
                "ss": {"SS": ["a", "b"]}, "ns": {"NS": ["1", "2.5"]}, "bs": {"BS": [b"\x01", b"\x02"]},

@@ -8,8 +8,6 @@ import threading
 import boto3
 import pytest
 
-from local.moto import sqs as moto_sqs
-
 
 def counts(sqs: object, url: str) -> tuple[int, int]:
     attrs = sqs.get_queue_attributes(  # type: ignore[attr-defined]
@@ -56,7 +54,6 @@ def test_a_message_past_the_retention_period_is_not_received(aws: None, monkeypa
 
 def test_a_fifo_queue_still_deduplicates_by_content(aws: None) -> None:
     # Given a FIFO queue with content-based deduplication
-    moto_sqs.apply()
     sqs = boto3.client("sqs", region_name="us-east-1")
     url = sqs.create_queue(QueueName="dedup.fifo",
                            Attributes={"FifoQueue": "true", "ContentBasedDeduplication": "true"})["QueueUrl"]
@@ -117,7 +114,6 @@ def counted_looks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_long_poll_on_an_empty_queue_looks_again_only_when_a_message_comes(
         aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given an empty queue whose visible messages are counted each time a receive looks (moto looked once a second)
-    moto_sqs.apply()
     sqs = boto3.client("sqs", region_name="us-east-1")
     url = sqs.create_queue(QueueName="push")["QueueUrl"]
     looks = counted_looks(monkeypatch)
@@ -134,7 +130,6 @@ def test_a_long_poll_on_an_empty_queue_looks_again_only_when_a_message_comes(
 
 def test_a_long_poll_gets_a_message_that_becomes_visible_again_while_it_waits(aws: None) -> None:
     # Given a queue whose one message was received and not deleted, hidden for 1 s (nothing announces its return)
-    moto_sqs.apply()
     sqs = boto3.client("sqs", region_name="us-east-1")
     url = sqs.create_queue(QueueName="redelivery")["QueueUrl"]
     sqs.send_message(QueueUrl=url, MessageBody="again")
@@ -147,7 +142,6 @@ def test_a_long_poll_gets_a_message_that_becomes_visible_again_while_it_waits(aw
 
 def test_a_long_poll_gets_a_message_whose_visibility_is_changed_while_it_waits(aws: None) -> None:
     # Given a queue whose one message was received and not deleted, hidden for a minute
-    moto_sqs.apply()
     sqs = boto3.client("sqs", region_name="us-east-1")
     url = sqs.create_queue(QueueName="retry")["QueueUrl"]
     sqs.send_message(QueueUrl=url, MessageBody="retry me")
@@ -165,7 +159,6 @@ def test_a_long_poll_gets_a_message_whose_visibility_is_changed_while_it_waits(a
 def test_a_long_poll_on_a_queue_of_changes_received_long_ago_sleeps_until_its_end(
         aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given a participant's queue: the changes it received stay in flight for hours (store.push never deletes them)
-    moto_sqs.apply()
     sqs = boto3.client("sqs", region_name="us-east-1")
     url = sqs.create_queue(QueueName="participant")["QueueUrl"]
     sqs.send_message(QueueUrl=url, MessageBody="round 1")
