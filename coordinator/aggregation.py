@@ -29,7 +29,6 @@ from coordinator.optimizer_state import StoredState
 from shared import keys
 from shared.aggregate import PieceAggregator, PieceOutput, RangeSource, StateSource, WeightedInput, round_plan
 from shared.compress import CachedRange, DecodedSource
-from shared.config import Strategy
 from shared.delta import index_of
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
 from shared.messages import (
@@ -47,6 +46,7 @@ from shared.messages import (
 from shared.plan import PiecePlan
 from shared.server_opt import ServerStep, encode_index
 from shared.state import Aggregate, AggregateInput
+from shared.strategies import strategy_of
 from shared.wire import Manifest
 from store.blobs import UploadGone
 
@@ -248,7 +248,7 @@ def base_source(deps: Deps, base: GlobalModel) -> ObjectRange | HeldRange | None
     """The round's global model, read by range: what clipping, a server optimizer and a download delta start
     from."""
     config = deps.config
-    needed = config.strategy is Strategy.CLIPPED_FEDAVG or ServerStep.of(config) is not None or config.download.is_delta
+    needed = strategy_of(config).needs_base or ServerStep.of(config) is not None or config.download.is_delta
     return base.source(deps) if needed else None
 
 

@@ -1,17 +1,20 @@
-"""Aggregation strategies, computed piece by piece of the output file: pure numpy, bounded memory.
+"""A round's global model computed piece by piece of the output file by the run's strategy: pure numpy, bounded
+memory.
 
 The global model is a canonical safetensors file (`shared.wire`): a header, then every tensor's bytes in a
 fixed layout that every accepted update shares. So byte range [a, b) of the global's data section is made
-from byte range [a, b) of each update's data section alone — every strategy here is coordinate-wise once
-the per-update quantities that span the model (weights, clipping factors) are known up front. The output
+from byte range [a, b) of each update's data section alone — every strategy (`shared.strategies`) is
+coordinate-wise once the per-update quantities that span the model (which updates, their weights, clipping
+factors: the strategy's configure half) are known up front. The output
 file is cut into the digest's pieces (`shared.digest.PIECE_BYTES`, 8 MiB); each piece is computed from
 ranged reads of the inputs into reused buffers, hashed, and handed on (written as one part of a multipart
 upload). Any subset of the pieces can be computed anywhere (`PiecePlan.shards`): the same piece is the same
 bytes whichever worker computes it, so K shards and one give byte-identical globals.
 
-Memory: FedAvg holds float32 scratch the size of a piece, a slice of input and, for inputs that do not stream,
-two piece-sized read buffers (see `PieceAggregator._fedavg`); the robust strategies read
-each input's slice of a piece in sub-ranges so that all N slices together stay about one piece in size.
+Memory: a weighted sum (FedAvg) holds float32 scratch the size of a piece, a slice of input and, for inputs that
+do not stream, two piece-sized read buffers (see `PieceAggregator._fedavg`); the row-wise strategies (median,
+trimmed mean, clipping), and a configure half that reads the inputs whole (Krum's), read each input's slice of a
+piece in sub-ranges so that all N slices together stay about one piece in size.
 Inputs are taken in a fixed order (sorted by participant) so anyone recomputing a round gets the same bytes.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,14 +31,15 @@ from typing import Protocol
 import numpy as np
 
 from shared.compress import Encoding
-from shared.config import RunConfig, Strategy
+from shared.config import RunConfig
 from shared.delta import applied, codes_of, encode_delta_piece
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
 from shared.plan import PieceLayout, PiecePlan, store
 from shared.server_opt import ServerStep, decode_piece, encode_index, encode_piece, gather, new_state
+from shared.strategies import RowWise, WeightedSum, strategy_of
 from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, TensorSpec, tensor_view
 
-ROBUST_ROW_BYTES = 64 * 1024  # the least a robust strategy reads of one input at a time
+ROBUST_ROW_BYTES = 64 * 1024  # the least a row-wise strategy (or a pre-pass) reads of one input at a time
 BLOCK_BYTES = 256 * 1024  # the block of an input added into the accumulator at a time (numpy calls stay few)
 SLICE_BYTES = 1024 * 1024  # FedAvg sums a piece a slice at a time (a few blocks: a core's own cache holds them)
 STREAMS = 8  # inputs whose ranges FedAvg reads at once, each by one streamed request
@@ -152,8 +156,35 @@ class WeightedInput:
     norm: float = -1.0  # L2 distance from the round's global model, as measured at ingest (clipping needs it)
 
 
+def row_bytes(inputs: int) -> int:
+    """How much of each input a row-wise strategy (or a pre-pass) reads at a time: all inputs' together about one
+    piece, and never less than ROBUST_ROW_BYTES each (8-aligned: no element is cut)."""
+    return max(ROBUST_ROW_BYTES, (PIECE_BYTES // inputs) // 8 * 8)
+
+
+class WholeRows:
+    """Every input's float elements over the whole model, a block at a time (`shared.strategies.WholeInputs`):
+    a configure half's pre-pass, reading each input once, into reused buffers."""
+
+    def __init__(self, plan: PiecePlan, sources: Sequence[RangeSource]) -> None:
+        self.plan, self.sources = plan, sources
+
+    def blocks(self) -> Iterator[np.ndarray]:
+        step, size = row_bytes(len(self.sources)), self.plan.manifest.nbytes
+        buffers = [bytearray(min(step, size)) for _ in self.sources]
+        for lo in range(0, size, step):
+            hi = min(lo + step, size)
+            for source, buf in zip(self.sources, buffers, strict=True):
+                source.readinto(lo, memoryview(buf)[: hi - lo])
+            for seg in self.plan.segments(lo, hi):
+                if seg.spec.dtype in FLOAT_TAGS:
+                    flat = TensorSpec(seg.spec.dtype, (seg.count,))
+                    yield np.stack([tensor_view(buf, seg.begin - lo, flat).astype(np.float64) for buf in buffers])
+
+
 class PieceAggregator:
-    """Computes pieces of a round's global model from ranged reads of its inputs."""
+    """Computes pieces of a round's global model from ranged reads of its inputs, as the run's strategy says
+    (`shared.strategies`): its configure half once, here, then its aggregate half for each piece."""
 
     def __init__(self, config: RunConfig, plan: PiecePlan, inputs: list[WeightedInput], base: RangeSource | None,
                  state: StateSource | None = None) -> None:
@@ -162,13 +193,17 @@ class PieceAggregator:
         if any(i.samples <= 0 for i in inputs):
             raise ValueError("an update's sample count must be positive")
         self.config, self.plan, self.base = config, plan, base
-        self.inputs = sorted(inputs, key=lambda i: i.participant)
-        self.strategy = config.strategy
-        total = sum(i.samples for i in self.inputs)
-        self.weights = [i.samples / total for i in self.inputs]
-        self.scales = self._clip_scales() if self.strategy is Strategy.CLIPPED_FEDAVG else []
-        if self.strategy is Strategy.CLIPPED_FEDAVG and base is None:
-            raise ValueError("clipped FedAvg needs the round's global model")
+        self.strategy = strategy_of(config)
+        if self.strategy.state_slots:
+            raise NotImplementedError(f"the {self.strategy.name} strategy keeps state from round to round, which "
+                                      "the aggregation does not carry")
+        if self.strategy.needs_base and base is None:
+            raise ValueError(f"the {self.strategy.name} strategy needs the round's global model")
+        everyone = sorted(inputs, key=lambda i: i.participant)
+        whole = WholeRows(plan, [i.source for i in everyone]) if self.strategy.reads_inputs else None
+        self.configured = self.strategy.configure(everyone, whole)
+        self.inputs = [everyone[k] for k in self.configured.selected]  # the inputs combined, in order
+        self.weights = self.configured.coefficients  # a weighted sum's
         self.step = ServerStep.of(config)
         if self.step is not None and base is None:
             raise ValueError("a server optimizer needs the round's global model")
@@ -189,13 +224,6 @@ class PieceAggregator:
         self._acc64 = np.empty(PIECE_BYTES // 8, np.float64)
         self._tmp32 = np.empty(BLOCK_BYTES // 2, np.float32)  # one block's temporary
         self._tmp64 = np.empty(BLOCK_BYTES // 8, np.float64)
-
-    def _clip_scales(self) -> list[float]:
-        norms = [i.norm for i in self.inputs]
-        if any(n < 0 for n in norms):
-            raise ValueError("clipped FedAvg needs every update's distance from the global model")
-        bound = self.config.clip_norm or float(np.median(norms))
-        return [min(1.0, bound / max(n, 1e-12)) for n in norms]
 
     def piece(self, index: int) -> bytearray:
         """The bytes of piece `index` of the output file (a new buffer: it may be uploaded while the next piece
@@ -245,16 +273,17 @@ class PieceAggregator:
         store(out, offset, spec, values)
 
     def _data(self, begin: int, end: int, out: memoryview) -> None:
-        if self.strategy is Strategy.FEDAVG:
+        if isinstance(self.strategy, WeightedSum):
             self._fedavg(begin, end, out)
             return
-        step = max(ROBUST_ROW_BYTES, (PIECE_BYTES // len(self.inputs)) // 8 * 8)
+        step = row_bytes(len(self.inputs))
         for lo in range(begin, end, step):
-            self._robust(lo, min(lo + step, end), out, begin)
+            self._rows(lo, min(lo + step, end), out, begin)
 
     def _fedavg(self, begin: int, end: int, out: memoryview) -> None:
-        """The inputs are summed into the piece's accumulator a slice (SLICE_BYTES) at a time: for each slice,
-        every input of a group in turn, so a slice of input and of the accumulator stay in a core's own cache,
+        """A weighted sum of the selected inputs (`shared.strategies.WeightedSum`: FedAvg's). They are summed into
+        the piece's accumulator a slice (SLICE_BYTES) at a time: for each slice, every input of a group in turn,
+        so a slice of input and of the accumulator stay in a core's own cache,
         and K shard workers on K cores do not evict each other from a shared last-level cache. A group is up to
         STREAMS inputs that stream (`RangeSource.stream`: one request each over the piece's range, all open at
         once, read a slice at a time) or one input that does not (read whole into a reused buffer). The next
@@ -361,14 +390,19 @@ class PieceAggregator:
         if last and not direct:
             self._emit(out, offset, flat, acc)
 
-    def _robust(self, begin: int, end: int, out: memoryview, out_begin: int) -> None:
+    def _rows(self, begin: int, end: int, out: memoryview, out_begin: int) -> None:
+        """Data range [begin, end) by a row-wise strategy (`shared.strategies.RowWise`): every input's range read
+        whole, each float tensor's part of it combined as the strategy's aggregate half says."""
+        assert isinstance(self.strategy, RowWise)
         rows = []
         for item in self.inputs:
             buf = bytearray(end - begin)
             item.source.readinto(begin, memoryview(buf))
             rows.append(buf)
-        base = bytearray(end - begin)
-        if self.base is not None:
+        base = None
+        if self.strategy.needs_base:
+            assert self.base is not None
+            base = bytearray(end - begin)
             self.base.readinto(begin, memoryview(base))
         out[begin - out_begin : end - out_begin] = rows[0]
         for seg in self.plan.segments(begin, end):
@@ -376,17 +410,8 @@ class PieceAggregator:
                 continue
             flat = TensorSpec(seg.spec.dtype, (seg.count,))
             stack = np.stack([tensor_view(r, seg.begin - begin, flat).astype(np.float64) for r in rows])
-            if self.strategy is Strategy.MEDIAN:
-                value = np.median(stack, axis=0)
-            elif self.strategy is Strategy.TRIMMED_MEAN:
-                n = len(rows)
-                k = min(int(self.config.trim_fraction * n), (n - 1) // 2)
-                value = np.sort(stack, axis=0)[k : n - k].mean(axis=0)
-            else:
-                ref = tensor_view(base, seg.begin - begin, flat).astype(np.float64)
-                scales = np.asarray(self.scales).reshape(-1, 1)
-                value = ref + ((stack - ref) * scales).mean(axis=0)
-            self._emit(out, seg.begin - out_begin, flat, value)
+            ref = None if base is None else tensor_view(base, seg.begin - begin, flat).astype(np.float64)
+            self._emit(out, seg.begin - out_begin, flat, self.strategy.aggregate(stack, ref, self.configured))
 
 
 @dataclass
@@ -440,7 +465,9 @@ def global_metadata(run_id: str, round_no: int, inputs: Iterable[WeightedInput],
 
 
 def round_plan(config: RunConfig, manifest: Manifest, out_round: int, inputs: Iterable[WeightedInput]) -> PiecePlan:
-    return PiecePlan.of(manifest, global_metadata(config.run_id, out_round, inputs, config.strategy.value))
+    listed = list(inputs)
+    metadata = global_metadata(config.run_id, out_round, listed, config.strategy.value)
+    return PiecePlan.of(manifest, metadata | strategy_of(config).metadata(len(listed)))
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from shared.compress import Encoding
 from shared.keys import RUN_ID_PATTERN
 from shared.naming import PARTICIPANT_QUEUE_MARK
+from shared.strategies import STRATEGIES
 
 
 class ConfigError(ValueError):
     """A run configuration that cannot be used, with a message naming every bad field."""
 
 
-class Strategy(StrEnum):
-    FEDAVG = "fedavg"
-    MEDIAN = "median"
-    TRIMMED_MEAN = "trimmed_mean"
-    CLIPPED_FEDAVG = "clipped_fedavg"
+# How a round's updates are combined: the names of the strategies `shared.strategies` registers, its one list.
+Strategy = StrEnum("Strategy", [(name.upper(), name) for name in STRATEGIES])  # type: ignore[misc]
 
 
 class ServerOptimizer(StrEnum):
@@ -149,7 +147,8 @@ class RunConfig(BaseModel):
         "counted): live joiners heard from since their join, earliest joined first, ties by id. At least "
         "min_clients. Bounds how many identities a burst of joins can bring into one epoch."
     )
-    strategy: Strategy = Strategy.FEDAVG
+    strategy: Strategy = Field(Strategy("fedavg"), description="How a round's counted updates are combined: "
+                               + ", ".join(STRATEGIES) + " (`shared.strategies`).")
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
     clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")
     server_optimizer: ServerOptimizer = Field(
@@ -252,6 +251,8 @@ class RunConfig(BaseModel):
         if self.max_admissions_per_epoch < self.min_clients:
             raise ValueError(f"max_admissions_per_epoch ({self.max_admissions_per_epoch}) cannot be below "
                              f"min_clients ({self.min_clients}): the first epoch could never start")
+        if problem := STRATEGIES[self.strategy].check(self):
+            raise ValueError(problem)
         return self
 
     @property
