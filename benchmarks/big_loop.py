@@ -108,7 +108,7 @@ class Timings:
             self.commits.setdefault(state.round, time.time())  # (the first commit of a round: when it began)
             return int(version)
 
-        import functions.ingest  # noqa: F401  (loaded now, so its reference to ingest_object is replaced below)
+        import coordinator.service  # noqa: F401  (loaded now, so its reference to ingest_object is replaced below)
 
         replaced: list[tuple[Any, str, Any]] = [(m, "ingest_object", ingest_object) for m in list(sys.modules.values())
                                                 if getattr(m, "ingest_object", None) is saved[0]]
@@ -165,11 +165,10 @@ class Watcher(threading.Thread):
         return dict(kinds)
 
 
-def pool_pids() -> dict[str, int]:
-    from functions.shard_runners import POOLS
-
-    return {f"shard worker {i}": pid for pool in list(POOLS.values())
-            for i, pid in enumerate(list(getattr(pool, "_processes", {})))}
+def pool_pids(stack: Any) -> dict[str, int]:
+    """The stack's shard workers (`local.shard_pool`), by process id."""
+    shards = stack.dispatcher.functions.shards if stack.dispatcher is not None else None
+    return {f"shard worker {i}": pid for i, pid in enumerate(shards.worker_pids() if shards is not None else [])}
 
 
 _UPLOAD = re.compile(r"round (\d+): update uploaded \(.*?([0-9.]+)s\)")
@@ -216,7 +215,7 @@ def one_run(megabytes: float, dtype: str, shards: int, participants: int, rounds
         stack.connection.save(connection)
         procs = Participants(connection, workdir / config.run_id)
         store = store_for(stack.connection)
-        watcher = Watcher(lambda: {**{n: p.process.pid for n, p in procs.procs.items()}, **pool_pids(),
+        watcher = Watcher(lambda: {**{n: p.process.pid for n, p in procs.procs.items()}, **pool_pids(stack),
                                    "stack: functions (this process)": os.getpid(), "stack: server": server_pid})
         watcher.start()
         began = time.time()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from typing import Any
 
 from shared.config import RunConfig
 from shared.messages import ShardDone, ShardTask
@@ -24,6 +25,18 @@ class SettingsError(RuntimeError):
 ShardRunner = Callable[[Sequence[ShardTask]], list[ShardDone]]
 
 
+@dataclass
+class WarmModels:
+    """Global models a warm function has authenticated (by bucket and key) and, for small ones, holds in memory (by
+    key and version): a few at most (`coordinator.model_files`). The lock is taken to fill either, so that
+    concurrent invocations in one process (the local stack's functions are threads; a round's updates are ingested
+    together) authenticate and read a model once, not once each."""
+
+    verified: dict[tuple[str, str], Any] = field(default_factory=dict)
+    held: dict[tuple[str, str], Any] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
 @dataclass(frozen=True)
 class Deps:
     """The run's config and its two stores, bound to one endpoint."""
@@ -34,17 +47,16 @@ class Deps:
     shard_runner: ShardRunner | None = None  # None: threads of the calling process
     schedule: Schedule | None = None  # the tick schedule, switched to what each committed state needs; None: none
     topic: StateTopic | None = None  # announces commits that change phase, round, epoch or model; None: nothing
-    # What a warm function remembers between invocations lives here, with what it was read from, so that a test sees
-    # it and a fresh `Deps` (`build_deps.cache_clear()`: a cold start) forgets it. `dataclasses.replace` passes it on:
-    # the `Deps` derived per invocation (`functions.settings`) share their warm function's.
+    # What a warm function remembers between invocations lives here, so that a test sees it and a fresh `Deps` (a
+    # cold start) forgets it. `dataclasses.replace` passes it on: the `Deps` derived from a warm function's share it.
     # (store.pk, pid) -> the participant's record as intake read it (`coordinator.intake.common.registered`)
     registered: dict[tuple[str, str], ParticipantRecord] = field(default_factory=dict, compare=False, repr=False)
+    models: WarmModels = field(default_factory=WarmModels, compare=False, repr=False)
 
 
-@cache
 def build_deps(run_id: str, bucket: str, table: str, config_json: str, endpoint: str | None, region: str,
                state_topic: str = "") -> Deps:
-    """One `Deps` per distinct set of names (cached: a Lambda's warm invocations share its clients)."""
+    """The run's `Deps` from the names its functions are given (`functions.settings` keeps one per warm function)."""
     config = RunConfig.model_validate_json(config_json)
     if config.run_id != run_id:
         raise SettingsError(f"the configuration is for run {config.run_id!r}, but the run id is {run_id!r}")

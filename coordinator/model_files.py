@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from coordinator.deps import Deps
@@ -85,34 +84,30 @@ class GlobalModel:
     data_offset: int
     size: int
 
-    @property
-    def held(self) -> bool:
+    def held(self, deps: Deps) -> bool:
         """Its data section is in this function's memory (`source`)."""
-        return (self.key, self.version_id) in _HELD
+        return (self.key, self.version_id) in deps.models.held
 
     def source(self, deps: Deps) -> ObjectRange | HeldRange:
         """Its data section by ranges: from the bucket, or for a small model from memory (one GET per warm function
         instead of one per update that ingest measures against it)."""
         if self.size > SMALL_MODEL_BYTES:
             return ObjectRange(deps.bucket, self.key, self.version_id, self.data_offset)
-        held = _HELD.get((self.key, self.version_id))
+        models = deps.models
+        held: HeldRange | None = models.held.get((self.key, self.version_id))
         if held is not None:
             return held
-        with _READING:  # the round's first updates arrive together: one of them reads it, the others wait for it
-            held = _HELD.get((self.key, self.version_id))
+        with models.lock:  # the round's first updates arrive together: one of them reads it, the others wait for it
+            held = models.held.get((self.key, self.version_id))
             if held is None:
                 data = deps.bucket.get(self.key, max_bytes=SMALL_MODEL_BYTES, version_id=self.version_id).data
-                if len(_HELD) >= 4:
-                    _HELD.clear()
-                held = _HELD[(self.key, self.version_id)] = HeldRange(data[self.data_offset:])
+                if len(models.held) >= 4:
+                    models.held.clear()
+                held = models.held[(self.key, self.version_id)] = HeldRange(data[self.data_offset:])
             return held
 
 
-SMALL_MODEL_BYTES = 1 << 20  # a global model this small is held in memory by a warm function once read
-_HELD: dict[tuple[str, str], HeldRange] = {}  # (key, version) -> its data section (a few at most)
-# Taken to fill either cache: concurrent invocations in one process (the local stack's functions are threads; a
-# round's updates are ingested together) authenticate and read a global model once, not once each.
-_READING = threading.RLock()
+SMALL_MODEL_BYTES = 1 << 20  # a global model this small is held in memory by a warm function once read (`WarmModels`)
 
 
 class HeldRange:
@@ -131,16 +126,6 @@ class HeldRange:
         return AtOffsets(self, begin)
 
 
-_VERIFIED: dict[tuple[str, str], GlobalModel] = {}  # (bucket, key) -> the version authenticated (a few at most)
-
-
-def forget_models() -> None:
-    """Drop every model held or authenticated (a cold start: tests that start a new moto world, where the same
-    bucket and key may hold other bytes)."""
-    with _READING:
-        _VERIFIED.clear()
-        _HELD.clear()
-
 
 def read_global(deps: Deps, round_no: int, want: str, in_bucket: bool = False) -> GlobalModel:
     """The global model that round `round_no` trains from, authenticated by the digest the state records
@@ -151,17 +136,18 @@ def read_global(deps: Deps, round_no: int, want: str, in_bucket: bool = False) -
     (one HEAD less per update ingested) unless `in_bucket` (the caller uses the version itself: a copy)."""
     key = keys.global_key(deps.config.run_id, round_no, want)
     cached = (deps.bucket.name, key)
-    known = _VERIFIED.get(cached)
-    if known is not None and ((known.held and not in_bucket) or deps.bucket.has_version(key, known.version_id)):
+    verified = deps.models.verified
+    known: GlobalModel | None = verified.get(cached)
+    if known is not None and ((known.held(deps) and not in_bucket) or deps.bucket.has_version(key, known.version_id)):
         return known
-    with _READING:
-        fresh = _VERIFIED.get(cached)
+    with deps.models.lock:
+        fresh: GlobalModel | None = verified.get(cached)
         if fresh is not None and fresh is not known:  # authenticated meanwhile, by the invocation we waited for
             return fresh
         model = _authenticate(deps, round_no, want, key)
-        if len(_VERIFIED) >= 4:
-            _VERIFIED.clear()
-        _VERIFIED[cached] = model
+        if len(verified) >= 4:
+            verified.clear()
+        verified[cached] = model
         return model
 
 

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 
 from coordinator.deps import Deps
-from coordinator.tick import TickResult, pace_schedule, run_tick
+from coordinator.service import run_tick
+from coordinator.tick import TickResult, pace_schedule
 from shared import keys
 from shared.server_opt import MAX_INDEX_BYTES, StateError, index_pieces
 from shared.state import Phase, RunState

@@ -1,6 +1,6 @@
 """A tick against the real stores: load, decide (pure), carry out what must precede the commit, commit.
 
-Used by the tick handler and, after recording an object, by the ingest handler. Two ticks racing is
+`coordinator.service` runs it, after catching up with news the event queue has not delivered. Two ticks racing is
 normal: the loser's conditional commit fails with `Conflict`, it re-reads, and finds nothing to do.
 """
 
@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 
 from coordinator.aggregation import AggregationBusy, RoundLease, write_aggregate
-from coordinator.catchup import catch_up
 from coordinator.deps import Deps
 from coordinator.model_files import CorruptInput, copy_global, read_header
 from coordinator.optimizer_state import copy_state
@@ -26,6 +25,7 @@ from shared.state import (
     RecordRound,
     RoundSummary,
     RunState,
+    Snapshot,
     WriteCheckpoint,
 )
 from shared.wire import Manifest, WireError
@@ -51,25 +51,23 @@ class TickResult:
     aggregation_seconds: float = 0.0
 
 
-def run_tick(deps: Deps, now: float | None = None) -> TickResult:
-    """One tick, retried on a lost race; `now` fixes the clock (tests), otherwise each attempt reads it anew."""
+def decide_and_commit(deps: Deps, now: float | None = None, snap: Snapshot | None = None,
+                      caught_up: int = 0) -> TickResult:
+    """One tick, retried on a lost race; `now` fixes the clock (tests), otherwise each attempt reads it anew. `snap`:
+    the snapshot the first attempt decides on (already loaded); `caught_up`: uploads ingested just before, noted."""
     lease = RoundLease()  # held from an aggregation until the commit that records it is in or lost
     try:
-        return _attempts(deps, now, lease)
+        return _attempts(deps, now, lease, snap, caught_up)
     finally:
         lease.release(deps)
 
 
-def _attempts(deps: Deps, at: float | None, lease: RoundLease) -> TickResult:
-    caught_up = 0
+def _attempts(deps: Deps, at: float | None, lease: RoundLease, loaded: Snapshot | None, caught_up: int
+              ) -> TickResult:
     withdrawn: list[str] = []
     for attempt in range(1, MAX_ATTEMPTS + 1):
         now = time.time() if at is None else at
-        snap = deps.store.load_snapshot()
-        if found := catch_up(deps, snap, now):  # news the event queue had not delivered yet: decide on it
-            caught_up += found
-            snap = deps.store.load_snapshot()
-            now = time.time() if at is None else at
+        snap, loaded = loaded or deps.store.load_snapshot(), None
         lease.decided_on = snap.state.version
         decision = tick(snap, deps.config, now)
         first = snap.state.version == 0  # the run's first commit publishes its configuration

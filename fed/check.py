@@ -241,7 +241,7 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
             "(coordinator/model_files.py, store/rosters.py, coordinator/optimizer_state.py)", everything)
     c.reads(ticks, "s3:GetObject", [keys.latest_checkpoint_key(run), keys.shard_result_key(run, nxt, job, 0)],
             "the first tick looks for a checkpoint; a waiting tick looks for its shards' outcomes "
-            "(coordinator/tick.py, functions/shard_runners.py)", everything)
+            "(coordinator/tick.py, coordinator/shard_queue.py)", everything)
     c.add(ticks, "s3:ListBucket", w.bucket_arn,
           "a read of a missing key (no checkpoint yet, a shard outcome not in yet) answers 404, not 403")
     c.add(ticks, "s3:ListBucketVersions", w.bucket_arn,
@@ -271,7 +271,7 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
             ("dynamodb:DeleteItem", "the aggregation lease given back (store/table.py release)")):
         c.add(ticks, action, w.table_arn, why, context=leading)
     c.add(ticks, "sqs:SendMessage", w.shard_queue,
-          "an aggregation's shard tasks, for the shard workers (functions/shard_runners.py)")
+          "an aggregation's shard tasks, for the shard workers (coordinator/shard_queue.py)")
     c.add(ticks, "sns:Publish", w.state_topic,
           "a commit that changes phase, round, epoch or model is pushed to the participants (store/push.py)")
     for action in ("events:EnableRule", "events:DisableRule"):
@@ -310,7 +310,7 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
                        (keys.delta_key(run, nxt, d), layout.delta_objects(run))):
         c.add(shard, "s3:PutObject", w.obj(key),
               "the shard's parts of the staged aggregate, its outcome for the waiting tick, its optimizer-state and "
-              "download-delta pieces (coordinator/aggregation.py, functions/shard_runners.py)", w.obj(grant))
+              "download-delta pieces (coordinator/aggregation.py, coordinator/shard_queue.py)", w.obj(grant))
 
     # What Lambda does with each function's role: its logs; the queue event sources' polling
     for name in FUNCTIONS:

@@ -96,7 +96,7 @@ def tick_now(conn: Connection, deps: Deps) -> Ticked | None:
     local stack's stand-in for Lambda runs handlers where it is). None when there is nothing to invoke (a stack
     without the output): the next scheduled tick carries the request out."""
     if conn.endpoint:
-        from coordinator.tick import run_tick
+        from coordinator.service import run_tick
         from store.trace import acting_as, function
 
         with acting_as(function("tick")):

@@ -1,39 +1,38 @@
-"""Lambda: an object was uploaded to the run's bucket. Validate and record it, then tick."""
+"""Lambda: an object was uploaded to the run's bucket. Validate and record it, then tick if it may close something
+(`coordinator.service.on_upload`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
-from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from coordinator.intake import ingest_object
+from coordinator.service import on_upload
 from functions.events import BadEvent, object_created
-from functions.observability import logger, metrics, traced
-from functions.settings import deps_from_env
-from functions.tick import tick_and_publish
+from functions.observability import lambda_handler, logger, metrics, tick_summary
+from functions.settings import Deps
 from shared.naming import METRIC_UPDATES_ACCEPTED, METRIC_UPDATES_REFUSED
 
 
-@logger.inject_lambda_context
-@metrics.log_metrics
-@traced
-def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
-    deps = deps_from_env()
-    metrics.add_dimension("run", deps.config.run_id)
+def ingest(deps: Deps, event: dict[str, Any]) -> dict[str, Any]:
     try:
         obj = object_created(event)
     except BadEvent as exc:
         logger.error("ignored event", reason=str(exc))
         return {"ignored": str(exc)}
-    outcome = ingest_object(deps, obj)
-    logger.info("ingested", kind=outcome.kind, key=obj.key, accepted=outcome.accepted,
-                reason=outcome.reason, recorded=outcome.recorded)
-    if outcome.kind == "update" and outcome.recorded:
-        name = METRIC_UPDATES_ACCEPTED if outcome.accepted else METRIC_UPDATES_REFUSED
+    handled = on_upload(deps, obj)
+    ingested = handled.ingested
+    assert ingested is not None
+    logger.info("ingested", kind=ingested.kind, key=obj.key, accepted=ingested.accepted, reason=ingested.reason,
+                recorded=ingested.recorded)
+    if ingested.kind == "update" and ingested.recorded:
+        name = METRIC_UPDATES_ACCEPTED if ingested.accepted else METRIC_UPDATES_REFUSED
         metrics.add_metric(name=name, unit=MetricUnit.Count, value=1)
-    result: dict[str, Any] = {"kind": outcome.kind, "accepted": outcome.accepted, "reason": outcome.reason,
-                              "recorded": outcome.recorded}
-    if outcome.recorded and not outcome.refusal and outcome.ticks:  # a round closes as soon as its last update lands
-        result["tick"] = tick_and_publish(deps)
+    result: dict[str, Any] = {"kind": ingested.kind, "accepted": ingested.accepted, "reason": ingested.reason,
+                              "recorded": ingested.recorded}
+    if handled.tick is not None or handled.deferred:
+        result["tick"] = tick_summary(handled)
     return result
+
+
+handler = lambda_handler(ingest)

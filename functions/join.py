@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aws_lambda_powertools.utilities.typing import LambdaContext
-
-from coordinator.intake import Ingested, ingest_object
+from coordinator.intake.common import Ingested
+from coordinator.service import on_upload
 from functions.events import BadEvent, object_created
-from functions.observability import logger, metrics, traced
-from functions.settings import Deps, deps_from_env
+from functions.observability import lambda_handler, logger
+from functions.settings import Deps
 from shared.keys import join_prefix
 
 
@@ -33,18 +32,14 @@ def join_request(deps: Deps, event: dict[str, Any]) -> Ingested | None:
     if not obj.key.startswith(join_prefix(deps.config.run_id)):  # the rule routes nothing else here
         logger.error("ignored event: not a join request", key=obj.key[:300])
         return None
-    outcome = ingest_object(deps, obj)
+    outcome = on_upload(deps, obj, may_tick=False).ingested
+    assert outcome is not None
     logger.info("ingested", kind=outcome.kind, key=obj.key, accepted=outcome.accepted,
                 reason=outcome.reason, recorded=outcome.recorded)
     return outcome
 
 
-@logger.inject_lambda_context
-@metrics.log_metrics
-@traced
-def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
-    deps = deps_from_env()
-    metrics.add_dimension("run", deps.config.run_id)
+def join_batch(deps: Deps, event: dict[str, Any]) -> dict[str, Any]:
     failures: list[dict[str, str]] = []
     for record in event.get("Records", []):
         message_id = str(record.get("messageId", ""))
@@ -54,3 +49,6 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
             logger.exception("join request failed; the queue delivers it again", message_id=message_id)
             failures.append({"itemIdentifier": message_id})
     return {"batchItemFailures": failures}
+
+
+handler = lambda_handler(join_batch)

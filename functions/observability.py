@@ -1,14 +1,27 @@
-"""Module-level powertools objects shared by the handlers (cheap to import; no AWS calls)."""
+"""What every handler shares: the powertools logger, metrics and tracer (module-level, cheap to import, no AWS
+calls), the handler each function's work is wrapped in, and the summary of a tick."""
 
 from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from aws_lambda_powertools import Logger, Metrics
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from shared.naming import METRICS_NAMESPACE
+from coordinator.service import Handled
+from functions.settings import Deps, deps_from_env
+from shared.naming import (
+    METRIC_AGGREGATION_SECONDS,
+    METRIC_PHASE_CHANGES,
+    METRIC_ROUND,
+    METRIC_ROUND_SECONDS,
+    METRIC_TICK_CONFLICTS,
+    METRICS_NAMESPACE,
+)
 
 logger = Logger(service="fed-coordinator")
 metrics = Metrics(namespace=METRICS_NAMESPACE, service="fed-coordinator")
@@ -25,3 +38,44 @@ if importlib.util.find_spec("aws_xray_sdk") is not None:  # Tracer needs powerto
 def traced(fn: Any) -> Any:
     """`tracer.capture_lambda_handler` where a tracer is available; the function unchanged otherwise."""
     return tracer.capture_lambda_handler(fn) if tracer is not None else fn
+
+
+Work = Callable[[Deps, dict[str, Any]], dict[str, Any]]
+Handler = Callable[[dict[str, Any], LambdaContext], dict[str, Any]]
+
+
+def lambda_handler(work: Work, deps: Callable[[], Deps] | None = None) -> Handler:
+    """The Lambda handler that does `work` with the function's `Deps` (from its environment, or `deps`: the local
+    stack's, with its shard workers), logged, measured and traced as every handler is."""
+
+    @logger.inject_lambda_context
+    @metrics.log_metrics
+    @traced
+    def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+        bound = deps() if deps is not None else deps_from_env()
+        metrics.add_dimension("run", bound.config.run_id)
+        return work(bound, event)
+
+    return handler
+
+
+def tick_summary(handled: Handled) -> dict[str, Any]:
+    """Log and measure the tick an event led to; a small summary of it for the invocation's result."""
+    if handled.tick is None:
+        logger.warning("tick deferred to the next one", reason=handled.deferred)
+        return {"committed": False, "deferred": handled.deferred}
+    result = handled.tick
+    for note in result.notes:
+        logger.info(note)
+    metrics.add_metric(name=METRIC_ROUND, unit=MetricUnit.Count, value=result.state.round)
+    if result.attempts > 1:
+        metrics.add_metric(name=METRIC_TICK_CONFLICTS, unit=MetricUnit.Count, value=result.attempts - 1)
+    if result.fired:
+        metrics.add_metric(name=METRIC_PHASE_CHANGES, unit=MetricUnit.Count, value=len(result.fired))
+    for summary in result.summaries:
+        metrics.add_metric(name=METRIC_ROUND_SECONDS, unit=MetricUnit.Seconds, value=summary.seconds)
+    if any(s.aggregated for s in result.summaries):
+        metrics.add_metric(name=METRIC_AGGREGATION_SECONDS, unit=MetricUnit.Seconds, value=result.aggregation_seconds)
+    s = result.state
+    return {"committed": result.committed, "phase": s.phase.value, "epoch": s.epoch, "round": s.round,
+            "fired": list(result.fired)}

@@ -1,23 +1,28 @@
-"""What a function needs to know, parsed once from its environment (never at import time)."""
+"""What a function needs to know, parsed from its environment on first use (never at import time), and what a warm
+function keeps between invocations: one `Deps` per environment, with its clients and its warm caches."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from functools import cache
 
 from coordinator.deps import Deps, SettingsError, build_deps
-from functions.shard_runners import runner_for
+from coordinator.shard_queue import queue_runner
 from shared.naming import (
     ENV_BUCKET,
     ENV_CONFIG,
     ENV_ENDPOINT,
     ENV_RUN_ID,
     ENV_SHARD_RUNNER,
+    ENV_SHARD_WAIT,
     ENV_STATE_TOPIC,
     ENV_TABLE,
 )
 
-__all__ = ["Deps", "SettingsError", "deps_from_env"]
+__all__ = ["Deps", "SettingsError", "deps_from_env", "forget_warm_state"]
+
+DEFAULT_SHARD_WAIT = 900.0  # seconds a tick waits for its shards' outcomes when FED_SHARD_WAIT is not set
 
 
 def _need(name: str) -> str:
@@ -29,9 +34,27 @@ def _need(name: str) -> str:
 
 def deps_from_env() -> Deps:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    deps = build_deps(
-        _need(ENV_RUN_ID), _need(ENV_BUCKET), _need(ENV_TABLE), _need(ENV_CONFIG), os.environ.get(ENV_ENDPOINT), region,
-        os.environ.get(ENV_STATE_TOPIC, ""),
-    )
-    runner = runner_for(os.environ.get(ENV_SHARD_RUNNER, ""))
-    return dataclasses.replace(deps, shard_runner=runner) if runner is not None else deps
+    return _warm(_need(ENV_RUN_ID), _need(ENV_BUCKET), _need(ENV_TABLE), _need(ENV_CONFIG),
+                 os.environ.get(ENV_ENDPOINT) or None, region, os.environ.get(ENV_STATE_TOPIC, ""),
+                 os.environ.get(ENV_SHARD_RUNNER, ""), os.environ.get(ENV_SHARD_WAIT, ""))
+
+
+def forget_warm_state() -> None:
+    """Every function starts cold (tests that start a new AWS, where the same names may hold other things)."""
+    _warm.cache_clear()
+
+
+@cache
+def _warm(run_id: str, bucket: str, table: str, config_json: str, endpoint: str | None, region: str,
+          state_topic: str, shard_runner: str, shard_wait: str) -> Deps:
+    """One `Deps` per distinct environment: a Lambda's warm invocations share its clients and what it remembers.
+    FED_SHARD_RUNNER is "queue:<url>" (the shard queue, as deployed) or unset (the tick's own threads)."""
+    deps = build_deps(run_id, bucket, table, config_json, endpoint, region, state_topic)
+    kind, _, url = shard_runner.partition(":")
+    if not kind:
+        return deps
+    if kind != "queue" or not url:
+        raise SettingsError(f"{ENV_SHARD_RUNNER} is {shard_runner!r}: expected queue:<url>, or unset")
+    wait = float(shard_wait or DEFAULT_SHARD_WAIT)
+    runner = queue_runner(url, deps.bucket, run_id, wait, endpoint, region)
+    return dataclasses.replace(deps, shard_runner=runner)

@@ -1,5 +1,5 @@
 """Lambda: aggregation shards (pieces [first, stop) of a round's global model each), from the shard queue the
-aggregating tick fills (`functions.shard_runners.queue_runner`).
+aggregating tick fills (`coordinator.shard_queue.queue_runner`).
 
 Each message is one shard task. The shard is tried up to SHARD_ATTEMPTS times here (its work is idempotent); its
 outcome — the pieces written, an input that cannot be read, or the failure, named by the digest of the task it
@@ -15,22 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_lambda_powertools.utilities.typing import LambdaContext
-
 from coordinator.aggregation import failed_outcome, shard_outcome
-from coordinator.deps import Deps
-from functions.observability import logger, traced
-from functions.settings import deps_from_env
-from functions.shard_runners import write_outcome
+from coordinator.shard_queue import write_outcome
+from functions.observability import lambda_handler, logger
+from functions.settings import Deps
 from shared.messages import ShardTask, parse_message
 from store.blobs import UploadGone
-from store.trace import acting_as, function, install_from_env
 
 
-@logger.inject_lambda_context
-@traced
-def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, object]:
-    deps = deps_from_env()
+def shards(deps: Deps, event: dict[str, Any]) -> dict[str, Any]:
     records = event.get("Records", [])
     for record in records:
         run_queued(deps, parse_message(ShardTask, record["body"]))
@@ -52,9 +45,4 @@ def run_queued(deps: Deps, task: ShardTask) -> None:
     write_outcome(deps.bucket, deps.config.run_id, task, outcome)
 
 
-def run_task_json(task_json: str) -> str:
-    """A shard in a worker process (the local stack's stand-in for the shard-worker function, and its role): its
-    outcome's JSON."""
-    install_from_env()
-    with acting_as(function("shard")):
-        return shard_outcome(deps_from_env(), parse_message(ShardTask, task_json)).model_dump_json()
+handler = lambda_handler(shards)

@@ -149,7 +149,7 @@ WORKER_UPDATE_BYTES_PER_SECOND = 1.5e9
 
 
 def shard_polls(shard_seconds: float) -> int:
-    """The tick's looks for one shard's outcome: backing off from 0.05 s to 1 s (`functions.shard_runners`), so
+    """The tick's looks for one shard's outcome: backing off from 0.05 s to 1 s (`coordinator.shard_queue`), so
     about 5 in the first second and one a second after."""
     return 5 + math.ceil(shard_seconds)
 

@@ -23,12 +23,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -38,6 +36,7 @@ import boto3
 from botocore.config import Config
 
 from local.context import LocalContext
+from local.invocations import Handler, LocalFunctions
 from local.resources import LocalResources
 from shared import keys
 from shared.naming import tick_rule_name
@@ -47,8 +46,6 @@ from store.trace import acting_as, function
 FUNCTION_TICK, FUNCTION_INGEST, FUNCTION_JOIN = function("tick"), function("ingest"), function("join")
 
 log = logging.getLogger("fed.local.dispatcher")
-
-Handler = Callable[[dict[str, Any], Any], Any]
 
 MAIN_LANE, JOIN_LANE = "ingest", "join"
 
@@ -71,39 +68,6 @@ def scheduled_event(region: str, rule: str, at: float | None = None) -> dict[str
 
 def _polling_as(lane: Lane) -> contextlib.AbstractContextManager[None]:
     return acting_as(lane.polls_as) if lane.polls_as else contextlib.nullcontext()
-
-
-def _local_invocation(handler: Handler) -> Handler:
-    """Call a handler as one Lambda invocation would, in a process that serves many at once.
-
-    With POWERTOOLS_METRICS_DISABLED, powertools neither prints nor clears the metric set at the end of an
-    invocation, so it grows across invocations until, at 100 values, it prints them to stdout anyway.
-    Each Lambda process starts empty; clearing after each call keeps it that way here.
-    """
-    from functions.observability import metrics
-
-    def invoke(event: dict[str, Any], context: Any) -> Any:
-        try:
-            return handler(event, context)
-        finally:
-            if os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() == "true":
-                metrics.clear_metrics()
-
-    return invoke
-
-
-def _as_queue_batch(handler: Handler) -> Handler:
-    """The join function takes SQS batches (its event source mapping's); deliver one event as a batch of one,
-    and raise if the handler reports it failed, as the queue would deliver it again."""
-
-    def invoke(event: dict[str, Any], context: Any) -> Any:
-        record = {"messageId": str(uuid.uuid4()), "body": json.dumps(event), "eventSource": "aws:sqs"}
-        result = handler({"Records": [record]}, context)
-        if result.get("batchItemFailures"):
-            raise RuntimeError("the join function reported the join request as failed")
-        return result
-
-    return invoke
 
 
 def _object_key(event: Any) -> str:
@@ -202,9 +166,11 @@ class Dispatcher:
         faults: FaultPlan | None = None,
         join_workers: int = 1,
         join: Handler | None = None,
+        shard_workers: int | None = None,
     ) -> None:
         """`ingest` and `join` take one "Object Created" event each (default: the ingest function, and the join
-        function given it as a batch of one); `faults` applies to both lanes."""
+        function given it as a batch of one); `faults` applies to both lanes. The ticks of ingest and tick hand
+        their aggregation shards to `shard_workers` worker processes (default: one a core; 0: their own threads)."""
         if tick_interval <= 0:
             raise ValueError("tick_interval must be positive")
         self.resources = resources
@@ -215,6 +181,7 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.poll_wait = poll_wait
         self._tick = tick
+        self.functions = LocalFunctions(shard_workers)
         # The main lane stands in for EventBridge invoking ingest (AWS's own doing); the join lane for the join
         # function's event source mapping, which polls the join queue with the join function's role.
         self.lanes = [Lane(MAIN_LANE, resources.queue_url, workers, "fed-local-ingest", ingest,
@@ -243,16 +210,10 @@ class Dispatcher:
 
     def start(self, deliver: bool = True) -> Dispatcher:
         """Start ticking, and delivering queued events unless `deliver` is False (then: `release()`)."""
-        if self._tick is None or any(lane.handler is None for lane in self.lanes):
-            # Imported late: the handlers read their settings from the environment on first call,
-            # which the caller sets up before starting the dispatcher.
-            from functions import ingest, join, tick
-
-            defaults = {MAIN_LANE: _local_invocation(ingest.handler),
-                        JOIN_LANE: _as_queue_batch(_local_invocation(join.handler))}
-            for lane in self.lanes:
-                lane.handler = lane.handler or defaults[lane.name]
-            self._tick = self._tick or _local_invocation(tick.handler)
+        defaults = {MAIN_LANE: self.functions.ingest, JOIN_LANE: self.functions.join}
+        for lane in self.lanes:
+            lane.handler = lane.handler or defaults[lane.name]()
+        self._tick = self._tick or self.functions.tick()
         self._stop.clear()
         for lane in self.lanes:
             lane.delivering.clear()
@@ -304,6 +265,7 @@ class Dispatcher:
                 lane.pool.shutdown(wait=True, cancel_futures=True)
                 lane.pool = None
         self._threads = []
+        self.functions.close()
 
     def __enter__(self) -> Dispatcher:
         return self.start()

@@ -26,7 +26,6 @@ from shared.naming import (
     ENV_CONFIG,
     ENV_ENDPOINT,
     ENV_RUN_ID,
-    ENV_SHARD_RUNNER,
     ENV_STATE_TOPIC,
     ENV_TABLE,
 )
@@ -60,7 +59,6 @@ def function_environment(resources: LocalResources, config: RunConfig, log_level
         ENV_CONFIG: config.model_dump_json(),
         ENV_ENDPOINT: resources.endpoint,
         ENV_STATE_TOPIC: resources.state_topic,
-        ENV_SHARD_RUNNER: f"processes:{os.cpu_count() or 1}",  # aggregation shards on worker processes, one a core
         "POWERTOOLS_TRACE_DISABLED": "true",
         "POWERTOOLS_METRICS_DISABLED": "true",
         "POWERTOOLS_SERVICE_NAME": "fed-coordinator",

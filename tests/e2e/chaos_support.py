@@ -134,11 +134,11 @@ def install_crash_hooks(rng: random.Random, report: Callable[[str, dict[str, Any
     - A recorded update's ingest raises before its tick at `ingest_crash_rate`.
     """
     import coordinator.tick as coordinator
-    import functions.ingest as ingest
+    import coordinator.service as service
     from shared.state import Aggregate
 
     original_carry, original_write = coordinator.carry_out_before_commit, coordinator.write_aggregate
-    original_ingest = ingest.ingest_object
+    original_ingest = service.ingest_object
     lock = threading.Lock()
     attempts = [0]
     local = threading.local()
@@ -181,7 +181,7 @@ def install_crash_hooks(rng: random.Random, report: Callable[[str, dict[str, Any
 
     coordinator.write_aggregate = write_aggregate
     coordinator.carry_out_before_commit = carry_out_before_commit
-    ingest.ingest_object = ingest_object
+    service.ingest_object = ingest_object
 
 
 # --- the dispatcher in its own process -------------------------------------------------------------------
@@ -404,7 +404,8 @@ class RacingTicks:
             self.burst(self.rng.randint(2, 4))
 
     def burst(self, n: int = 3) -> None:
-        from coordinator.tick import TickContention, run_tick
+        from coordinator.service import run_tick
+        from coordinator.tick import TickContention
 
         barrier = threading.Barrier(n)
 

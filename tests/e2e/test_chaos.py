@@ -32,7 +32,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from coordinator.tick import run_tick
+from coordinator.service import run_tick
 from coordinator.verify import verify_run
 from fed.demo import Participants, await_joins
 from fed.localrun import store_for

@@ -19,11 +19,9 @@ from botocore.config import Config
 from moto import mock_aws
 from moto.dynamodb.models import DynamoDBBackend
 
-from coordinator.deps import build_deps
-from coordinator.model_files import forget_models
-from coordinator.tick import run_tick
+from coordinator.service import run_tick
 from functions import ingest, tick
-from functions.settings import Deps, deps_from_env
+from functions.settings import Deps, deps_from_env, forget_warm_state
 from local import access
 from local.access.control import install_in_process
 from local.context import LocalContext
@@ -68,8 +66,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     }.items():
         monkeypatch.setenv(name, value)
     apply_all()  # moto as the local stack runs it (local/moto/: each patch, its kind and why)
-    build_deps.cache_clear()  # a new AWS: every function starts cold, holding no participant's record from another
-    forget_models()  # nor a model it authenticated there
+    forget_warm_state()  # a new AWS: every function starts cold, holding no participant's record or model from another
     with mock_aws():
         yield
 

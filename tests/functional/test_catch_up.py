@@ -8,7 +8,8 @@ import time
 
 import numpy as np
 
-from coordinator.tick import TickResult, run_tick
+from coordinator.service import run_tick
+from coordinator.tick import TickResult
 from shared import keys
 from shared.state import MemberStatus, Phase
 from store.trace import acting_as, function

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.tick import run_tick
+from coordinator.service import run_tick
 from fed.check import (
     OPERATOR,
     PARTICIPANT,

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from coordinator.tick import run_tick
+from coordinator.service import run_tick
 from shared import keys, wire
 from shared.state import MemberStatus, Phase
 from tests.functional.conftest import MODEL, Harness

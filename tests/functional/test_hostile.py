@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.tick import run_tick
+from coordinator.service import run_tick
 from functions.observability import logger
 from shared import keys, wire
 from shared.state import Phase

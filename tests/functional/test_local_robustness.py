@@ -19,10 +19,9 @@ import pytest
 from botocore.client import BaseClient
 from rich.console import Console
 
-from coordinator.deps import build_deps
-from coordinator.model_files import forget_models
 from fed import localrun
 from fed.localrun import RunFollower, default_local_config, run_local
+from functions.settings import forget_warm_state
 from shared import keys
 from shared.digest import digest
 from shared.state import Phase, RunState
@@ -159,8 +158,7 @@ class S3Calls:
 def cold_start(h: Harness) -> S3Calls:
     """The functions start afresh (nothing remembered from the objects this process wrote or read); the S3
     requests they make from now on."""
-    build_deps.cache_clear()
-    forget_models()
+    forget_warm_state()
     return S3Calls(h.deps.bucket.client)
 
 

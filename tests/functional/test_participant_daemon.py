@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator import service
 from functions import ingest, tick
 from local.context import LocalContext
 from participant.daemon import Daemon, Options
@@ -124,9 +125,9 @@ def run(harness_factory: Callable[..., Harness], tmp_path: Path, monkeypatch: py
         harness = harness_factory(**settings)
         pump = Pump(harness, start_with=start_with)
         if start_with:  # the tick an ingest makes waits for the fleet too
-            after_ingest = ingest.tick_and_publish
-            monkeypatch.setattr(ingest, "tick_and_publish",
-                                lambda deps: after_ingest(deps) if pump.gathered() else {"deferred": "gathering"})
+            after_upload = service._ticked
+            monkeypatch.setattr(service, "_ticked", lambda deps, ingested: after_upload(deps, ingested)
+                                if pump.gathered() else service.Handled(ingested, deferred="gathering"))
         pump.thread.start()
         pumps.append(pump)
         return harness

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.tick import run_tick
+from coordinator.service import run_tick
 from shared import keys, wire
 from shared.state import Phase
 from tests.functional.conftest import MODEL, Harness

@@ -10,7 +10,7 @@ import boto3
 import numpy as np
 import pytest
 
-from coordinator.tick import run_tick
+from coordinator.service import run_tick
 from coordinator.verify import verify_run
 from local.resources import create_resources
 from shared import keys, wire

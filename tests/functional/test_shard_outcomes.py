@@ -1,5 +1,5 @@
 """Shard outcomes, as the deployed aggregation reads them: the tick hands each shard to the shard queue and acts on
-the outcome a shard worker leaves at `keys.shard_result_key` (`functions.shard_runners.queue_runner`). Whoever else
+the outcome a shard worker leaves at `keys.shard_result_key` (`coordinator.shard_queue.queue_runner`). Whoever else
 writes that key cannot make the round leave an honest update out: an outcome that does not answer the task the tick
 handed out is ignored (the tick waits on for the worker's), a verdict that an input is unreadable is acted on only
 where the coordinator finds that input's recorded version gone, and a participant whose id is shaped like the key's
@@ -23,10 +23,12 @@ import numpy as np
 import pytest
 from botocore.exceptions import ClientError
 
+from coordinator import shard_queue
 from coordinator.aggregation import OutcomeRefused, ReportedCorrupt, from_outcome
+from coordinator.shard_queue import result_key
 from coordinator.verify import verify_run
-from functions import shard, shard_runners
-from functions.shard_runners import result_key, runner_for
+from functions import shard
+from functions.settings import forget_warm_state
 from local.access import shared_ledger
 from local.access.ledger import read_denials
 from local.context import LocalContext
@@ -86,7 +88,7 @@ class Attacker:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, act: Callable[[ShardTask], None]) -> None:
         self.act, self.target = act, ""
         self.acted, self.looked = threading.Event(), threading.Event()
-        real = shard_runners._outcome
+        real = shard_queue._outcome
 
         def watched(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -95,7 +97,7 @@ class Attacker:
                 if self.acted.is_set() and args[1] == self.target:
                     self.looked.set()
 
-        monkeypatch.setattr(shard_runners, "_outcome", watched)
+        monkeypatch.setattr(shard_queue, "_outcome", watched)
 
     def __call__(self, task: ShardTask) -> None:
         if task.first != 0 or self.acted.is_set():
@@ -121,11 +123,11 @@ def sharded(harness_factory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callab
             QueueName=shard_queue_name(h.config.run_id))["QueueUrl"]
         monkeypatch.setenv(ENV_SHARD_RUNNER, f"queue:{url}")
         monkeypatch.setenv(ENV_SHARD_WAIT, "600")
-        runner_for.cache_clear()  # (a runner is cached by its spec: this one must use this test's bucket)
+        forget_warm_state()  # (a warm function keeps its runner: this one must use this test's queue and bucket)
         return h, url
 
     yield build
-    runner_for.cache_clear()
+    forget_warm_state()
 
 
 def start_round(h: Harness, pids: list[str]) -> None:

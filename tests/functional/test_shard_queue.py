@@ -19,8 +19,8 @@ import pytest
 
 from coordinator.aggregation import write_aggregate
 from coordinator.deps import Deps
+from coordinator.shard_queue import ShardWaitTimeout, queue_runner, result_key
 from functions import shard
-from functions.shard_runners import ShardWaitTimeout, queue_runner, result_key
 from local.context import LocalContext
 from shared.digest import PIECE_BYTES
 from shared.messages import ShardDone, ShardTask

@@ -17,7 +17,6 @@ from botocore.config import Config
 
 from coordinator.aggregation import write_aggregate
 from coordinator.deps import Deps
-from functions import shard_runners
 from functions.settings import deps_from_env
 from local.stack import LocalStack
 from shared import keys, wire
@@ -66,8 +65,14 @@ def threads_deps() -> Deps:
     return dataclasses.replace(deps_from_env(), shard_runner=None)
 
 
+def pooled(stack: LocalStack) -> Deps:
+    """What the stack's ingest and tick functions aggregate with: their shards on its worker processes."""
+    assert stack.dispatcher is not None
+    return stack.dispatcher.functions.deps()
+
+
 def test_worker_processes_write_the_same_global_as_the_tick_itself(stack: LocalStack, round_zero: Aggregate) -> None:
-    deps = deps_from_env()
+    deps = pooled(stack)
     assert deps.shard_runner is not None  # the local stack runs shards on worker processes
     assert write_aggregate(deps, round_zero) == write_aggregate(threads_deps(), round_zero)
 
@@ -78,7 +83,9 @@ def test_a_worker_killed_mid_shard_is_replaced_and_the_global_is_the_same(
     want = write_aggregate(threads_deps(), round_zero)
     c = stack.connection
     s3 = boto3.client("s3", endpoint_url=c.endpoint, region_name=c.region)
-    deps = deps_from_env()
+    deps = pooled(stack)
+    assert stack.dispatcher is not None and stack.dispatcher.functions.shards is not None
+    shards = stack.dispatcher.functions.shards
     killed: list[int] = []
     done = threading.Event()
 
@@ -87,10 +94,9 @@ def test_a_worker_killed_mid_shard_is_replaced_and_the_global_is_the_same(
             for upload in s3.list_multipart_uploads(Bucket=c.bucket).get("Uploads", []):
                 parts = s3.list_parts(Bucket=c.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                 if parts.get("Parts"):
-                    for pool in list(shard_runners.POOLS.values()):
-                        for pid in list(pool._processes):
-                            os.kill(pid, signal.SIGKILL)
-                            killed.append(pid)
+                    for pid in shards.worker_pids():
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
                     break
 
     killer = threading.Thread(target=kill_a_worker_once_a_part_is_in, daemon=True)

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from coordinator.tick import run_tick
+from coordinator.service import run_tick
 from coordinator.verify import verify_run
 from fed.status import describe
 from shared.selection import assigned_count

@@ -17,7 +17,8 @@ import numpy as np
 
 import coordinator.tick as coordinator
 from coordinator.aggregation import UNLEASED_INPUTS
-from coordinator.tick import TickResult, run_tick
+from coordinator.service import run_tick
+from coordinator.tick import TickResult
 from coordinator.verify import verify_run
 from shared import keys
 from shared.wire import digest

@@ -56,8 +56,8 @@ def test_updates_ingested_together_authenticate_the_global_model_once(harness: H
     # holds each authentication of it until four have begun (or half a second has passed)
     harness.start(["alice", "bob"])
     state = harness.state()
-    models._VERIFIED.clear()
-    models._HELD.clear()
+    harness.deps.models.verified.clear()
+    harness.deps.models.held.clear()
     together = threading.Barrier(4, timeout=0.5)
     calls: list[str] = []
     verified_version = harness.deps.bucket.verified_version

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from coordinator.tick import run_tick
+from coordinator.service import run_tick
 from shared import keys
 from shared.config import RunConfig
 from shared.state import MemberStatus, Phase

@@ -125,7 +125,7 @@ def test_bad_proofs_are_refused(witnessed: Harness, case: str, words: str) -> No
 def test_quorum_missed_ends_the_epoch_without_aggregating(witnessed: Harness) -> None:
     import time
 
-    from coordinator.tick import run_tick
+    from coordinator.service import run_tick
 
     h = witnessed
     for i, pid in enumerate(PIDS):
