@@ -22,9 +22,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
-from local.access.control import AccessControl
-from local.access.evaluator import Evaluator, available
-from local.access.ledger import Ledger
+from local.access.control import AccessControl, control_for, shared_evaluator, shared_ledger
+from local.access.evaluator import available
 from local.access.model import LOCAL_ACCOUNT, AccessModel, Binding, build_model
 from shared.config import RunConfig
 from shared.naming import join_queue_name, local_bucket_name, shard_queue_name, state_topic_name, table_name
@@ -111,30 +110,6 @@ def model_for(config: RunConfig, region: str = "us-east-1", endpoint: str | None
     return build_model(template_for(config), local_binding(config.run_id, region, endpoint))
 
 
-_evaluator: Evaluator | None = None
-_ledger: Ledger | None = None
-
-
-def shared_evaluator() -> Evaluator:
-    """One Node process per Python process, whatever number of runs it judges."""
-    global _evaluator
-    if _evaluator is None:
-        _evaluator = Evaluator()
-    return _evaluator
-
-
-def shared_ledger() -> Ledger | None:
-    """This process's ledger (FED_ACCESS_LEDGER), or None when nothing records."""
-    global _ledger
-    if _ledger is None:
-        _ledger = Ledger.from_env()
-    return _ledger
-
-
-def control_for(model: AccessModel, enforce: bool = True) -> AccessControl:
-    return AccessControl(model, shared_evaluator(), shared_ledger(), enforce=enforce)
-
-
 class _Checked(Protocol):
     def enable_access(self, model: AccessModel, enforce: bool) -> None: ...
 
@@ -174,5 +149,4 @@ def enable_on(server: _Checked, config: RunConfig, region: str, endpoint: str | 
 
 
 __all__ = ["AccessCheckUnavailable", "AccessControl", "AccessModel", "CheckState", "ENFORCE", "OFF", "RECORD",
-           "control_for",
-           "enable_on", "mode", "model_for", "unavailable"]
+           "control_for", "enable_on", "mode", "model_for", "shared_evaluator", "shared_ledger", "unavailable"]

@@ -229,8 +229,6 @@ class AccessMiddleware:
         self._lock = threading.Lock()
 
     def configure(self, model: AccessModel, enforce: bool) -> None:
-        from local.access import control_for
-
         with self._lock:
             self.control = control_for(model, enforce=enforce)
 
@@ -332,3 +330,27 @@ def install_in_process(control: AccessControl | None) -> None:
 
     BotocoreStubber.process_request = process_request  # type: ignore[method-assign]
     _patched = True
+
+
+_evaluator: Evaluator | None = None
+_ledger: Ledger | None = None
+
+
+def shared_evaluator() -> Evaluator:
+    """One Node process per Python process, whatever number of runs it judges."""
+    global _evaluator
+    if _evaluator is None:
+        _evaluator = Evaluator()
+    return _evaluator
+
+
+def shared_ledger() -> Ledger | None:
+    """This process's ledger (FED_ACCESS_LEDGER), or None when nothing records."""
+    global _ledger
+    if _ledger is None:
+        _ledger = Ledger.from_env()
+    return _ledger
+
+
+def control_for(model: AccessModel, enforce: bool = True) -> AccessControl:
+    return AccessControl(model, shared_evaluator(), shared_ledger(), enforce=enforce)
