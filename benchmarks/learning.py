@@ -30,8 +30,8 @@ from fed.demo import DemoOptions, demo_config, run_demo  # noqa: E402
 from shared.compress import Encoding, encode_delta  # noqa: E402
 from shared.config import DataMode, ServerOptimizer  # noqa: E402
 
-DIGITS_OPTIMIZERS = [(ServerOptimizer.NONE, "FedAvg"), (ServerOptimizer.FEDAVGM, "FedAvgM"),
-                     (ServerOptimizer.FEDADAM, "FedAdam")]
+DIGITS_OPTIMIZERS = [(ServerOptimizer("none"), "FedAvg"), (ServerOptimizer("fedavgm"), "FedAvgM"),
+                     (ServerOptimizer("fedadam"), "FedAdam")]
 SPLITS = ["iid", "dirichlet:0.5"]
 COMPRESSED = ["bf16", "int8"]  # update encodings compared with plain weights (FedAvg)
 
@@ -156,20 +156,21 @@ def main() -> None:
             for optimizer, label in DIGITS_OPTIMIZERS:
                 done(federated("digits", split, optimizer, label, args, args.out))
         for encoding in COMPRESSED:
-            done(federated("digits", "iid", ServerOptimizer.NONE, "FedAvg", args, args.out, update_encoding=encoding))
-        done(federated("digits", "iid", ServerOptimizer.NONE, "FedAvg", args, args.out, update_encoding="int8",
+            done(federated("digits", "iid", ServerOptimizer("none"), "FedAvg", args, args.out,
+                           update_encoding=encoding))
+        done(federated("digits", "iid", ServerOptimizer("none"), "FedAvg", args, args.out, update_encoding="int8",
                        download_encoding="int8"))
     if args.only in (None, "lm"):
         # DiLoCo's setting: H inner AdamW steps a round, outer Nesterov momentum; FedAvg takes the same steps
         lm: dict[str, Any] = {"local_steps": args.lm_steps, "learning_rate": args.lm_lr}
         outer_lr, momentum = (float(v) for v in args.diloco.split(":"))
-        done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, **lm))
-        done(federated("lm", "assigned", ServerOptimizer.DILOCO, "DiLoCo", args, args.out, server_lr=outer_lr,
+        done(federated("lm", "assigned", ServerOptimizer("none"), "FedAvg", args, args.out, **lm))
+        done(federated("lm", "assigned", ServerOptimizer("diloco"), "DiLoCo", args, args.out, server_lr=outer_lr,
                        server_momentum=momentum, **lm))
         for encoding in COMPRESSED:
-            done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, update_encoding=encoding,
-                           **lm))
-        done(federated("lm", "assigned", ServerOptimizer.NONE, "FedAvg", args, args.out, update_encoding="int8",
+            done(federated("lm", "assigned", ServerOptimizer("none"), "FedAvg", args, args.out,
+                           update_encoding=encoding, **lm))
+        done(federated("lm", "assigned", ServerOptimizer("none"), "FedAvg", args, args.out, update_encoding="int8",
                        download_encoding="int8", **lm))
     print_table(rows, args)
     (args.out / "table.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")

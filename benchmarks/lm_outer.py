@@ -51,7 +51,7 @@ def simulate(s: Setting, rounds: int, workers: int, steps: int) -> list[float]:
     step = None
     if s.outer != "fedavg":
         _, lr, momentum = s.outer.split(":")
-        step = ServerStep(ServerOptimizer.DILOCO, float(lr), float(momentum), 0.99, 1e-3)
+        step = ServerStep(ServerOptimizer("diloco"), float(lr), float(momentum), 0.99, 1e-3)
     model = task.build_model(0)
     names = list(model.state_dict())
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from shared.compress import Encoding
 from shared.keys import RUN_ID_PATTERN
 from shared.naming import PARTICIPANT_QUEUE_MARK
+from shared.optimizers import OPTIMIZERS
 from shared.strategies import STRATEGIES
 
 
@@ -27,21 +28,9 @@ class ConfigError(ValueError):
 Strategy = StrEnum("Strategy", [(name.upper(), name) for name in STRATEGIES])  # type: ignore[misc]
 
 
-class ServerOptimizer(StrEnum):
-    """What the coordinator does with a round's aggregate (`shared.server_opt`)."""
-
-    NONE = "none"  # the aggregate is the next global model (FedAvg and the robust strategies as such)
-    FEDAVGM = "fedavgm"  # server momentum (Hsu et al.)
-    FEDADAM = "fedadam"  # adaptive moments (Reddi et al., "Adaptive Federated Optimization")
-    FEDYOGI = "fedyogi"  # Yogi's additive second moment (same paper)
-    DILOCO = "diloco"  # outer Nesterov momentum over the pseudo-gradient (Douillard et al.)
-
-
-# The server learning rate each optimizer uses when `server_lr` is 0.
-DEFAULT_SERVER_LR = {
-    ServerOptimizer.NONE: 1.0, ServerOptimizer.FEDAVGM: 1.0, ServerOptimizer.FEDADAM: 0.1,
-    ServerOptimizer.FEDYOGI: 0.1, ServerOptimizer.DILOCO: 0.7,
-}
+# What the coordinator does with a round's aggregate: the names of the server optimizers `shared.optimizers`
+# registers (none: the aggregate is the next global model; fedavgm, fedadam, fedyogi, diloco), its one list.
+ServerOptimizer = StrEnum("ServerOptimizer", [(name.upper(), name) for name in OPTIMIZERS])  # type: ignore[misc]
 
 
 class DataMode(StrEnum):
@@ -152,7 +141,7 @@ class RunConfig(BaseModel):
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
     clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")
     server_optimizer: ServerOptimizer = Field(
-        ServerOptimizer.NONE, description="Applied to the round's pseudo-gradient (global - the strategy's "
+        ServerOptimizer("none"), description="Applied to the round's pseudo-gradient (global - the strategy's "
         "aggregate): none (the aggregate is the next global), fedavgm, fedadam, fedyogi or diloco. Its state "
         "(momentum, moments) is kept in the bucket beside the global model, in the same pieces.")
     server_lr: float = Field(0.0, ge=0, description="Server learning rate; 0: the optimizer's default (fedavgm "
@@ -258,7 +247,7 @@ class RunConfig(BaseModel):
     @property
     def server_step(self) -> float:
         """The server learning rate in use."""
-        return self.server_lr or DEFAULT_SERVER_LR[self.server_optimizer]
+        return self.server_lr or OPTIMIZERS[self.server_optimizer].default_lr
 
     @property
     def encoding(self) -> Encoding:

@@ -1,9 +1,10 @@
-"""Server optimizers over a round's pseudo-gradient, and the layout of their state: pure numpy, no I/O.
+"""The run's server optimizer over a round's pseudo-gradient, and the layout of its state: pure numpy, no I/O.
 
 A round's pseudo-gradient is `g = x - a`: the global model the round trained from minus the strategy's
 aggregate of its updates (what FedAvg would make the next global). The server optimizer turns it into the
 next global model with its own state (Reddi et al., "Adaptive Federated Optimization"; Douillard et al.,
-DiLoCo), element by element, in float32:
+DiLoCo), element by element, in float32 — each optimizer one module of `shared.optimizers`, which declares its
+slots and its rule:
 
     fedavgm   m = beta m + g                                      x' = x - lr m
     diloco    m = mu m + g                                        x' = x - lr (g + mu m)   (Nesterov)
@@ -37,15 +38,9 @@ import numpy as np
 
 from shared.config import RunConfig, ServerOptimizer
 from shared.keys import DIGEST_PATTERN
+from shared.optimizers import OPTIMIZERS, ServerOptimizerRule
 from shared.wire import WireError, decode, encode
 
-SLOTS: dict[ServerOptimizer, tuple[str, ...]] = {
-    ServerOptimizer.NONE: (),
-    ServerOptimizer.FEDAVGM: ("m",),
-    ServerOptimizer.DILOCO: ("m",),
-    ServerOptimizer.FEDADAM: ("m", "v"),
-    ServerOptimizer.FEDYOGI: ("m", "v"),
-}
 INDEX_SCHEMA = 2  # 2: each piece file's element count is listed (1 assumed the pieces of the reading round)
 MAX_INDEX_BYTES = 4 * 1024 * 1024  # ~60,000 pieces: a 480 GB model
 
@@ -56,7 +51,7 @@ class StateError(ValueError):
 
 @dataclass(frozen=True)
 class ServerStep:
-    """One optimizer's rule with the run's hyperparameters."""
+    """The run's optimizer (`shared.optimizers`, by name) with its hyperparameters."""
 
     kind: ServerOptimizer
     lr: float
@@ -67,38 +62,23 @@ class ServerStep:
     @classmethod
     def of(cls, config: RunConfig) -> ServerStep | None:
         """The run's server optimizer; None when the aggregate is the next global as it is."""
-        if config.server_optimizer is ServerOptimizer.NONE:
+        if OPTIMIZERS[config.server_optimizer].identity:
             return None
         return cls(config.server_optimizer, config.server_step, config.server_momentum, config.server_beta2,
                    config.server_tau)
 
     @property
+    def rule(self) -> type[ServerOptimizerRule]:
+        return OPTIMIZERS[self.kind]
+
+    @property
     def slots(self) -> tuple[str, ...]:
-        return SLOTS[self.kind]
+        """Its persisted state."""
+        return self.rule.slots
 
     def apply(self, x: np.ndarray, aggregate: np.ndarray, state: Mapping[str, np.ndarray]) -> np.ndarray:
         """The next global values for elements `x` (float32), updating `state`'s slices in place."""
-        f32 = np.float32
-        g = np.subtract(x, aggregate, dtype=f32)
-        m = state["m"]
-        if self.kind is ServerOptimizer.FEDAVGM:
-            m *= f32(self.momentum)
-            m += g
-            return np.asarray(x - f32(self.lr) * m, np.float32)
-        if self.kind is ServerOptimizer.DILOCO:
-            m *= f32(self.momentum)
-            m += g
-            return np.asarray(x - f32(self.lr) * (g + f32(self.momentum) * m), np.float32)
-        v = state["v"]
-        m *= f32(self.momentum)
-        m += f32(1 - self.momentum) * g
-        g2 = g * g
-        if self.kind is ServerOptimizer.FEDADAM:
-            v *= f32(self.beta2)
-            v += f32(1 - self.beta2) * g2
-        else:  # FedYogi
-            v -= f32(1 - self.beta2) * g2 * np.sign(v - g2)
-        return np.asarray(x - f32(self.lr) * m / (np.sqrt(v) + f32(self.tau)), np.float32)
+        return self.rule.update(x, aggregate, state, self)
 
 
 def new_state(slots: Sequence[str], count: int) -> dict[str, np.ndarray]:
