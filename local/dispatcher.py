@@ -150,6 +150,97 @@ class Lane:
         self.slots = threading.Semaphore(self.workers)
 
 
+def invoke(lane: Lane, event: dict[str, Any], copies: int) -> None:
+    """Call the lane's handler with the event in `copies` invocations at once; raise the first failure."""
+    handler = lane.handler
+    assert handler is not None
+    if copies <= 1:
+        with acting_as(lane.principal):
+            handler(event, LocalContext(function_name=lane.function))
+        return
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            with acting_as(lane.principal):
+                handler(event, LocalContext(function_name=lane.function))
+        except BaseException as exc:  # re-raised in the delivering thread
+            errors.append(exc)
+
+    extra = [threading.Thread(target=one, name="ingest-duplicate", daemon=True) for _ in range(copies - 1)]
+    for t in extra:
+        t.start()
+    one()
+    for t in extra:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+class InFlight:
+    """The messages being delivered, as Lambda's poller keeps them: invisible while their invocation runs (extended
+    every third of the visibility timeout), deleted once it returned, left for redelivery otherwise. Receives the
+    fault plan caused (a hold, a duplicate later) are counted apart, so they are not taken for failed attempts."""
+
+    def __init__(self, sqs: Any, visibility_timeout: int) -> None:
+        self._sqs = sqs
+        self.visibility_timeout = visibility_timeout
+        self._injected: dict[str, int] = {}  # message id -> receives caused by the fault plan, not by failures
+        self._injected_lock = threading.Lock()
+        self._running: dict[str, tuple[Lane, str, float]] = {}  # message id -> lane, receipt, monotonic start
+        self._running_lock = threading.Lock()  # also held while their visibility is extended
+
+    def begin(self, lane: Lane, message: dict[str, Any]) -> int:
+        """Track a message whose delivery starts; which attempt of its event this is (fault-plan receives aside)."""
+        with self._running_lock:
+            self._running[message.get("MessageId", "")] = (lane, message["ReceiptHandle"], time.monotonic())
+        received = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+        with self._injected_lock:
+            return received - self._injected.get(message.get("MessageId", ""), 0)
+
+    def done(self, message: dict[str, Any]) -> None:
+        """Stop extending the message's visibility (before anything else changes it)."""
+        with self._running_lock:
+            self._running.pop(message.get("MessageId", ""), None)
+
+    def extend_due(self) -> None:
+        """Extend the visibility of every message running for a third of the timeout or more."""
+        period = max(0.2, self.visibility_timeout / 3)
+        with self._running_lock:
+            for lane, receipt, began in list(self._running.values()):
+                if time.monotonic() - began >= period:
+                    try:
+                        with _polling_as(lane):
+                            self._sqs.change_message_visibility(QueueUrl=lane.queue_url, ReceiptHandle=receipt,
+                                                                VisibilityTimeout=self.visibility_timeout)
+                    except Exception as exc:  # it may come back while running: ingest is idempotent
+                        log.warning("could not extend a running message's visibility: %s", exc)
+
+    def requeue(self, lane: Lane, message: dict[str, Any], seconds: int) -> None:
+        """Leave a message on the queue, visible again in `seconds`; the receive this causes is no retry."""
+        self.done(message)
+        with self._injected_lock:
+            mid = message.get("MessageId", "")
+            self._injected[mid] = self._injected.get(mid, 0) + 1
+        try:
+            with _polling_as(lane):
+                self._sqs.change_message_visibility(
+                    QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=seconds
+                )
+        except Exception as exc:  # it comes back after the visibility timeout anyway
+            log.warning("could not requeue a message: %s", exc)
+
+    def delete(self, lane: Lane, message: dict[str, Any]) -> None:
+        self.done(message)
+        with self._injected_lock:
+            self._injected.pop(message.get("MessageId", ""), None)
+        try:
+            with _polling_as(lane):
+                self._sqs.delete_message(QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"])
+        except Exception as exc:  # a duplicate delivery later is harmless: ingest is idempotent
+            log.warning("could not delete a delivered message: %s", exc)
+
+
 class Dispatcher:
     """Poll the run's two queues and the clock; call the handlers. `start()` / `stop()`; a context manager."""
 
@@ -190,10 +281,6 @@ class Dispatcher:
             self.lanes.append(Lane(JOIN_LANE, resources.join_queue_url, join_workers, "fed-local-join", join,
                                    principal=FUNCTION_JOIN, polls_as=FUNCTION_JOIN))
         self.faults = faults
-        self._injected: dict[str, int] = {}  # message id -> receives caused by the fault plan, not by failures
-        self._injected_lock = threading.Lock()
-        self._running: dict[str, tuple[Lane, str, float]] = {}  # message id -> lane, receipt, monotonic start
-        self._running_lock = threading.Lock()  # also held while their visibility is extended
         self.stats = DispatchStats()
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()  # held by each tick, and by `release` while held joins are drained
@@ -205,6 +292,7 @@ class Dispatcher:
             config=Config(retries={"max_attempts": 4, "mode": "standard"}, read_timeout=poll_wait + 10,
                           max_pool_connections=max(10, workers + join_workers + 4)),
         )
+        self.in_flight = InFlight(self._sqs, visibility_timeout)
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -324,46 +412,29 @@ class Dispatcher:
 
     def _extend_loop(self) -> None:
         """Keep the messages of long invocations invisible (as Lambda does not re-invoke a running event)."""
-        period = max(0.2, self.visibility_timeout / 3)
-        while not self._stop.wait(period):
-            with self._running_lock:
-                for lane, receipt, began in list(self._running.values()):
-                    if time.monotonic() - began >= period:
-                        try:
-                            with _polling_as(lane):
-                                self._sqs.change_message_visibility(QueueUrl=lane.queue_url, ReceiptHandle=receipt,
-                                                                    VisibilityTimeout=self.visibility_timeout)
-                        except Exception as exc:  # it may come back while running: ingest is idempotent
-                            log.warning("could not extend a running message's visibility: %s", exc)
-
-    def _done_running(self, message: dict[str, Any]) -> None:
-        """Stop extending the message's visibility (before anything else changes it)."""
-        with self._running_lock:
-            self._running.pop(message.get("MessageId", ""), None)
+        while not self._stop.wait(max(0.2, self.visibility_timeout / 3)):
+            self.in_flight.extend_due()
 
     def _deliver(self, lane: Lane, message: dict[str, Any]) -> None:
-        with self._running_lock:
-            self._running[message.get("MessageId", "")] = (lane, message["ReceiptHandle"], time.monotonic())
+        attempt = self.in_flight.begin(lane, message)
         try:
-            self._deliver_running(lane, message)
+            self._deliver_running(lane, message, attempt)
         finally:
-            self._done_running(message)
+            self.in_flight.done(message)
 
-    def _deliver_running(self, lane: Lane, message: dict[str, Any]) -> None:
+    def _deliver_running(self, lane: Lane, message: dict[str, Any], attempt: int) -> None:
         received = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
-        with self._injected_lock:
-            attempt = received - self._injected.get(message.get("MessageId", ""), 0)
         plan = DELIVER_ONCE
         try:
             event = json.loads(message["Body"])
             if self.faults is not None:
                 plan = self.faults.delivery(event, received)
             if plan.hold > 0:
-                self._requeue(lane, message, plan.hold)  # late: later events overtake it
+                self.in_flight.requeue(lane, message, plan.hold)  # late: later events overtake it
                 return
-            self._invoke(lane, event, plan.copies)
+            invoke(lane, event, plan.copies)
         except Exception as exc:
-            self._done_running(message)
+            self.in_flight.done(message)
             self.stats.add("failed", f"{lane.name}: {type(exc).__name__}: {exc}")
             if attempt < self.max_attempts:
                 # Left on the queue: delivered again after the visibility timeout, as Lambda retries.
@@ -374,68 +445,19 @@ class Dispatcher:
                 log.exception("%s failed %d times; the event is dropped: %s", lane.name, attempt,
                               message["Body"][:500])
                 self.stats.add("dropped")
-                self._delete(lane, message)
+                self.in_flight.delete(lane, message)
         else:
             if plan.again_after > 0:
-                self._requeue(lane, message, plan.again_after)  # delivered again later: an at-least-once duplicate
+                # delivered again later: an at-least-once duplicate
+                self.in_flight.requeue(lane, message, plan.again_after)
             else:
-                self._delete(lane, message)
+                self.in_flight.delete(lane, message)
             self.stats.add("delivered")
             self.stats.delivered_kind(lane.name, _object_key(event))
             if lane.name == JOIN_LANE:
                 self.stats.add("joins_delivered")
         finally:
             lane.slots.release()
-
-    def _invoke(self, lane: Lane, event: dict[str, Any], copies: int) -> None:
-        """Call the lane's handler with the event in `copies` invocations at once; raise the first failure."""
-        handler = lane.handler
-        assert handler is not None
-        if copies <= 1:
-            with acting_as(lane.principal):
-                handler(event, LocalContext(function_name=lane.function))
-            return
-        errors: list[BaseException] = []
-
-        def one() -> None:
-            try:
-                with acting_as(lane.principal):
-                    handler(event, LocalContext(function_name=lane.function))
-            except BaseException as exc:  # re-raised in the delivering thread
-                errors.append(exc)
-
-        extra = [threading.Thread(target=one, name="ingest-duplicate", daemon=True) for _ in range(copies - 1)]
-        for t in extra:
-            t.start()
-        one()
-        for t in extra:
-            t.join()
-        if errors:
-            raise errors[0]
-
-    def _requeue(self, lane: Lane, message: dict[str, Any], seconds: int) -> None:
-        """Leave a message on the queue, visible again in `seconds`; the receive this causes is no retry."""
-        self._done_running(message)
-        with self._injected_lock:
-            mid = message.get("MessageId", "")
-            self._injected[mid] = self._injected.get(mid, 0) + 1
-        try:
-            with _polling_as(lane):
-                self._sqs.change_message_visibility(
-                    QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=seconds
-                )
-        except Exception as exc:  # it comes back after the visibility timeout anyway
-            log.warning("could not requeue a message: %s", exc)
-
-    def _delete(self, lane: Lane, message: dict[str, Any]) -> None:
-        self._done_running(message)
-        with self._injected_lock:
-            self._injected.pop(message.get("MessageId", ""), None)
-        try:
-            with _polling_as(lane):
-                self._sqs.delete_message(QueueUrl=lane.queue_url, ReceiptHandle=message["ReceiptHandle"])
-        except Exception as exc:  # a duplicate delivery later is harmless: ingest is idempotent
-            log.warning("could not delete a delivered message: %s", exc)
 
     # --- ticks -------------------------------------------------------------------------------------------
 
