@@ -30,18 +30,19 @@ class Handled:
     deferred: str = ""
 
 
-def on_upload(deps: Deps, obj: ObjectCreated, may_tick: bool = True) -> Handled:
+def on_upload(deps: Deps, obj: ObjectCreated, may_tick: bool = True, now: float | None = None) -> Handled:
     """Validate and record one uploaded object; tick when it may close something (a round closes as soon as its
-    last update lands), unless not `may_tick` (the join lane: a join request alone admits nobody)."""
+    last update lands), unless not `may_tick` (the join lane: a join request alone admits nobody). `now` fixes the
+    tick's clock (tests)."""
     ingested = ingest_object(deps, obj)
     if not (may_tick and ingested.recorded and not ingested.refusal and ingested.ticks):
         return Handled(ingested)
-    return _ticked(deps, ingested)
+    return _ticked(deps, ingested, now)
 
 
-def on_schedule(deps: Deps) -> Handled:
+def on_schedule(deps: Deps, now: float | None = None) -> Handled:
     """The scheduled safety-net tick (deadlines, liveness)."""
-    return _ticked(deps, None)
+    return _ticked(deps, None, now)
 
 
 def run_tick(deps: Deps, now: float | None = None) -> TickResult:
@@ -56,8 +57,8 @@ def run_tick(deps: Deps, now: float | None = None) -> TickResult:
     return decide_and_commit(deps, now, caught_up=len(late))  # the snapshot is stale: read it again
 
 
-def _ticked(deps: Deps, ingested: Ingested | None) -> Handled:
+def _ticked(deps: Deps, ingested: Ingested | None, now: float | None = None) -> Handled:
     try:
-        return Handled(ingested, run_tick(deps))
+        return Handled(ingested, run_tick(deps, now))
     except TickContention as exc:  # nothing is lost: the next tick decides
         return Handled(ingested, deferred=str(exc))

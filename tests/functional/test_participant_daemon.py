@@ -126,7 +126,7 @@ def run(harness_factory: Callable[..., Harness], tmp_path: Path, monkeypatch: py
         pump = Pump(harness, start_with=start_with)
         if start_with:  # the tick an ingest makes waits for the fleet too
             after_upload = service._ticked
-            monkeypatch.setattr(service, "_ticked", lambda deps, ingested: after_upload(deps, ingested)
+            monkeypatch.setattr(service, "_ticked", lambda deps, ingested, now=None: after_upload(deps, ingested, now)
                                 if pump.gathered() else service.Handled(ingested, deferred="gathering"))
         pump.thread.start()
         pumps.append(pump)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from coordinator.intake import ObjectCreated, ingest_object
+from coordinator.intake import ObjectCreated
 from coordinator.intake.common import Ingested
-from coordinator.service import run_tick
+from coordinator.service import on_upload, run_tick
 from coordinator.tick import TickResult
 from shared import keys, wire
 from shared.config import RunConfig
@@ -83,10 +83,11 @@ class Run:
         return ObjectCreated(self.bucket.name, key, len(body), resp["ETag"].strip('"'), resp["VersionId"], self.now)
 
     def deliver(self, obj: ObjectCreated) -> Ingested:
-        ingested = ingest_object(self.deps, obj)
-        ticks = ingested.recorded and not ingested.refusal and ingested.ticks
-        self.ticked = self.tick() if ticks else None
-        return ingested
+        """What the ingest function does with the object's event: one service call."""
+        handled = on_upload(self.deps, obj, now=self.now)
+        assert handled.ingested is not None and not handled.deferred
+        self.ticked = handled.tick
+        return handled.ingested
 
     def send(self, key: str, body: bytes, signed_by: str | None = "owner") -> Ingested:
         return self.deliver(self.put(key, body, signed_by))
