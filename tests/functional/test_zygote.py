@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fed import zygote as zygote_module
-from fed.demo import Participants, participant_environment
+from fed.demo.processes import Participants, participant_environment
 from fed.zygote import Forked, Zygote
 from store.connection import Connection
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from fed.demo import DemoOptions, demo_config, resolve_config, with_task_split
+from fed.demo.options import DemoOptions, resolve_config, with_task_split
+from fed.demo.tasks import demo_config
 from participant.decide import Train
 from participant.task import Task, load_task
 from participant.tasks import flower_digits_meta as meta

@@ -168,7 +168,8 @@ def test_the_demo_config_selects_the_lm_task_and_leaves_digits_as_it_was() -> No
 
 
 def test_an_lm_round_shows_its_held_out_loss_and_a_digits_round_its_accuracy() -> None:
-    from fed.demo import HEADER, LOSS_HEADER, RoundRow, format_row, reports_loss
+    from fed.demo.report import HEADER, LOSS_HEADER, RoundRow, format_row
+    from fed.demo.tasks import reports_loss
 
     assert reports_loss("participant.tasks.lm:large") and not reports_loss("participant.tasks.digits:task")
     digits = RoundRow(0, 4, 4, 0, 0.5, 0.9123, 1.5, True, {})
