@@ -16,6 +16,7 @@ from pynamodb.attributes import (
     VersionAttribute,
 )
 from pynamodb.connection import Connection
+from pynamodb.exceptions import PynamoDBException
 from pynamodb.models import Model
 
 from shared.sizing import Share, Speed
@@ -411,3 +412,14 @@ def summary_from_body(b: dict[str, Any]) -> RoundSummary:
         finished={k: float(v) for k, v in b.get("finished", {}).items()},
         suspects={str(k): str(v) for k, v in b.get("suspects", {}).items()},
     )
+
+
+CONDITION_FAILED = {"ConditionalCheckFailedException", "TransactionCanceledException"}
+
+
+def condition_failed(exc: PynamoDBException) -> bool:
+    """Whether a write failed on its condition (the only failure a caller here turns into an answer). Read from the
+    cause's response: a failure with none (a read timeout, a refused connection) is no condition's, and pynamodb's
+    own `cause_response_code` raises AttributeError there, hiding the timeout behind it."""
+    response = getattr(exc.cause, "response", None) or {}
+    return (response.get("Error") or {}).get("Code") in CONDITION_FAILED
