@@ -240,8 +240,7 @@ class RunConfig(BaseModel):
         if self.max_admissions_per_epoch < self.min_clients:
             raise ValueError(f"max_admissions_per_epoch ({self.max_admissions_per_epoch}) cannot be below "
                              f"min_clients ({self.min_clients}): the first epoch could never start")
-        if problem := STRATEGIES[self.strategy].check(self):
-            raise ValueError(problem)
+        STRATEGIES[self.strategy](self)  # the strategy takes its parameters, or refuses them (ValueError)
         return self
 
     @property

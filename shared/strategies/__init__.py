@@ -7,16 +7,13 @@ functions (`shared.strategies.base`). Adding one is its module, a line below, an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shared.strategies.base import AggregationStrategy, Configured, Counted, RowWise, WeightedSum, WholeInputs
 from shared.strategies.clipped_fedavg import ClippedFedAvg
 from shared.strategies.fedavg import FedAvg
 from shared.strategies.median import Median
 from shared.strategies.trimmed_mean import TrimmedMean
-
-if TYPE_CHECKING:
-    from shared.config import RunConfig
 
 STRATEGIES: dict[str, type[AggregationStrategy]] = {strategy.name: strategy for strategy in (
     FedAvg,
@@ -26,8 +23,13 @@ STRATEGIES: dict[str, type[AggregationStrategy]] = {strategy.name: strategy for 
 )}
 
 
-def strategy_of(config: RunConfig) -> AggregationStrategy:
-    """The run's strategy, with its parameters."""
+class Settings(Protocol):
+    @property
+    def strategy(self) -> str: ...
+
+
+def strategy_of(config: Settings) -> AggregationStrategy:
+    """The run's strategy (`shared.config.RunConfig`'s), with its parameters."""
     return STRATEGIES[config.strategy](config)
 
 

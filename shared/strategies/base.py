@@ -18,10 +18,12 @@ Tensors that are not floats (integer counters, flags) are not combined: they are
 input, whatever the strategy. Inputs are indexed in the aggregator's fixed order (sorted by participant), so
 anyone recomputing a round gets the same selection and the same bytes.
 
-A strategy is constructed from the run's configuration (`__init__(config)`) and may refuse one it cannot work
-with (`check`); it may add entries to the global's header (`metadata`); and it declares the state it would keep
-from round to round (`state_slots`, like a server optimizer's slots) — none of the strategies here keeps any,
-and the aggregator refuses one that declares some until such state is carried like the optimizer's.
+A strategy is constructed from the run's configuration (`__init__(config)`), taking the parameters it needs (each
+module types them by a Protocol of its own: this package never imports `shared.config`, which lists its names),
+and refuses settings it cannot work with by raising ValueError (the configuration's validation constructs it);
+it may add entries to the global's header (`metadata`); and it declares the state it would keep from round to
+round (`state_slots`, like a server optimizer's slots) — none of the strategies here keeps any, and the
+aggregator refuses one that declares some until such state is carried like the optimizer's.
 """
 
 from __future__ import annotations
@@ -29,12 +31,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from shared.config import RunConfig
 
 
 class Counted(Protocol):
@@ -83,13 +82,10 @@ class AggregationStrategy(ABC):
     reads_inputs: ClassVar[bool] = False  # its configure half reads every input whole before any piece
     state_slots: ClassVar[tuple[str, ...]] = ()  # state it keeps from round to round: none here
 
-    def __init__(self, config: RunConfig) -> None:
-        self.config = config
-
-    @classmethod
-    def check(cls, config: RunConfig) -> str:
-        """What in `config` this strategy cannot work with ("" if nothing): a configuration error."""
-        return ""
+    def __init__(self, config: object) -> None:
+        """The strategy with its parameters taken from `config`, the run's `shared.config.RunConfig` (a subclass
+        types what it reads by a Protocol); ValueError: settings it cannot work with."""
+        del config  # (a strategy without parameters reads nothing of it)
 
     def metadata(self, inputs: int) -> dict[str, str]:
         """Entries this strategy adds to the header of a global model made from `inputs` updates (none by

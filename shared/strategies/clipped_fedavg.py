@@ -7,6 +7,7 @@ half reads nothing: the scales are known before any piece."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -24,15 +25,23 @@ def clipped_mean(rows: np.ndarray, base: np.ndarray, scales: Sequence[float]) ->
     return np.asarray(base + ((rows - base) * np.asarray(scales).reshape(-1, 1)).mean(axis=0), np.float64)
 
 
+class ClippedFedAvgSettings(Protocol):
+    @property
+    def clip_norm(self) -> float: ...
+
+
 class ClippedFedAvg(RowWise):
     name = "clipped_fedavg"
     needs_base = True
+
+    def __init__(self, config: ClippedFedAvgSettings) -> None:
+        self.bound = config.clip_norm
 
     def configure(self, inputs: Sequence[Counted], whole: WholeInputs | None) -> Configured:
         norms = [i.norm for i in inputs]
         if any(n < 0 for n in norms):
             raise ValueError("clipped FedAvg needs every update's distance from the global model")
-        return Configured(everyone(inputs), tuple(clip_scales(norms, self.config.clip_norm)))
+        return Configured(everyone(inputs), tuple(clip_scales(norms, self.bound)))
 
     def aggregate(self, rows: np.ndarray, base: np.ndarray | None, configured: Configured) -> np.ndarray:
         assert base is not None

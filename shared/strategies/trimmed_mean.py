@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -22,11 +23,19 @@ def trimmed_mean(rows: np.ndarray, fraction: float) -> np.ndarray:
     return np.asarray(np.sort(rows, axis=0)[k : n - k].mean(axis=0), np.float64)
 
 
+class TrimmedMeanSettings(Protocol):
+    @property
+    def trim_fraction(self) -> float: ...
+
+
 class TrimmedMean(RowWise):
     name = "trimmed_mean"
+
+    def __init__(self, config: TrimmedMeanSettings) -> None:
+        self.fraction = config.trim_fraction
 
     def configure(self, inputs: Sequence[Counted], whole: WholeInputs | None) -> Configured:
         return Configured(everyone(inputs), (1.0,) * len(inputs))
 
     def aggregate(self, rows: np.ndarray, base: np.ndarray | None, configured: Configured) -> np.ndarray:
-        return trimmed_mean(rows, self.config.trim_fraction)
+        return trimmed_mean(rows, self.fraction)
