@@ -129,7 +129,7 @@ class Daemon(Participant):
             return self._loop()
         except Stopped:
             log.info("stopped; progress is saved in %s", self.journal_file.path)
-            return ParticipantExit(False, self.rounds_uploaded, reason="stopped")
+            return ParticipantExit(False, self.me.rounds_uploaded, reason="stopped")
         finally:
             self._beats_stop.set()
             if heart is not None:
@@ -174,7 +174,7 @@ class Daemon(Participant):
         result = got[0]
         if isinstance(result, ClientError | BotoCoreError):  # the state item is read instead: nothing is lost
             log.warning("the push queue failed (%s); reading the run state", result)
-            self.read_at = self.known_at = -math.inf  # read the state item next
+            self.view.stale()  # read the state item next
             self._pause(1.0)
             return None
         if isinstance(result, BaseException):
@@ -307,16 +307,16 @@ class Daemon(Participant):
     def _fetch(self, action: Fetch) -> None:
         path = self.training.fetch_file(self._work(), action)
         if path is not None:
-            self.held, self.held_model = action.digest, path
+            self.me.held, self.me.held_model = action.digest, path
 
     def _train(self, action: Train) -> bool:
-        return self.training.train(self._work(), action, self.held_model)
+        return self.training.train(self._work(), action, self.me.held_model)
 
     def _check_updates(self, action: CheckUpdates, state: RunState) -> None:
-        self.witnessing.check_updates(action, state, self.held_model, self._work().config.encoding)
+        self.witnessing.check_updates(action, state, self.me.held_model, self._work().config.encoding)
 
     def _send_proof(self, action: SendProof, state: RunState) -> None:
-        self.witnessing.send_proof(self._work(), action, state, self.held, self.held_model, self.joined_at)
+        self.witnessing.send_proof(self._work(), action, state, self.me.held, self.me.held_model, self.me.joined_at)
 
     def _report_health(self, action: ReportHealth, state: RunState) -> None:
         self.witnessing.report_health(action, state)
@@ -327,16 +327,16 @@ class Daemon(Participant):
             self.feed = None
         if not action.digest:
             log.warning("the run finished without a model")
-            return ParticipantExit(True, self.rounds_uploaded, reason="finished without a model")
+            return ParticipantExit(True, self.me.rounds_uploaded, reason="finished without a model")
         if action.unfit:
             log.warning("the run finished with a global model that does not fit our task: nothing to evaluate")
-            return ParticipantExit(True, self.rounds_uploaded,
+            return ParticipantExit(True, self.me.rounds_uploaded,
                                    reason="finished with a model that does not fit our task")
-        final = self.training.evaluate(self._work(), self.held_model)
+        final = self.training.evaluate(self._work(), self.me.held_model)
         result = {"run_id": self.run_id, "participant": self.pid, "round": action.round, "digest": action.digest,
                   "rounds_uploaded": len(self.journal.uploaded), **final}
         out = Path(self.opt.state_dir) / "result.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1, sort_keys=True))
         log.info("run finished: final global model %s (round %d)", action.digest[:12], action.round)
-        return ParticipantExit(True, self.rounds_uploaded, final)
+        return ParticipantExit(True, self.me.rounds_uploaded, final)

@@ -118,6 +118,19 @@ class JournalKeeper:
         """Forget every round: a fresh journal for the same run and participant."""
         self.journal = Journal(self.journal.run_id, self.journal.participant)
 
+    def adopt(self, joined_at: float) -> float | None:
+        """Tie the journal to the incarnation of the run we joined at `joined_at` (as the coordinator recorded it).
+        A journal of an earlier incarnation (the run recreated under the same id) is restarted: returns that
+        incarnation's join time, else None."""
+        earlier = self.journal.joined_at
+        if earlier is not None and abs(earlier - joined_at) <= 1e-3:
+            return None  # written in this incarnation
+        if earlier is not None:
+            self.restart()
+        self.journal.joined_at = joined_at
+        self.save()
+        return earlier
+
     def start_training(self, round_no: int, global_digest: str) -> dict[str, Any] | None:
         """Note that `round_no` is being trained (retrained after a restart); return the previous note."""
         previous = self.journal.training

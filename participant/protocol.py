@@ -5,19 +5,17 @@ its join and ready reports, whether its update of the round is stored, its journ
 next action and carries it out through the methods a subclass provides: the daemon (`participant.daemon`)
 trains with torch and witnesses; the load test's `SimParticipant` (tests/e2e/load_support.py) uploads a numpy
 stand-in. Both therefore read the same records before each decision, re-send what the coordinator has not
-recorded on the same schedule, and back off the same way while waiting.
+recorded on the same schedule, and back off the same way while waiting. What the loop remembers between two
+decisions is kept apart from its steps, in `participant.protocol_state`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
-import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from participant.decide import (
@@ -35,10 +33,10 @@ from participant.decide import (
     Wait,
     decide,
     is_resend,
-    join_resend_due,
     still_open,
 )
 from participant.journal import Journal, JournalKeeper
+from participant.protocol_state import ParticipantState, RunView, SentClock
 from shared.config import RunConfig
 from shared.state import Phase, RunState
 from store.push import RETENTION_SECONDS, Pushed
@@ -153,53 +151,38 @@ def closed_while_training(reads: Reads, a: Train, pid: str) -> bool:
     return True
 
 
-class Participant(ABC):
-    """The poll loop and what `decide` needs to know about us; subclasses send and train."""
+def check_outcome(reads: Reads, kept: JournalKeeper, pid: str, state: RunState) -> None:
+    """Log, once, whether the coordinator accepted our latest upload (and note it in the journal)."""
+    journal = kept.journal
+    pending = [r for r in journal.uploaded if r not in journal.outcomes]
+    if not pending:
+        return
+    r = max(pending)
+    if state.round <= r:  # still open (or being witnessed): ask once, after it closed
+        return
+    if state.round == r + 1 and pid in state.counted_last:  # the roster says: aggregated (no read)
+        log.info("round %d: update accepted and aggregated", r)
+        journal.outcomes[r] = "accepted"
+        kept.save()
+        return
+    rec = reads.update_record(r)
+    if rec is None:
+        if state.round > r:  # the round closed without a record of ours: do not ask again
+            journal.outcomes[r] = "no record"
+            kept.save()
+        return
+    if rec.accepted:
+        log.info("round %d: update accepted", r)
+        journal.outcomes[r] = "accepted"
+    else:
+        log.warning("round %d: update refused: %s", r, rec.reason)
+        journal.outcomes[r] = rec.reason or "refused"
+    kept.save()
 
-    def __init__(self, pid: str, run_id: str, reads: Reads, kept: JournalKeeper, poll_max: float = POLL_MAX,
-                 max_rounds: int = 0, rng: random.Random | None = None, feed: Feed | None = None) -> None:
-        """`feed`: our push queue; None: poll the state item."""
-        self.pid, self.run_id, self.reads, self.kept = pid, run_id, reads, kept
-        self.feed = feed
-        self.read_at = -math.inf  # (monotonic) when we last read the state item or were pushed it
-        self.known_at = -math.inf  # (monotonic) up to when we know of every change: a read, or a listen's end
-        self.read_version = 0  # the version of the state item we last read ourselves
-        self.first_round: int | None = None  # the round of the first state this process saw
-        self.poll_max, self.max_rounds = poll_max, max_rounds  # max_rounds: leave after that many uploads
-        self.rng = rng or random.Random()  # the polls' jitter
-        self.joined_at: float | None = None  # our join time as the coordinator recorded it
-        self.join_sent, self.join_sends = 0.0, 0
-        self.record_looked_at: int | None = None  # the state's version when we last looked for our join's record
-        self.offered = False
-        self.held = ""  # digest of the global model we hold
-        self.held_model: bytes | Path = b""  # its file (the daemon), or its bytes (the load test's simulation)
-        self.unfit = ""  # digest of the latest global model found not to fit our task
-        self.reported_ready = 0
-        self.ready_sent, self.ready_sends = 0.0, 0
-        self.ready_sent_at = 0.0  # the `sent_at` of that report (the clock its messages carry)
-        self.stored: set[int] = set()  # rounds with an update of ours found in the bucket or table
-        self.skipped: set[int] = set()  # rounds trained but not sent (the round closed meanwhile)
-        self.rounds_uploaded = 0
-        self.round_seen: tuple[int, float] | None = None  # the latest training round we saw begin, and when
-        self.shortest_round: float | None = None  # the shortest round we saw from its start to the next's
-        self.last_upload: tuple[int, float] | None = None  # the latest round we uploaded an update for, and when
-        self.shortest_wait: float | None = None  # the shortest wait we saw from our upload to the next round
-        self.record_checked = 0.0
-        self._last_sent = 0.0
-        self._sent_lock = threading.Lock()
 
-    def sent_at(self) -> float:
-        """The `sent_at` of the next join request or heartbeat: the clock, but strictly increasing (ingest
-        refuses a message not sent after the last one it accepted from us, to stop replays)."""
-        with self._sent_lock:
-            self._last_sent = max(time.time(), self._last_sent + 0.001)
-            return self._last_sent
-
-    @property
-    def journal(self) -> Journal:
-        return self.kept.journal
-
-    # --- what a subclass provides: how it waits and stops, what it sends, how it trains -----------------
+class ParticipantHooks(ABC):
+    """What a subclass of `Participant` provides, as its loop asks: how it waits and stops, what it sends, how it
+    trains (the daemon; the load test's `SimParticipant`). Witness duty and health reports are optional."""
 
     @abstractmethod
     def _check_stop(self) -> None: ...  # raise to end the loop (asked to stop, out of time)
@@ -217,7 +200,7 @@ class Participant(ABC):
     def _offer_model(self) -> None: ...
 
     @abstractmethod
-    def _fetch(self, action: Fetch) -> None: ...  # hold the model (`held`, `held_model`), or return to retry
+    def _fetch(self, action: Fetch) -> None: ...  # hold the model (`me.held`, `me.held_model`), or return to retry
 
     @abstractmethod
     def _train(self, action: Train) -> bool: ...  # train and upload; False if the update was not sent
@@ -240,6 +223,32 @@ class Participant(ABC):
     def _waiting(self, action: Wait, new_reason: bool) -> None:  # noqa: B027 (an optional hook)
         """Called when the state or the reason to wait changed (`new_reason`: the reason did)."""
 
+
+class Participant(ParticipantHooks):
+    """The poll loop and what `decide` needs to know about us; subclasses send and train.
+
+    What it remembers between decisions is in `me` (what we know and did in this incarnation of the run) and `view`
+    (how current our copy of the run state is, how long rounds take): see `participant.protocol_state`."""
+
+    def __init__(self, pid: str, run_id: str, reads: Reads, kept: JournalKeeper, poll_max: float = POLL_MAX,
+                 max_rounds: int = 0, rng: random.Random | None = None, feed: Feed | None = None) -> None:
+        """`feed`: our push queue; None: poll the state item. `max_rounds`: leave after that many uploads."""
+        self.pid, self.run_id, self.reads, self.kept = pid, run_id, reads, kept
+        self.feed = feed
+        self.poll_max, self.max_rounds = poll_max, max_rounds
+        self.rng = rng or random.Random()  # the polls' jitter
+        self.me = ParticipantState()
+        self.view = RunView()
+        self.sent_clock = SentClock()
+
+    def sent_at(self) -> float:
+        """The `sent_at` of the next join request or heartbeat (`SentClock`)."""
+        return self.sent_clock.next(time.time())
+
+    @property
+    def journal(self) -> Journal:
+        return self.kept.journal
+
     # --- the loop ---------------------------------------------------------------------------------------
 
     def _loop(self) -> ParticipantExit:
@@ -251,8 +260,8 @@ class Participant(ABC):
             if state is None:
                 state = self._read_state()
             self._observe(state)
-            self._note_round(state)
-            self._check_outcome(state)
+            self.view.note_round(state, time.monotonic())
+            check_outcome(self.reads, self.kept, self.pid, state)
             local = self._local(state)
             if kept and local.joined:  # our join was just recorded: decide on the current state
                 state, kept = None, False
@@ -269,10 +278,10 @@ class Participant(ABC):
                     state = self._await_announcement(state)
                 else:
                     delay = self._backoff(delay)
-                    kept = not local.joined and time.monotonic() - self.read_at < JOIN_WAIT_STATE_SECONDS
+                    kept = not local.joined and time.monotonic() - self.view.read_at < JOIN_WAIT_STATE_SECONDS
                     state = state if kept else None
                 continue
-            if isinstance(action, Finish) and self.feed is not None and state.version > self.read_version:
+            if isinstance(action, Finish) and self.feed is not None and state.version > self.view.read_version:
                 state = None  # the run's end, as pushed: confirmed by the state item itself before we exit
                 continue
             resend = is_resend(action, local)
@@ -286,40 +295,23 @@ class Participant(ABC):
 
     def _read_state(self) -> RunState:
         state = self.reads.read_state()
-        self.read_at = self.known_at = time.monotonic()
-        self.read_version = state.version
-        if self.first_round is None:
-            self.first_round = state.round
+        self.view.read(state, time.monotonic())
         return state
-
-    def _note_round(self, state: RunState) -> None:
-        """Time the rounds as we see them begin (`_quiet` expects none much shorter than the shortest)."""
-        if state.phase is not Phase.TRAIN or (self.round_seen and self.round_seen[0] == state.round):
-            return
-        now = time.monotonic()
-        if self.round_seen is not None and self.round_seen[0] == state.round - 1:
-            length = now - self.round_seen[1]
-            self.shortest_round = length if self.shortest_round is None else min(self.shortest_round, length)
-        if self.last_upload is not None and self.last_upload[0] == state.round - 1:
-            wait = now - self.last_upload[1]
-            self.shortest_wait = wait if self.shortest_wait is None else min(self.shortest_wait, wait)
-        self.round_seen = (state.round, now)
 
     def _quiet(self, state: RunState) -> None:
         """Our update is in: wait without a request until the round's close is near (`quiet_seconds`)."""
-        if self.round_seen is None or self.round_seen[0] != state.round:
+        v = self.view
+        if (started := v.started(state.round)) is None:
             return
-        started = self.round_seen[1]
         now = time.monotonic()
-        limit = self.known_at + AWAY_SECONDS - 1.0 - now  # (then a listen, not a read of the state item)
+        limit = v.known_at + AWAY_SECONDS - 1.0 - now  # (then a listen, not a read of the state item)
         if state.deadline:
             limit = min(limit, state.deadline - time.time())
-        uploaded = self.last_upload[1] if self.last_upload is not None and self.last_upload[0] == state.round else None
-        seconds = quiet_seconds(now, started, self.shortest_round, limit, uploaded, self.shortest_wait)
+        seconds = quiet_seconds(now, started, v.shortest_round, limit, v.uploaded(state.round), v.shortest_wait)
         if seconds > 0:
             log.info("round %d: waiting %.0fs before listening for its close (the shortest round so far: %.0fs, the "
-                     "shortest wait after an upload: %.0fs)", state.round, seconds, self.shortest_round or 0,
-                     self.shortest_wait or 0)
+                     "shortest wait after an upload: %.0fs)", state.round, seconds, v.shortest_round or 0,
+                     v.shortest_wait or 0)
             self._pause(seconds)
 
     def _await_announcement(self, state: RunState) -> RunState | None:
@@ -328,16 +320,16 @@ class Participant(ABC):
         QUIET_READ_SECONDS, the phase's deadline long past, or we were away from the queue for longer than a
         message lives)."""
         now = time.monotonic()
-        quiet = now - self.read_at
+        quiet = now - self.view.read_at
         overdue = bool(state.deadline) and time.time() > state.deadline + DEADLINE_READ_SECONDS
-        away = now - self.known_at >= AWAY_SECONDS
+        away = now - self.view.known_at >= AWAY_SECONDS
         if away or quiet >= QUIET_READ_SECONDS or (overdue and quiet >= DEADLINE_READ_SECONDS):
             return None
         pushed = self._listen(LISTEN_SECONDS)
-        self.known_at = time.monotonic()
+        self.view.known_at = time.monotonic()
         if pushed is None or pushed.version <= state.version:
             return state
-        self.read_at = time.monotonic()
+        self.view.read_at = time.monotonic()
         return self.reads.pushed_state(pushed)
 
     def _listen(self, seconds: float) -> Pushed | None:
@@ -355,19 +347,19 @@ class Participant(ABC):
         if isinstance(action, Finish):
             return self._finish(action)
         if isinstance(action, Join):
-            age = time.monotonic() - self.join_sent
+            age = time.monotonic() - self.me.join_sent
             log.warning("join request not recorded after %.0fs; sending it again", age)
             self._join()
         elif isinstance(action, OfferModel):
             self._offer_model()
-            self.offered = True
+            self.me.offered = True
         elif isinstance(action, Fetch):
             try:
                 self._fetch(action)
             except UnfitModel as exc:
                 log.warning("round %d: the run's global model %s does not fit our task; waiting for another: %s",
                             action.round, action.digest[:12], exc)
-                self.unfit = action.digest
+                self.me.unfit = action.digest
         elif isinstance(action, ReportReady):
             self._report_ready(action.epoch, again=resend)
         elif isinstance(action, ReportHealth):
@@ -377,15 +369,20 @@ class Participant(ABC):
         elif isinstance(action, SendProof):
             self._send_proof(action, state)
         elif isinstance(action, Train):
-            if self._train(action):
-                self.rounds_uploaded += 1
-                self.last_upload = (action.round, time.monotonic())
-            else:
-                self.skipped.add(action.round)
-                self.kept.stop_training()
-            if self.max_rounds and self.rounds_uploaded >= self.max_rounds:
-                log.info("leaving after %d uploaded round(s) (--max-rounds)", self.rounds_uploaded)
-                return ParticipantExit(False, self.rounds_uploaded, reason="max-rounds")
+            return self._train_round(action)
+        return None
+
+    def _train_round(self, action: Train) -> ParticipantExit | None:
+        """Train and upload (`_train`), and note which it came to; an outcome if that was our last round."""
+        if self._train(action):
+            self.me.rounds_uploaded += 1
+            self.view.last_upload = (action.round, time.monotonic())
+        else:
+            self.me.skipped.add(action.round)
+            self.kept.stop_training()
+        if self.max_rounds and self.me.rounds_uploaded >= self.max_rounds:
+            log.info("leaving after %d uploaded round(s) (--max-rounds)", self.me.rounds_uploaded)
+            return ParticipantExit(False, self.me.rounds_uploaded, reason="max-rounds")
         return None
 
     def _wait_for_config(self) -> RunConfig:
@@ -404,13 +401,12 @@ class Participant(ABC):
 
     def _join(self) -> None:
         self._send_join()
-        self.join_sent, self.join_sends = time.monotonic(), self.join_sends + 1
+        self.me.sent_join(time.monotonic())
         log.info("join request sent for run %s", self.run_id)
 
     def _report_ready(self, epoch: int, again: bool) -> None:
         self._send_ready(epoch)
-        self.reported_ready, self.ready_sent, self.ready_sent_at = epoch, time.monotonic(), self._last_sent
-        self.ready_sends = self.ready_sends + 1 if again else 1
+        self.me.sent_ready(epoch, time.monotonic(), self.sent_clock.last, again)
         if again:
             log.info("ready for epoch %d: not yet recorded by the coordinator, heartbeat sent again", epoch)
         else:
@@ -419,64 +415,44 @@ class Participant(ABC):
     # --- what decide() needs to know about us -----------------------------------------------------------
 
     def _local(self, state: RunState) -> Local:
-        ready_recorded, ready_in_flight = self.reported_ready, False
-        if self.joined_at is not None and self.pid not in state.members:
+        me = self.me
+        ready_recorded, ready_in_flight = me.reported_ready, False
+        if me.joined_at is not None and self.pid not in state.members:
             self._check_still_registered()
-        if self.joined_at is None and self._join_may_show(state):
-            self.record_looked_at = state.version
+        if me.joined_at is None and me.join_may_show(state.version, self.feed is not None, time.monotonic()):
+            me.record_looked_at = state.version
             record = self.reads.participant_record()
             if record is not None:
                 self._adopt_incarnation(float(record.joined_at))
-        elif (state.phase is Phase.WARMUP and self.reported_ready >= state.epoch
+        elif (state.phase is Phase.WARMUP and me.reported_ready >= state.epoch
               and state.members.get(self.pid) is not None):
             record = self.reads.participant_record()
             ready_recorded = int(record.ready_epoch or 0) if record is not None else 0
-            ready_in_flight = record is not None and record.last_sent < self.ready_sent_at
+            ready_in_flight = record is not None and record.last_sent < me.ready_sent_at
         recorded = False
         # Only a round that began before this process saw the run can hold an upload this process did not make
         # (before a restart); of later rounds the journal knows every upload.
-        if (state.phase is Phase.TRAIN and self.pid in state.selected and state.round not in self._done()
-                and state.round <= (self.first_round if self.first_round is not None else state.round)):
+        first = self.view.first_round
+        if (state.phase is Phase.TRAIN and self.pid in state.selected and state.round not in me.done(self.journal)
+                and state.round <= (first if first is not None else state.round)):
             recorded = self._update_exists(state.round)
-        now = time.monotonic()
-        return Local(pid=self.pid, joined=self.joined_at is not None, join_age=now - self.join_sent,
-                     join_sends=self.join_sends, offered=self.offered, held=self.held, unfit=self.unfit,
-                     reported_ready=self.reported_ready, ready_age=now - self.ready_sent, ready_sends=self.ready_sends,
-                     ready_recorded=ready_recorded, ready_in_flight=ready_in_flight, uploaded=self._done(),
-                     recorded=recorded,
-                     witnessed=frozenset(self.journal.witnessed),
-                     health_reported=frozenset(self.journal.health_reported))
-
-    def _join_may_show(self, state: RunState) -> bool:
-        """Whether to look at our record for our join now. Polling (no push queue), on every poll. Listening on the
-        push queue, only when a change was pushed (an epoch that admits us starts), before a re-send of the join (if
-        it is recorded by then, none is needed), and once at first: a thousand joiners queued for minutes would
-        otherwise read their records on every wake-up."""
-        if self.feed is None or self.record_looked_at is None:
-            return True
-        if state.version != self.record_looked_at:
-            return True
-        age = time.monotonic() - self.join_sent
-        return age >= join_resend_due(self.join_sends)
-
-    def _done(self) -> frozenset[int]:
-        return self.journal.uploaded_rounds | self.skipped
+        return me.local(self.pid, time.monotonic(), self.journal, ready_recorded, ready_in_flight, recorded)
 
     def _update_exists(self, round_no: int) -> bool:
-        if round_no in self.stored:
+        if round_no in self.me.stored:
             return True
-        if self.reads.update_record(round_no) is not None or self.reads.update_stored(round_no, self.joined_at):
+        if self.reads.update_record(round_no) is not None or self.reads.update_stored(round_no, self.me.joined_at):
             log.info("round %d: an update of ours is already stored (uploaded before a restart); not redone", round_no)
-            self.stored.add(round_no)
+            self.me.stored.add(round_no)
             return True
         return False
 
     def _check_still_registered(self) -> None:
         """Not a member: make sure the coordinator still knows us. A run restored from its checkpoint after
         its table was lost (`fed run restore`) has no participant records: join again, as a new incarnation."""
-        if time.monotonic() - self.record_checked < RECORD_CHECK_SECONDS:
+        if time.monotonic() - self.me.record_checked < RECORD_CHECK_SECONDS:
             return
-        self.record_checked = time.monotonic()
+        self.me.record_checked = time.monotonic()
         if self.reads.participant_record() is not None:
             return
         log.warning("the coordinator has no record of this participant any more (the run's state was lost or "
@@ -485,49 +461,14 @@ class Participant(ABC):
         self._join()
 
     def _forget(self) -> None:
-        """Before joining again as a new incarnation of the run: drop what we knew about the old one."""
-        self.joined_at = None
-        self.record_looked_at = None  # look at once after joining again
-        self.stored.clear()
-        self.skipped.clear()
-        self.reported_ready = 0
+        """Before joining again as a new incarnation of the run: drop what we knew about the old one (the daemon
+        drops its witness duty's too)."""
+        self.me.forget()
 
     def _adopt_incarnation(self, joined_at: float) -> None:
         """Tie the journal to this incarnation of the run (see participant.journal)."""
-        self.joined_at = joined_at
-        j = self.journal
-        if j.joined_at is not None and abs(j.joined_at - joined_at) > 1e-3:
+        self.me.joined_at = joined_at
+        if (earlier := self.kept.adopt(joined_at)) is not None:
             log.warning("the run was recreated since %s was written (joined at %.3f, now %.3f); discarding "
-                        "its progress", self.kept.name, j.joined_at, joined_at)
-            self.kept.restart()
-        if self.journal.joined_at is None:
-            self.journal.joined_at = joined_at
-            self.kept.save()
+                        "its progress", self.kept.name, earlier, joined_at)
         log.info("joined run %s as %s", self.run_id, self.pid)
-
-    def _check_outcome(self, state: RunState) -> None:
-        """Log, once, whether the coordinator accepted our latest upload."""
-        pending = [r for r in self.journal.uploaded if r not in self.journal.outcomes]
-        if not pending:
-            return
-        r = max(pending)
-        if state.round <= r:  # still open (or being witnessed): ask once, after it closed
-            return
-        if state.round == r + 1 and self.pid in state.counted_last:  # the roster says: aggregated (no read)
-            log.info("round %d: update accepted and aggregated", r)
-            self.journal.outcomes[r] = "accepted"
-            self.kept.save()
-            return
-        rec = self.reads.update_record(r)
-        if rec is None:
-            if state.round > r:  # the round closed without a record of ours: do not ask again
-                self.journal.outcomes[r] = "no record"
-                self.kept.save()
-            return
-        if rec.accepted:
-            log.info("round %d: update accepted", r)
-            self.journal.outcomes[r] = "accepted"
-        else:
-            log.warning("round %d: update refused: %s", r, rec.reason)
-            self.journal.outcomes[r] = rec.reason or "refused"
-        self.kept.save()

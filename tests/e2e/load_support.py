@@ -391,7 +391,7 @@ class SimParticipant(Participant):
         try:
             return super()._listen(seconds)
         except (ClientError, BotoCoreError):
-            self.read_at = self.known_at = -math.inf  # read the state item next
+            self.view.stale()  # read the state item next
             self._pause(1.0)
             return None
 
@@ -442,7 +442,7 @@ class SimParticipant(Participant):
         if data is None or wire.digest(data) != action.digest:
             self._pause(1.0)  # not there yet (or not yet the committed one): the daemon waits and asks again
             return
-        self.held, self.held_model, self.held_data = action.digest, data, data
+        self.me.held, self.me.held_model, self.held_data = action.digest, data, data
 
     def _train(self, a: Train) -> bool:
         self.doing = f"training round {a.round}"
@@ -467,4 +467,4 @@ class SimParticipant(Participant):
         if self.feed is not None:
             self.feed.close()
         self.finished_digest = action.digest
-        return ParticipantExit(True, self.rounds_uploaded)
+        return ParticipantExit(True, self.me.rounds_uploaded)

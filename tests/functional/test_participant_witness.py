@@ -115,7 +115,7 @@ def test_a_proof_is_sent_once_across_restarts_and_again_for_a_restored_run(harne
 
     # But in a new incarnation of the run (restored after its table was lost: joined again since), it is sent anew
     daemon.journal.witnessed.clear()
-    daemon.joined_at = time.time() + 2
+    daemon.me.joined_at = time.time() + 2
     daemon._send_proof(SendProof(0, complete=False), state)
     assert versions(harness, key) == 2
 
@@ -135,7 +135,7 @@ def test_a_squatted_proof_or_update_key_does_not_stop_a_participant(harness: Har
     harness.put(update_key, held, signed_by="mallory")
 
     # Then neither counts as its own: its update is not taken as uploaded, and its proof is sent over the squatter's
-    assert not daemon.remote.update_stored(0, daemon.joined_at)
+    assert not daemon.remote.update_stored(0, daemon.me.joined_at)
     daemon._send_proof(SendProof(0, complete=False), state)
     assert versions(harness, proof_key) == 2
     sent = harness.s3.get_object(Bucket=harness.res.bucket, Key=proof_key)
@@ -144,7 +144,7 @@ def test_a_squatted_proof_or_update_key_does_not_stop_a_participant(harness: Har
     assert Proof.from_json(body).witness == "alice"
     # And an object it did upload itself still counts (a restart does not send it twice)
     daemon.remote.upload(update_key, held, "the update")
-    assert daemon.remote.update_stored(0, daemon.joined_at)
+    assert daemon.remote.update_stored(0, daemon.me.joined_at)
 
 
 def witness_of_round_zero(harness: Harness, tmp_path: Path) -> tuple[Any, RunState, bytes]:
@@ -165,8 +165,8 @@ def witness_of_round_zero(harness: Harness, tmp_path: Path) -> tuple[Any, RunSta
     daemon = Daemon(conn, Options(pid="alice", state_dir=tmp_path / "alice"), threading.Event(), Reporter(bars=False))
     daemon.config, daemon.task, daemon.device = harness.config, task, torch.device("cpu")
     held = model_bytes(task.build_model(0))
-    daemon.held_model = held
-    daemon.held, daemon.joined_at = digest(held), time.time() - 60
+    daemon.me.held_model = held
+    daemon.me.held, daemon.me.joined_at = digest(held), time.time() - 60
     state = RunState(harness.config.run_id, phase=Phase.WITNESS, round=0, selected=("alice", "bob"),
-                     witnesses=("bob", "alice"), global_digest=daemon.held)
+                     witnesses=("bob", "alice"), global_digest=daemon.me.held)
     return daemon, state, held

@@ -77,7 +77,7 @@ class Recorder(Participant):
 
     def _fetch(self, action: Fetch) -> None:
         self.did.append(f"fetch {action.round}")
-        self.held = action.digest
+        self.me.held = action.digest
 
     def _train(self, action: Train) -> bool:
         self.did.append(f"train {action.round}")
@@ -86,7 +86,7 @@ class Recorder(Participant):
 
     def _finish(self, action: Finish) -> ParticipantExit:
         self.did.append("finish")
-        return ParticipantExit(True, self.rounds_uploaded)
+        return ParticipantExit(True, self.me.rounds_uploaded)
 
 
 def run_state(phase: Phase, round_no: int = 0, digest: str = G, version: int = 1) -> RunState:
@@ -107,14 +107,14 @@ def test_a_participant_joins_offers_trains_and_finishes() -> None:
     outcome = p._loop()
     assert outcome == ParticipantExit(True, 1)
     assert p.did == ["join", "offer", "fetch 0", "train 0", "finish"]  # the final model is the one held
-    assert p.joined_at == 100.0 and p.journal.joined_at == 100.0  # the journal is tied to this incarnation
+    assert p.me.joined_at == 100.0 and p.journal.joined_at == 100.0  # the journal is tied to this incarnation
     # one wait (for members), jittered around the first poll interval
     assert len(p.pauses) == 1 and POLL_FIRST * 0.75 <= p.pauses[0] <= POLL_FIRST * 1.25
 
 
 def test_waiting_backs_off_up_to_poll_max() -> None:
     p = Recorder(Script(*[run_state(Phase.COOLDOWN)] * 30, run_state(Phase.FINISHED, digest="")))
-    p.joined_at = 100.0
+    p.me.joined_at = 100.0
     p._loop()
     assert len(p.pauses) == 30
     assert all(b <= a * POLL_GROWTH * 1.25 / 0.75 for a, b in zip(p.pauses, p.pauses[1:], strict=False))
@@ -187,7 +187,7 @@ class LongWait(Feed):
 
     def wait(self, seconds: float) -> Pushed | None:
         if self.listens == 2:
-            self.p.join_sent -= JOIN_RETRY_SECONDS
+            self.p.me.join_sent -= JOIN_RETRY_SECONDS
         return super().wait(seconds)
 
 
@@ -235,7 +235,7 @@ class Misfit(Recorder):
         self.did.append(f"fetch {action.round}")
         if action.digest == G:
             raise UnfitModel("the run's global model does not fit task t: tensor weight: file has (3, 3)")
-        self.held = action.digest
+        self.me.held = action.digest
 
 
 def test_a_global_model_that_does_not_fit_is_reported_and_waited_out(caplog: pytest.LogCaptureFixture) -> None:
@@ -245,7 +245,7 @@ def test_a_global_model_that_does_not_fit_is_reported_and_waited_out(caplog: pyt
     script = Script(*[run_state(Phase.TRAIN, version=2)] * 5, next_round, next_round,
                     run_state(Phase.FINISHED, round_no=2, digest=fits, version=4))
     p = Misfit(script)
-    p.joined_at = 100.0
+    p.me.joined_at = 100.0
     # When she runs
     with caplog.at_level("WARNING", logger="participant"):
         outcome = p._loop()
@@ -330,7 +330,7 @@ def test_after_its_upload_it_waits_for_a_third_of_the_shortest_wait_seen_without
     finished = run_state(Phase.FINISHED, round_no=2, version=4)
     script = Script(run_state(Phase.TRAIN, round_no=0, version=1), finished)
     p = Trainer(script, clock)
-    p.joined_at = 100.0
+    p.me.joined_at = 100.0
     start = clock.now
     feed = Timeline(script, clock, (start + 228, run_state(Phase.TRAIN, round_no=1, version=2)),
                     (start + 228 + second_round, finished))
