@@ -140,6 +140,13 @@ class RunConfig(BaseModel):
                                + ", ".join(STRATEGIES) + " (`shared.strategies`).")
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
     clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")
+    krum_byzantine: int = Field(
+        1, ge=0, description="krum: the Byzantine updates a round tolerates at most (f). Each update is scored by its "
+        "squared distances to its n - f - 2 nearest others; a round of fewer than 2f + 3 updates cannot tell them "
+        "apart and is combined by FedAvg instead (its global's header says so, `fed.krum`): set min_updates to at "
+        "least 2f + 3.")
+    krum_selected: int = Field(0, ge=0, description="krum: how many updates of lowest score are averaged (m, "
+                               "weighted by samples); 0: n - f (multi-Krum), 1: Krum's single update; at most n - f.")
     server_optimizer: ServerOptimizer = Field(
         ServerOptimizer("none"), description="Applied to the round's pseudo-gradient (global - the strategy's "
         "aggregate): none (the aggregate is the next global), fedavgm, fedadam, fedyogi or diloco. Its state "

@@ -12,6 +12,7 @@ from typing import Protocol
 from shared.strategies.base import AggregationStrategy, Configured, Counted, RowWise, WeightedSum, WholeInputs
 from shared.strategies.clipped_fedavg import ClippedFedAvg
 from shared.strategies.fedavg import FedAvg
+from shared.strategies.krum import Krum
 from shared.strategies.median import Median
 from shared.strategies.trimmed_mean import TrimmedMean
 
@@ -20,6 +21,7 @@ STRATEGIES: dict[str, type[AggregationStrategy]] = {strategy.name: strategy for 
     Median,
     TrimmedMean,
     ClippedFedAvg,
+    Krum,
 )}
 
 

@@ -57,3 +57,26 @@ def test_every_strategy_passes_verify_through_the_handlers(harness_factory, stra
     assert h.state().aggregated == 3
     checks = verify_run(h.deps)
     assert [(c.round, c.ok) for c in checks] == [(0, True), (1, True), (2, True)], checks
+
+
+def test_a_krum_run_leaves_the_far_off_update_out_and_passes_verify(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    # Given a Krum run of five participants, one Byzantine at most (f = 1: rounds of 2f + 3 = 5 updates), one far off
+    pids = ["alice", "bob", "carol", "dave", "mallory"]
+    h: Harness = harness_factory(strategy=Strategy("krum"), krum_byzantine=1, min_clients=5, min_per_round=5,
+                                 min_updates=5, total_rounds=2, norm_outlier_factor=0)
+    h.start(pids)
+    rng = np.random.default_rng(1)
+    for round_no in range(2):
+        base = h.global_model(round_no)
+        sent = {pid: {k: (v + rng.normal(0, 0.1, v.shape) + (40.0 if pid == "mallory" else 0.0)).astype(np.float32)
+                      for k, v in base.items()} for pid in pids}
+        for pid, update in sent.items():
+            assert h.upload(pid, update, samples=10)["accepted"]
+        # Then the round's global is the mean of the four honest updates (m = n - f = 4), mallory's left out
+        honest = [sent[p] for p in pids if p != "mallory"]
+        out = h.global_model(round_no + 1)
+        for k in out:
+            np.testing.assert_allclose(out[k], np.mean([u[k] for u in honest], axis=0), rtol=1e-6, atol=1e-6)
+    # And anyone recomputes each round's selection and global from the bucket
+    checks = verify_run(h.deps)
+    assert [(c.round, c.ok) for c in checks] == [(0, True), (1, True)], checks
