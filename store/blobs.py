@@ -99,6 +99,28 @@ MISSING_CODES = frozenset({"NoSuchKey", "NoSuchVersion", "404", "NotFound"})
 UNLISTED_MISSING_CODES = frozenset({"AccessDenied", "403", "Forbidden"})
 
 
+def older_versions(client: Any, bucket: str, key: str, skip: set[str], max_bytes: int | None) -> tuple[list[str], int]:
+    """The versions of `key` a verified read tries after the named and current ones, oldest first: at most
+    MAX_VERSIONS_TRIED, none in `skip` or larger than `max_bytes`, among the first MAX_VERSIONS_LISTED listed;
+    and how many were listed. One page is held at a time."""
+    tail: deque[str] = deque(maxlen=MAX_VERSIONS_TRIED)  # the oldest seen so far: S3 lists newest first
+    listed = 0
+    marker: dict[str, str] = {}
+    while listed < MAX_VERSIONS_LISTED:
+        page = client.list_object_versions(Bucket=bucket, Prefix=key, **marker,
+                                           MaxKeys=min(LIST_PAGE, MAX_VERSIONS_LISTED - listed))
+        for v in page.get("Versions", []):
+            if v["Key"] != key:  # S3 lists keys in order: past `key`'s versions, into longer keys
+                return list(reversed(tail)), listed
+            listed += 1
+            if v["VersionId"] not in skip and (max_bytes is None or int(v.get("Size", 0)) <= max_bytes):
+                tail.append(v["VersionId"])
+        if not page.get("IsTruncated") or not page.get("NextKeyMarker"):
+            break
+        marker = {"KeyMarker": page["NextKeyMarker"], "VersionIdMarker": page.get("NextVersionIdMarker", "")}
+    return list(reversed(tail)), listed
+
+
 class Bucket:
     """`unlisted`: the caller holds no s3:ListBucket (a participant), so S3 answers a read of a missing key with 403
     AccessDenied, and that answer, for a key the caller may read, means "not there" (and neither listing versions nor
@@ -242,7 +264,7 @@ class Bucket:
             if missing:
                 raise NotFound(key)
             raise Tampered(f"{key[:200]} does not match its digest {want[:64]}")
-        older, listed = self._look_back(key, tried, max_bytes)
+        older, listed = older_versions(self.client, self.name, key, tried, max_bytes)
         for version in older:
             try:
                 result, got, found = read(version)
@@ -255,27 +277,6 @@ class Bucket:
             raise NotFound(key)
         raise Tampered(f"no version of {key[:200]} matches its digest {want[:64]} (the current one and "
                        f"{len(older)} of the {listed} listed were tried)")
-
-    def _look_back(self, key: str, skip: set[str], max_bytes: int | None) -> tuple[list[str], int]:
-        """The versions of `key` a verified read tries after the named and current ones, oldest first: at most
-        MAX_VERSIONS_TRIED, none in `skip` or larger than `max_bytes`, among the first MAX_VERSIONS_LISTED listed;
-        and how many were listed. One page is held at a time."""
-        tail: deque[str] = deque(maxlen=MAX_VERSIONS_TRIED)  # the oldest seen so far: S3 lists newest first
-        listed = 0
-        marker: dict[str, str] = {}
-        while listed < MAX_VERSIONS_LISTED:
-            page = self.client.list_object_versions(Bucket=self.name, Prefix=key, **marker,
-                                                    MaxKeys=min(LIST_PAGE, MAX_VERSIONS_LISTED - listed))
-            for v in page.get("Versions", []):
-                if v["Key"] != key:  # S3 lists keys in order: past `key`'s versions, into longer keys
-                    return list(reversed(tail)), listed
-                listed += 1
-                if v["VersionId"] not in skip and (max_bytes is None or int(v.get("Size", 0)) <= max_bytes):
-                    tail.append(v["VersionId"])
-            if not page.get("IsTruncated") or not page.get("NextKeyMarker"):
-                break
-            marker = {"KeyMarker": page["NextKeyMarker"], "VersionIdMarker": page.get("NextVersionIdMarker", "")}
-        return list(reversed(tail)), listed
 
     def digest_of(self, key: str, version_id: str = "") -> tuple[str, str, int]:
         """(content digest, version id, size) of an object version, hashed as it streams."""
