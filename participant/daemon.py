@@ -38,7 +38,7 @@ from participant.decide import (
     next_heartbeat,
 )
 from participant.journal import JournalFile, JournalKeeper
-from participant.protocol import POLL_MAX, Participant, ParticipantExit
+from participant.protocol import POLL_MAX, Feed, Participant, ParticipantExit
 from participant.remote import Remote, Retrier, Stopped
 from participant.training import Training, Workload, load_workload
 from participant.ui import Reporter
@@ -73,7 +73,53 @@ def default_state_dir(run_id: str, pid: str) -> Path:
     return Path.home() / ".fed" / run_id / pid
 
 
+def host_info(device: Any, device_option: str, task: str | None) -> dict[str, Any]:
+    """What our join request and heartbeats say about this host (`fed status` shows it): its name, process,
+    Python and torch, the device we train on (`device_option` until the task is loaded), and the task once known."""
+    import torch
+
+    info: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "os_pid": os.getpid(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(device) if device is not None else device_option,
+    }
+    if device is not None and device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    if task is not None:
+        info["task"] = task
+    return info
+
+
+def listen_unless_stopped(feed: Feed, seconds: float, stop: threading.Event) -> Pushed | None:
+    """One long poll of `feed`, on a daemon thread of its own so that a stop request ends the wait at once (raises
+    `Stopped`); an error of the long poll is raised here."""
+    got: list[Pushed | None | BaseException] = []
+    done = threading.Event()
+
+    def receive() -> None:
+        try:
+            got.append(feed.wait(seconds))
+        except BaseException as exc:  # handed to the caller's thread below
+            got.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=receive, name="push", daemon=True).start()
+    while not done.wait(STOP_CHECK_SECONDS):
+        if stop.is_set():
+            raise Stopped()
+    result = got[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 class Daemon(Participant):
+    """`fed-participant start`: the protocol loop run for real, with this host's signing key, the journal on disk,
+    heartbeats on a thread of their own, and training and witnessing handed to its duties."""
+
     def __init__(self, conn: Connection, options: Options, stop: threading.Event, reporter: Reporter) -> None:
         keys.validate_participant_id(options.pid)
         pid, run_id, state_dir = options.pid, conn.run_id, Path(options.state_dir)
@@ -153,33 +199,16 @@ class Daemon(Participant):
         return feed
 
     def _listen(self, seconds: float) -> Pushed | None:
-        """The long poll on a daemon thread of its own, so that a stop request ends the wait at once."""
-        feed = self.feed
-        assert feed is not None
-        got: list[Pushed | None | BaseException] = []
-        done = threading.Event()
-
-        def receive() -> None:
-            try:
-                got.append(feed.wait(seconds))
-            except BaseException as exc:  # handed to the loop below
-                got.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=receive, name="push", daemon=True).start()
-        while not done.wait(STOP_CHECK_SECONDS):
-            if self.stop.is_set():
-                raise Stopped()
-        result = got[0]
-        if isinstance(result, ClientError | BotoCoreError):  # the state item is read instead: nothing is lost
-            log.warning("the push queue failed (%s); reading the run state", result)
+        """The long poll, ended at once by a stop request (`listen_unless_stopped`). A failed one costs a read of
+        the state item, nothing else."""
+        assert self.feed is not None
+        try:
+            return listen_unless_stopped(self.feed, seconds, self.stop)
+        except (ClientError, BotoCoreError) as exc:
+            log.warning("the push queue failed (%s); reading the run state", exc)
             self.view.stale()  # read the state item next
             self._pause(1.0)
             return None
-        if isinstance(result, BaseException):
-            raise result
-        return result
 
     def _load_workload(self, config: RunConfig) -> Workload:
         work = load_workload(self.opt.task or config.task, config, self.opt.device, self.opt.threads, self.opt.data)
@@ -235,20 +264,8 @@ class Daemon(Participant):
     # --- join, heartbeats, readiness ------------------------------------------------------------------
 
     def _info(self) -> dict[str, Any]:
-        import torch
-
-        info: dict[str, Any] = {
-            "host": socket.gethostname(),
-            "os_pid": os.getpid(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "device": str(self.device) if self.device is not None else self.opt.device,
-        }
-        if self.device is not None and self.device.type == "cuda":
-            info["gpu"] = torch.cuda.get_device_name(self.device)
-        if self.config is not None:
-            info["task"] = self.opt.task or self.config.task
-        return info
+        task = (self.opt.task or self.config.task) if self.config is not None else None
+        return host_info(self.device, self.opt.device, task)
 
     def _send_join(self) -> None:
         info, samples = self._info(), len(self.own) if self.own is not None else None
