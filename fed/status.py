@@ -161,107 +161,25 @@ def describe(
 ) -> Status:
     """Everything `fed status` shows, from the run's records and the time now. Pure. `info`: what each participant
     said about itself (host, device, activity), displayed and never trusted."""
-    timeout = config.liveness_timeout if config else None
-    info = info or {}
-    predicted = _predicted(state, config)
-    all_refusals = sorted([*refused_updates, *refusals], key=lambda r: r.at)
-    snap = Snapshot(state, participants, updates)
-    proofs = {w: p for w, p in (proofs or {}).items() if p.round == state.round}
-    scored = state.health_round >= 0 and bool(state.health)
-    lines = []
-    for pid in sorted(set(participants) | set(state.members)):
-        view, member = participants.get(pid), state.members.get(pid)
-        if member is None:
-            st, reason = "pending", "joined; admitted at the next epoch" if state.phase is not Phase.FINISHED else ""
-        elif member.status is MemberStatus.DROPPED:
-            st, reason = "dropped", member.reason
-        else:
-            st, reason = "active", ""
-        selected = pid in state.selected
-        update = updates.get(pid)
-        if update is not None and update.round == state.round:
-            round_status = "uploaded" if update.accepted else "refused"
-            loss = update.metrics.get("loss")
-            round_detail = update.reason if not update.accepted else (f"loss {loss:.4f}" if loss is not None else "")
-        elif selected and state.phase is Phase.TRAIN:
-            round_status, round_detail = "training", ""
-        elif st == "active" and state.phase in (Phase.TRAIN, Phase.WITNESS):
-            round_status, round_detail = "waiting", "not selected this round"
-        else:
-            round_status, round_detail = "-", ""
-        ago = now - view.last_seen if view is not None else None
-        silent = bool(ago is not None and timeout and ago > timeout / 2 and st != "dropped")
-        witness = ""
-        if pid in state.witnesses:
-            proof = proofs.get(pid)
-            witness = "witness" if proof is None else "proof in" if proof.complete else "proof in (incomplete)"
-        health = state.health.get(pid) if scored else None
-        about = info.get(pid, {})
-        condition = _condition(snap, config, st, silent, pid, now)
-        if condition == "stuck" and round_status == "training":
-            round_status = "stuck"
-        pct = None
-        if view is not None and view.progress_round >= 0 and view.progress_total > 0:
-            pct = round(100.0 * view.progress_done / view.progress_total, 1)
-        speed = state.speeds.get(pid)
-        device = str(about.get("device", ""))
-        if about.get("gpu"):
-            device += f" ({about['gpu']})"
-        lines.append(ParticipantLine(
-            pid, st, reason, selected, round_status, round_detail, ago, silent, witness, health,
-            strikes=state.strikes.get(pid, 0) if st == "active" else 0,
-            condition=condition, activity=str(about.get("activity", "")), progress=pct,
-            progress_round=view.progress_round if view is not None and view.progress_round >= 0 else None,
-            samples_per_second=round(speed.rate, 3) if speed is not None else None,
-            reported_rate=round(view.rate, 3) if view is not None and view.rate > 0 else None,
-            share=round(sizing.fraction(state.plan, pid), 4) if sizing.share_of(state.plan, pid) else None,
-            predicted_seconds=round(predicted[pid], 2) if pid in predicted else None,
-            host=str(about.get("host", "")), device=device,
-            drops=[f"round {r.round}: {r.dropped[pid]}" for r in sorted(rounds, key=lambda r: r.round)
-                   if pid in r.dropped],
-            refusals=[f"{'-' if x.round is None else f'round {x.round}'}: {bounded(x.reason, 200)}"
-                      for x in all_refusals if x.pid == pid][-5:],
-        ))
-
-    recent = sorted(rounds, key=lambda r: r.round)[-RECENT_ROUNDS:]
-    round_lines = [
-        RoundLine(r.round, len(r.selected), len(r.counted), len(r.refused), len(r.dropped), r.aggregated,
-                  r.loss, r.accuracy, r.seconds, r.proofs, len(r.witnesses))
-        for r in recent
-    ]
-    drops = [DropLine(r.round, pid, why) for r in sorted(rounds, key=lambda r: r.round) for pid, why in
-             sorted(r.dropped.items())]
-    suspects = [SuspectLine(r.round, pid, why) for r in sorted(rounds, key=lambda r: r.round)
-                for pid, why in sorted(r.suspects.items())]
-    recorded = {(d.pid, d.reason) for d in drops}
-    drops += [DropLine(None, pid, m.reason) for pid, m in sorted(state.members.items())
-              if m.status is MemberStatus.DROPPED and (pid, m.reason) not in recorded]
-    witnessing = None
-    if state.witnesses or scored or (config is not None and config.witness_nodes > 0):
-        witnessing = WitnessInfo(
-            witnesses=list(state.witnesses),
-            proofs={w: p.complete for w, p in sorted(proofs.items())},
-            quorum=quorum(len(state.witnesses)),
-            health_round=state.health_round if scored else -1,
-            health=dict(sorted(state.health.items())) if scored else {},
-            health_quorum=state.health_quorum,
-            strikes={p: n for p, n in sorted(state.strikes.items()) if n > 0 and p in state.active()},
-            strikes_needed=state.strikes_needed,
-        )
+    records = _Records(
+        state=state, participants=participants, updates=updates, config=config, now=now,
+        refusals=sorted([*refused_updates, *refusals], key=lambda r: r.at),
+        rounds=sorted(rounds, key=lambda r: r.round),
+        proofs={w: p for w, p in (proofs or {}).items() if p.round == state.round},
+        info=info or {},
+        predicted=_predicted(state, config),
+        scored=state.health_round >= 0 and bool(state.health),
+        snap=Snapshot(state, participants, updates),
+    )
+    recent = records.rounds[-RECENT_ROUNDS:]
     done = [r.seconds for r in recent if r.aggregated]
     round_seconds = sum(done) / len(done) if done else None
     total = config.total_rounds if config else None
+    prediction = _round_prediction(state, config, records.predicted)
+    per_round = prediction or round_seconds
     eta = None
-    per_round = _round_prediction(state, config, predicted) or round_seconds
     if per_round is not None and total is not None and state.phase is not Phase.FINISHED:
         eta = max(0, total - state.aggregated) * per_round
-    deadline_in = state.deadline - now if state.deadline and state.phase is not Phase.FINISHED else None
-    notes = []
-    if state.version == 0:
-        notes.append("the coordinator has not ticked yet: no run state")
-    elif state.phase is Phase.WAITING and config is not None:
-        live = sum(1 for p in participants.values() if p.alive(now, config.liveness_timeout))
-        notes.append(f"waiting for members: {live} live of the {config.min_clients} needed")
     return Status(
         run_id=state.run_id,
         phase=state.phase.value,
@@ -269,20 +187,163 @@ def describe(
         round=state.round,
         aggregated=state.aggregated,
         total_rounds=total,
-        deadline_in=deadline_in,
-        participants=lines,
-        refusals=all_refusals,
-        rounds=round_lines,
+        deadline_in=state.deadline - now if state.deadline and state.phase is not Phase.FINISHED else None,
+        participants=[_participant_line(records, pid) for pid in sorted(set(participants) | set(state.members))],
+        refusals=records.refusals,
+        rounds=[_round_line(r) for r in recent],
         round_seconds=round_seconds,
         eta_seconds=eta,
         endpoint=endpoint,
-        notes=notes,
-        witnessing=witnessing,
-        drops=drops,
-        predicted_round_seconds=_round_prediction(state, config, predicted),
+        notes=_notes(state, participants, config, now),
+        witnessing=_witnessing(records),
+        drops=_drops(state, records.rounds),
+        predicted_round_seconds=prediction,
         work_sizing=config.work_sizing.value if config is not None else "",
-        suspects=suspects,
+        suspects=[SuspectLine(r.round, pid, why) for r in records.rounds for pid, why in sorted(r.suspects.items())],
     )
+
+
+@dataclass(frozen=True)
+class _Records:
+    """What `describe` reads, gathered once for every part of the view: the run's records as `describe` got them
+    (refusals oldest first, rounds in order, this round's proofs only), the time now, and what follows from them
+    for every participant alike (the predicted seconds of this round's shares, whether health was scored)."""
+
+    state: RunState
+    participants: Mapping[str, ParticipantView]
+    updates: Mapping[str, UpdateView]
+    config: RunConfig | None
+    now: float
+    refusals: list[RefusalLine]
+    rounds: list[RoundSummary]
+    proofs: Mapping[str, Proof]
+    info: Mapping[str, Mapping[str, Any]]
+    predicted: Mapping[str, float]
+    scored: bool  # a witnessed round's health scores are in
+    snap: Snapshot
+
+
+def _participant_line(records: _Records, pid: str) -> ParticipantLine:
+    """One participant's row: its membership, this round's part, liveness, witnessing, the fleet view (condition,
+    activity, progress, speed, share, host and device) and its history of drops and refusals."""
+    state, config, now = records.state, records.config, records.now
+    view = records.participants.get(pid)
+    st, reason = _membership(state, pid)
+    selected = pid in state.selected
+    round_status, round_detail = _this_round(state, records.updates.get(pid), selected, st)
+    ago = now - view.last_seen if view is not None else None
+    timeout = config.liveness_timeout if config else None
+    silent = bool(ago is not None and timeout and ago > timeout / 2 and st != "dropped")
+    about = records.info.get(pid, {})
+    condition = _condition(records.snap, config, st, silent, pid, now)
+    if condition == "stuck" and round_status == "training":
+        round_status = "stuck"
+    speed = state.speeds.get(pid)
+    return ParticipantLine(
+        pid, st, reason, selected, round_status, round_detail, ago, silent, _witness_mark(records, pid),
+        state.health.get(pid) if records.scored else None,
+        strikes=state.strikes.get(pid, 0) if st == "active" else 0,
+        condition=condition, activity=str(about.get("activity", "")), progress=_progress(view),
+        progress_round=view.progress_round if view is not None and view.progress_round >= 0 else None,
+        samples_per_second=round(speed.rate, 3) if speed is not None else None,
+        reported_rate=round(view.rate, 3) if view is not None and view.rate > 0 else None,
+        share=round(sizing.fraction(state.plan, pid), 4) if sizing.share_of(state.plan, pid) else None,
+        predicted_seconds=round(records.predicted[pid], 2) if pid in records.predicted else None,
+        host=str(about.get("host", "")), device=_device(about),
+        drops=[f"round {r.round}: {r.dropped[pid]}" for r in records.rounds if pid in r.dropped],
+        refusals=[f"{'-' if x.round is None else f'round {x.round}'}: {bounded(x.reason, 200)}"
+                  for x in records.refusals if x.pid == pid][-5:],
+    )
+
+
+def _membership(state: RunState, pid: str) -> tuple[str, str]:
+    """pending (joined, not yet admitted), active or dropped, and why it is pending or was dropped."""
+    member = state.members.get(pid)
+    if member is None:
+        return "pending", "joined; admitted at the next epoch" if state.phase is not Phase.FINISHED else ""
+    if member.status is MemberStatus.DROPPED:
+        return "dropped", member.reason
+    return "active", ""
+
+
+def _this_round(state: RunState, update: UpdateView | None, selected: bool, st: str) -> tuple[str, str]:
+    """Its part in this round: uploaded (with the update's training loss) or refused (with the reason), training,
+    waiting (an active member not selected), or "-"."""
+    if update is not None and update.round == state.round:
+        if not update.accepted:
+            return "refused", update.reason
+        loss = update.metrics.get("loss")
+        return "uploaded", f"loss {loss:.4f}" if loss is not None else ""
+    if selected and state.phase is Phase.TRAIN:
+        return "training", ""
+    if st == "active" and state.phase in (Phase.TRAIN, Phase.WITNESS):
+        return "waiting", "not selected this round"
+    return "-", ""
+
+
+def _witness_mark(records: _Records, pid: str) -> str:
+    """The witness column: `witness` while its proof is not in, then `proof in` (or `proof in (incomplete)`); empty
+    if it does not witness this round."""
+    if pid not in records.state.witnesses:
+        return ""
+    proof = records.proofs.get(pid)
+    return "witness" if proof is None else "proof in" if proof.complete else "proof in (incomplete)"
+
+
+def _progress(view: ParticipantView | None) -> float | None:
+    """The % of its share of the round its last heartbeat said was done."""
+    if view is not None and view.progress_round >= 0 and view.progress_total > 0:
+        return round(100.0 * view.progress_done / view.progress_total, 1)
+    return None
+
+
+def _device(about: Mapping[str, Any]) -> str:
+    device = str(about.get("device", ""))
+    if about.get("gpu"):
+        device += f" ({about['gpu']})"
+    return device
+
+
+def _round_line(r: RoundSummary) -> RoundLine:
+    return RoundLine(r.round, len(r.selected), len(r.counted), len(r.refused), len(r.dropped), r.aggregated,
+                     r.loss, r.accuracy, r.seconds, r.proofs, len(r.witnesses))
+
+
+def _drops(state: RunState, rounds: Sequence[RoundSummary]) -> list[DropLine]:
+    """Every drop the round summaries recorded, in order; then members dropped now, not in a summary yet."""
+    drops = [DropLine(r.round, pid, why) for r in rounds for pid, why in sorted(r.dropped.items())]
+    recorded = {(d.pid, d.reason) for d in drops}
+    return drops + [DropLine(None, pid, m.reason) for pid, m in sorted(state.members.items())
+                    if m.status is MemberStatus.DROPPED and (pid, m.reason) not in recorded]
+
+
+def _witnessing(records: _Records) -> WitnessInfo | None:
+    """This round's witnesses and proofs, the last health scores and strikes; None where the run has no
+    witnessing (none elected, none scored, none configured)."""
+    state, config, scored = records.state, records.config, records.scored
+    if not (state.witnesses or scored or (config is not None and config.witness_nodes > 0)):
+        return None
+    return WitnessInfo(
+        witnesses=list(state.witnesses),
+        proofs={w: p.complete for w, p in sorted(records.proofs.items())},
+        quorum=quorum(len(state.witnesses)),
+        health_round=state.health_round if scored else -1,
+        health=dict(sorted(state.health.items())) if scored else {},
+        health_quorum=state.health_quorum,
+        strikes={p: n for p, n in sorted(state.strikes.items()) if n > 0 and p in state.active()},
+        strikes_needed=state.strikes_needed,
+    )
+
+
+def _notes(state: RunState, participants: Mapping[str, ParticipantView], config: RunConfig | None,
+           now: float) -> list[str]:
+    """Why nothing moves yet: no tick so far, or members still awaited."""
+    if state.version == 0:
+        return ["the coordinator has not ticked yet: no run state"]
+    if state.phase is Phase.WAITING and config is not None:
+        live = sum(1 for p in participants.values() if p.alive(now, config.liveness_timeout))
+        return [f"waiting for members: {live} live of the {config.min_clients} needed"]
+    return []
 
 
 def _predicted(state: RunState, config: RunConfig | None) -> dict[str, float]:
@@ -397,6 +458,22 @@ CONDITION_STYLE = {"ok": "green", "slow": "yellow", "stuck": "red", "silent": "r
 
 
 def render(status: Status) -> RenderableType:
+    """The status as `fed status` prints it: the run's heading, the participants, then the tables that have rows
+    (drops, suspect witnesses, refused uploads, recent rounds)."""
+    parts: list[RenderableType] = [_heading(status), _participants_table(status)]
+    if status.drops:
+        parts.append(_drops_table(status.drops))
+    if status.suspects:
+        parts.append(_suspects_table(status.suspects))
+    if status.refusals:
+        parts.append(_refusals_table(status.refusals))
+    if status.rounds:
+        parts.append(_rounds_table(status.rounds, witnessed=status.witnessing is not None))
+    return Group(*parts)
+
+
+def _heading(status: Status) -> Text:
+    """The run, its endpoint, phase, epoch, round and progress, the round time and ETA, notes, and witnessing."""
     head = Text()
     head.append(f"run {status.run_id}", style="bold")
     if status.endpoint:
@@ -412,22 +489,31 @@ def render(status: Status) -> RenderableType:
         head.append(f"\n{measured}{predicted}   ETA {_seconds(status.eta_seconds)}".replace("\n   ", "\n"))
     for note in status.notes:
         head.append(f"\n{note}", style="yellow")
-    w = status.witnessing
-    if w is not None:
-        if w.witnesses:
-            head.append(f"\nwitnesses {', '.join(w.witnesses)}: {len(w.proofs)} of {len(w.witnesses)} proofs in "
-                        f"({sum(w.proofs.values())} complete), quorum {w.quorum}")
-        if w.health_round >= 0:
-            low = [p for p, score in w.health.items() if score < w.health_quorum]
-            scores = ", ".join(f"{p} {score}" for p, score in w.health.items())
-            head.append(f"\nround {w.health_round} health (witnesses attesting; quorum {w.health_quorum}): {scores}")
-            if low:
-                head.append(f"\nbelow the quorum: {', '.join(low)}", style="red")
-        if w.strikes:
-            named = ", ".join(f"{p} {n} of {w.strikes_needed}" for p, n in w.strikes.items())
-            head.append(f"\nunattested witnessed rounds in a row (a health report drops at {w.strikes_needed}): "
-                        f"{named}", style="yellow")
+    if status.witnessing is not None:
+        _append_witnessing(head, status.witnessing)
+    return head
 
+
+def _append_witnessing(head: Text, w: WitnessInfo) -> None:
+    """This round's witnesses and proofs, the last health scores against their quorum, and strikes so far."""
+    if w.witnesses:
+        head.append(f"\nwitnesses {', '.join(w.witnesses)}: {len(w.proofs)} of {len(w.witnesses)} proofs in "
+                    f"({sum(w.proofs.values())} complete), quorum {w.quorum}")
+    if w.health_round >= 0:
+        low = [p for p, score in w.health.items() if score < w.health_quorum]
+        scores = ", ".join(f"{p} {score}" for p, score in w.health.items())
+        head.append(f"\nround {w.health_round} health (witnesses attesting; quorum {w.health_quorum}): {scores}")
+        if low:
+            head.append(f"\nbelow the quorum: {', '.join(low)}", style="red")
+    if w.strikes:
+        named = ", ".join(f"{p} {n} of {w.strikes_needed}" for p, n in w.strikes.items())
+        head.append(f"\nunattested witnessed rounds in a row (a health report drops at {w.strikes_needed}): "
+                    f"{named}", style="yellow")
+
+
+def _participants_table(status: Status) -> Table:
+    """A row per participant; with witnessing, its witness duty and health columns too."""
+    w = status.witnessing
     people = Table(title="participants", title_justify="left", expand=False)
     columns = ["participant", "state", "condition", "selected", "this round", "progress", "samples/s", "share",
                "last seen", "host / device", "activity / detail"]
@@ -436,76 +522,87 @@ def render(status: Status) -> RenderableType:
     for col in columns:
         people.add_column(col)
     for p in status.participants:
-        seen = "never" if p.last_seen_ago is None else f"{_seconds(p.last_seen_ago)} ago"
-        progress = "-" if p.progress is None else f"{p.progress:.0f}% (r{p.progress_round})"
-        rate = p.samples_per_second if p.samples_per_second is not None else p.reported_rate
-        detail = p.reason or p.round_detail or p.activity
-        if p.drops and p.state != "dropped":
-            detail = f"{detail}; dropped before ({len(p.drops)}x)" if detail else f"dropped before ({len(p.drops)}x)"
-        cells: list[RenderableType] = [
-            p.pid,
-            Text(p.state, style=STATE_STYLE.get(p.state, "")),
-            Text(p.condition, style=CONDITION_STYLE.get(p.condition, "")),
-            "yes" if p.selected else "",
-            Text(p.round_status, style=ROUND_STYLE.get(p.round_status, "")),
-            progress,
-            "-" if rate is None else f"{rate:,.1f}",
-            "-" if p.share is None else f"{100 * p.share:.0f}%" + (
-                f" (~{_seconds(p.predicted_seconds)})" if p.predicted_seconds is not None else ""),
-            Text(seen, style="red" if p.silent else ""),
-            shown(" ".join(x for x in (p.host, p.device) if x) or "-", MAX_SHOWN_ID),
-            shown(detail, 80),
-        ]
-        if w is not None:
-            unhealthy = p.health is not None and p.health < w.health_quorum
-            score = "-" if p.health is None else str(p.health)
-            if p.strikes:
-                score += f" (strike {p.strikes}/{w.strikes_needed})"
-            cells[8:8] = [p.witness, Text(score, style="red" if unhealthy else "")]
-        people.add_row(*cells)
-
+        people.add_row(*_participant_cells(p, w))
     if not status.participants:
         people.add_row("(nobody has joined yet)", *[""] * (len(columns) - 1))
-    parts: list[RenderableType] = [head, people]
-    if status.drops:
-        dropped = Table(title="dropped", title_justify="left")
-        for col in ("round", "participant", "why"):
-            dropped.add_column(col)
-        for d in status.drops[-RECENT_ROUNDS:]:
-            dropped.add_row("now" if d.round is None else str(d.round), d.pid, shown(d.reason, style="red"))
-        parts.append(dropped)
-    if status.suspects:
-        suspected = Table(title="suspect witnesses", title_justify="left")
-        for col in ("round", "witness", "why"):
-            suspected.add_column(col)
-        for sus in status.suspects[-RECENT_ROUNDS:]:
-            suspected.add_row(str(sus.round), shown(sus.pid, MAX_SHOWN_ID), shown(sus.reason, style="yellow"))
-        parts.append(suspected)
-    if status.refusals:
-        refused = Table(title="refused uploads", title_justify="left")
-        for col in ("round", "participant", "key", "reason"):
-            refused.add_column(col)
-        for x in status.refusals[-RECENT_ROUNDS:]:
-            refused.add_row("-" if x.round is None else str(x.round), shown(x.pid or "?", MAX_SHOWN_ID),
-                            shown(x.key, MAX_SHOWN_KEY), shown(x.reason, style="red"))
-        parts.append(refused)
-    if status.rounds:
-        rounds = Table(title="recent rounds", title_justify="left")
-        cols = ["round", "participants", "accepted", "refused", "dropped", "loss", "accuracy", "seconds"]
-        if w is not None:
-            cols.insert(5, "proofs")
-        for col in cols:
-            rounds.add_column(col, justify="right")
-        for r in status.rounds:
-            row = [
-                str(r.round), str(r.participants), str(r.accepted) if r.aggregated else f"{r.accepted} (not counted)",
-                str(r.refused), str(r.dropped), _num(r.loss), _num(r.accuracy), f"{r.seconds:.1f}",
-            ]
-            if w is not None:
-                row.insert(5, f"{r.proofs}/{r.witnesses}" if r.witnesses else "-")
-            rounds.add_row(*row)
-        parts.append(rounds)
-    return Group(*parts)
+    return people
+
+
+def _participant_cells(p: ParticipantLine, w: WitnessInfo | None) -> list[RenderableType]:
+    seen = "never" if p.last_seen_ago is None else f"{_seconds(p.last_seen_ago)} ago"
+    progress = "-" if p.progress is None else f"{p.progress:.0f}% (r{p.progress_round})"
+    rate = p.samples_per_second if p.samples_per_second is not None else p.reported_rate
+    detail = p.reason or p.round_detail or p.activity
+    if p.drops and p.state != "dropped":
+        detail = f"{detail}; dropped before ({len(p.drops)}x)" if detail else f"dropped before ({len(p.drops)}x)"
+    cells: list[RenderableType] = [
+        p.pid,
+        Text(p.state, style=STATE_STYLE.get(p.state, "")),
+        Text(p.condition, style=CONDITION_STYLE.get(p.condition, "")),
+        "yes" if p.selected else "",
+        Text(p.round_status, style=ROUND_STYLE.get(p.round_status, "")),
+        progress,
+        "-" if rate is None else f"{rate:,.1f}",
+        "-" if p.share is None else f"{100 * p.share:.0f}%" + (
+            f" (~{_seconds(p.predicted_seconds)})" if p.predicted_seconds is not None else ""),
+        Text(seen, style="red" if p.silent else ""),
+        shown(" ".join(x for x in (p.host, p.device) if x) or "-", MAX_SHOWN_ID),
+        shown(detail, 80),
+    ]
+    if w is not None:
+        unhealthy = p.health is not None and p.health < w.health_quorum
+        score = "-" if p.health is None else str(p.health)
+        if p.strikes:
+            score += f" (strike {p.strikes}/{w.strikes_needed})"
+        cells[8:8] = [p.witness, Text(score, style="red" if unhealthy else "")]
+    return cells
+
+
+def _drops_table(drops: Sequence[DropLine]) -> Table:
+    dropped = Table(title="dropped", title_justify="left")
+    for col in ("round", "participant", "why"):
+        dropped.add_column(col)
+    for d in drops[-RECENT_ROUNDS:]:
+        dropped.add_row("now" if d.round is None else str(d.round), d.pid, shown(d.reason, style="red"))
+    return dropped
+
+
+def _suspects_table(suspects: Sequence[SuspectLine]) -> Table:
+    suspected = Table(title="suspect witnesses", title_justify="left")
+    for col in ("round", "witness", "why"):
+        suspected.add_column(col)
+    for sus in suspects[-RECENT_ROUNDS:]:
+        suspected.add_row(str(sus.round), shown(sus.pid, MAX_SHOWN_ID), shown(sus.reason, style="yellow"))
+    return suspected
+
+
+def _refusals_table(refusals: Sequence[RefusalLine]) -> Table:
+    refused = Table(title="refused uploads", title_justify="left")
+    for col in ("round", "participant", "key", "reason"):
+        refused.add_column(col)
+    for x in refusals[-RECENT_ROUNDS:]:
+        refused.add_row("-" if x.round is None else str(x.round), shown(x.pid or "?", MAX_SHOWN_ID),
+                        shown(x.key, MAX_SHOWN_KEY), shown(x.reason, style="red"))
+    return refused
+
+
+def _rounds_table(round_lines: Sequence[RoundLine], witnessed: bool) -> Table:
+    """The recent rounds; with witnessing, the proofs each received of those elected."""
+    rounds = Table(title="recent rounds", title_justify="left")
+    cols = ["round", "participants", "accepted", "refused", "dropped", "loss", "accuracy", "seconds"]
+    if witnessed:
+        cols.insert(5, "proofs")
+    for col in cols:
+        rounds.add_column(col, justify="right")
+    for r in round_lines:
+        row = [
+            str(r.round), str(r.participants), str(r.accepted) if r.aggregated else f"{r.accepted} (not counted)",
+            str(r.refused), str(r.dropped), _num(r.loss), _num(r.accuracy), f"{r.seconds:.1f}",
+        ]
+        if witnessed:
+            row.insert(5, f"{r.proofs}/{r.witnesses}" if r.witnesses else "-")
+        rounds.add_row(*row)
+    return rounds
 
 
 def render_json(status: Status) -> str:
