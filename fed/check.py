@@ -65,6 +65,7 @@ FUNCTIONS = ("tick", "ingest", "join", "shard")  # functions.<name>.handler
 FUNCTION = "function:"
 PARTICIPANT = "participant"
 OPERATOR = "operator"
+TICK_AND_INGEST = (f"{FUNCTION}tick", f"{FUNCTION}ingest")  # both run the coordinator: the same calls
 OUTPUTS = (OUTPUT_BUCKET, OUTPUT_TABLE, OUTPUT_RUN_ID, OUTPUT_PARTICIPANT_ROLE, OUTPUT_STATE_TOPIC,
            OUTPUT_OPERATOR_POLICY, OUTPUT_TICK_FUNCTION)
 # Sample values the catalog's keys are made of: any round, participant, digest or job would do.
@@ -192,9 +193,14 @@ class Call:
 
 
 class _Catalog:
+    """The calls as the catalog's parts add them, in order, and what the parts share: the run's resources, the
+    pattern granting all of the run's objects, and the condition that keeps table calls to the run's items."""
+
     def __init__(self, w: Wiring) -> None:
         self.w = w
         self.calls: list[Call] = []
+        self.everything = f"{keys.run_prefix(w.run_id)}*"
+        self.leading: dict[str, str | list[str]] = {"dynamodb:LeadingKeys": [run_pk(w.run_id)]}
 
     def add(self, principals: str | Sequence[str], action: str, resource: str, why: str, grant: str = "",
             context: Mapping[str, str | list[str]] | None = None) -> None:
@@ -216,14 +222,21 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
     (`fed/`, `coordinator/operations.py`, `coordinator/verify.py`), and what Lambda itself does with a function's
     role (its logs, its dead-letter queue, its queue event sources)."""
     c = _Catalog(w)
-    run, r, nxt, d, job = w.run_id, SAMPLE_ROUND, SAMPLE_ROUND + 1, SAMPLE_DIGEST, SAMPLE_JOB
-    pid, peer = SAMPLE_PARTICIPANT, SAMPLE_PEER
-    everything = f"{keys.run_prefix(run)}*"
-    leading: dict[str, str | list[str]] = {"dynamodb:LeadingKeys": [run_pk(run)]}
-    ticks = [f"{FUNCTION}tick", f"{FUNCTION}ingest"]
-    join, shard = f"{FUNCTION}join", f"{FUNCTION}shard"
+    _coordinator_reads(c)
+    _coordinator_writes(c)
+    _coordinator_services(c)
+    _join_function(c)
+    _shard_function(c)
+    _lambda_on_roles(c)
+    _participant(c, witnessing)
+    _operator(c)
+    return c.calls
 
-    # The coordinator (tick and ingest): reads
+
+def _coordinator_reads(c: _Catalog) -> None:
+    """What the coordinator (tick and ingest) reads: uploads, models, join requests, checkpoints, shard outcomes."""
+    w, run, everything, ticks = c.w, c.w.run_id, c.everything, TICK_AND_INGEST
+    r, nxt, d, job, pid = SAMPLE_ROUND, SAMPLE_ROUND + 1, SAMPLE_DIGEST, SAMPLE_JOB, SAMPLE_PARTICIPANT
     c.reads(ticks, "s3:GetObjectVersion", [keys.update_key(run, r, pid), keys.heartbeat_key(run, pid),
                                            keys.witness_key(run, r, pid), keys.health_key(run, r, pid)],
             "ingest reads an upload by the version its event names; aggregation reads the accepted updates by "
@@ -247,7 +260,13 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
     c.add(ticks, "s3:ListBucketVersions", w.bucket_arn,
           "a verified read looks for the coordinator's own version among later ones (store/blobs.py "
           "verified_version)", context={"s3:prefix": keys.global_key(run, r, d)})
-    # ... writes
+
+
+def _coordinator_writes(c: _Catalog) -> None:
+    """What the coordinator writes to the bucket: the config, manifest, models, optimizer state, deltas, rosters,
+    checkpoints, and an aggregation's staged upload."""
+    w, run, ticks = c.w, c.w.run_id, TICK_AND_INGEST
+    r, nxt, d, job = SAMPLE_ROUND, SAMPLE_ROUND + 1, SAMPLE_DIGEST, SAMPLE_JOB
     for key in (keys.config_key(run), keys.manifest_key(run), keys.global_key(run, nxt, d),
                 keys.optimizer_key(run, nxt, d), keys.delta_key(run, nxt, d), keys.roster_key(run, d),
                 keys.checkpoint_global_key(run, r), keys.checkpoint_state_key(run, r),
@@ -262,7 +281,12 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
     c.add(ticks, "s3:AbortMultipartUpload", w.obj(keys.staging_key(run, nxt, job)),
           "a failed aggregation aborts its staged upload (coordinator/aggregation.py)",
           w.obj(layout.staging_objects(run)))
-    # ... the run state, the shard queue, the state topic, the schedule
+
+
+def _coordinator_services(c: _Catalog) -> None:
+    """The coordinator's other calls: the run state's table, the shard queue, the state topic, the schedule, and
+    Lambda's dead-letter queue for its failed invocations."""
+    w, run, leading, ticks = c.w, c.w.run_id, c.leading, TICK_AND_INGEST
     for action, why in (
             ("dynamodb:GetItem", "the run state, a participant's record, counts, kept offers (store/table.py)"),
             ("dynamodb:Query", "a tick's snapshot: participants, the round's updates, proofs, reports"),
@@ -280,7 +304,10 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
     c.add(ticks, "sqs:SendMessage", w.dead_letters,
           "Lambda sends an asynchronous invocation that keeps failing to the dead-letter queue")
 
-    # The join function (register joiners, from the join queue)
+
+def _join_function(c: _Catalog) -> None:
+    """The join function: it registers joiners, from the join queue."""
+    w, run, leading, pid, join = c.w, c.w.run_id, c.leading, SAMPLE_PARTICIPANT, f"{FUNCTION}join"
     c.add(join, "s3:GetObjectVersion", w.obj(keys.join_key(run, pid)),
           "a join request, by the version its event names (coordinator/intake/)",
           w.obj(f"{keys.join_prefix(run)}*"))
@@ -293,7 +320,11 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
                         ("dynamodb:UpdateItem", "the participant count, accepted messages, an adopted offer")):
         c.add(join, action, w.table_arn, f"{why} (store/table.py)", context=leading)
 
-    # The shard worker (one aggregation shard per invocation, from the shard queue)
+
+def _shard_function(c: _Catalog) -> None:
+    """The shard worker: one aggregation shard per invocation, from the shard queue."""
+    w, run, shard = c.w, c.w.run_id, f"{FUNCTION}shard"
+    r, nxt, d, job, pid = SAMPLE_ROUND, SAMPLE_ROUND + 1, SAMPLE_DIGEST, SAMPLE_JOB, SAMPLE_PARTICIPANT
     c.reads(shard, "s3:GetObjectVersion", [keys.global_key(run, r, d), keys.update_key(run, r, pid)],
             "the round's global model and accepted updates, by range, by the versions recorded "
             "(coordinator/aggregation.py run_shard)", layout.round_objects(run))
@@ -312,7 +343,10 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
               "the shard's parts of the staged aggregate, its outcome for the waiting tick, its optimizer-state and "
               "download-delta pieces (coordinator/aggregation.py, coordinator/shard_queue.py)", w.obj(grant))
 
-    # What Lambda does with each function's role: its logs; the queue event sources' polling
+
+def _lambda_on_roles(c: _Catalog) -> None:
+    """What Lambda does with each function's role: its logs; the queue event sources' polling."""
+    w = c.w
     for name in FUNCTIONS:
         stream = f"{w.log_groups.get(name, '')}:log-stream:2026/01/01/[$LATEST]0"
         for action in ("logs:CreateLogStream", "logs:PutLogEvents"):
@@ -322,7 +356,12 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
         for action in ("sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes"):
             c.add(f"{FUNCTION}{name}", action, queue, f"Lambda's event source polls the {name} queue with the role")
 
-    # The participant role, tagged participant=<id>
+
+def _participant(c: _Catalog, witnessing: bool) -> None:
+    """The participant role, tagged participant=<id>: its own keys and queue, the run's models and state; with
+    `witnessing`, the updates it witnesses and its proofs and health reports."""
+    w, run, leading = c.w, c.w.run_id, c.leading
+    r, d, pid, peer = SAMPLE_ROUND, SAMPLE_DIGEST, SAMPLE_PARTICIPANT, SAMPLE_PEER
     tag: dict[str, str | list[str]] = {f"aws:PrincipalTag/{PARTICIPANT_TAG}": pid}
     own = w.own_queue(pid)
 
@@ -364,7 +403,11 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
     p("sns:Subscribe", w.state_topic, "its own queue subscribed to the state topic, over SQS (store/push.py)",
       context={"sns:Protocol": "sqs", "sns:Endpoint": own})
 
-    # The operator policy: every `fed` command
+
+def _operator(c: _Catalog) -> None:
+    """The operator policy: every `fed` command (status, verify, run, check)."""
+    w, run, everything, leading = c.w, c.w.run_id, c.everything, c.leading
+    r, d, pid = SAMPLE_ROUND, SAMPLE_DIGEST, SAMPLE_PARTICIPANT
     o = OPERATOR
     c.add(o, "cloudformation:DescribeStacks", w.stack_id, "--stack reads the outputs (store/connection.py)")
     c.add(o, "cloudformation:ListStackResources", w.stack_id, "fed check finds the functions and queues")
@@ -409,7 +452,6 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
     for action in ("sts:AssumeRole", "sts:TagSession"):
         c.add(o, action, w.roles.get(PARTICIPANT, ""), "fed check opens a tagged participant session",
               context={f"aws:RequestTag/{PARTICIPANT_TAG}": pid, "aws:TagKeys": [PARTICIPANT_TAG]})
-    return c.calls
 
 
 def _pattern_of(run_id: str, key: str) -> str:
