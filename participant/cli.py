@@ -10,6 +10,7 @@ import socket
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import urlparse
 
 import typer
@@ -17,6 +18,10 @@ import typer
 from shared.keys import KeyError_, validate_participant_id
 from store.connection import DEFAULT_LOCAL_FILE, Connection, ConnectionError_
 from store.trace import install_from_env
+
+if TYPE_CHECKING:
+    from participant.daemon import Options
+    from participant.ui import Reporter
 
 log = logging.getLogger("participant")
 
@@ -178,6 +183,18 @@ def start(
     ),
 ) -> None:
     """Join a run and train until it is finished (see START_HELP)."""
+    pid, reporter = _setup(participant_id, log_level)
+    conn = _connect(connection, stack, region, run, pid)
+    from participant.daemon import Options, default_state_dir  # loaded only to run: --help stays quick
+    options = Options(pid=pid, state_dir=state_dir or default_state_dir(conn.run_id, pid), task=task, device=device,
+                      threads=threads, max_rounds=max_rounds, poll_max=poll_max, data=data, throttle=throttle,
+                      push=push)
+    raise typer.Exit(_run(conn, options, reporter))
+
+
+def _setup(participant_id: str | None, log_level: str) -> tuple[str, Reporter]:
+    """Check --log-level and --id (this host's name by default) and set up logging: the participant id, and the
+    reporter that shows the training's progress."""
     from participant.ui import setup_logging
 
     if log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
@@ -187,7 +204,13 @@ def start(
         validate_participant_id(pid)
     except KeyError_ as exc:
         raise typer.BadParameter(str(exc), param_hint="--id") from None
-    reporter = setup_logging(log_level, pid)
+    return pid, setup_logging(log_level, pid)
+
+
+def _connect(connection: Path, stack: str | None, region: str | None, run: str | None, pid: str) -> Connection:
+    """The run's connection: read from --stack's outputs or the --connection file, and for the run --run names.
+    Against a local endpoint, with throwaway credentials (`use_local_credentials`) and its requests traced where
+    the local stack asks for it."""
     try:
         conn = Connection.from_stack(stack, region) if stack else Connection.load(connection)
     except ConnectionError_ as exc:
@@ -198,11 +221,12 @@ def start(
         _fail(f"--run {run}: the connection ({stack or connection}) is for run {conn.run_id!r}")
     if use_local_credentials(conn.endpoint, pid):
         install_from_env()  # the local stack's access check: the code path of each request
+    return conn
 
-    from participant.daemon import Daemon, Options, default_state_dir
-    from participant.protocol import ParticipantError
-    from participant.remote import FatalRemoteError
 
+def _stop_on_signals() -> tuple[threading.Event, list[int]]:
+    """An event SIGTERM and Ctrl-C set, asking the daemon to stop after its current step (a second Ctrl-C stops it
+    at once), and the list of the signals received (the exit status tells Ctrl-C)."""
     stop = threading.Event()
     received: list[int] = []
 
@@ -215,13 +239,19 @@ def start(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop, received
 
-    options = Options(
-        pid=pid, state_dir=state_dir or default_state_dir(conn.run_id, pid), task=task, device=device,
-        threads=threads, max_rounds=max_rounds, poll_max=poll_max, data=data, throttle=throttle, push=push,
-    )
+
+def _run(conn: Connection, options: Options, reporter: Reporter) -> int:
+    """Run the daemon until the run is finished, --max-rounds is reached or a signal stops it, and print the
+    outcome; the exit status (an error it cannot work around exits 1 here)."""
+    from participant.daemon import Daemon
+    from participant.protocol import ParticipantError
+    from participant.remote import FatalRemoteError
+
+    stop, received = _stop_on_signals()
     endpoint = conn.endpoint or f"AWS {conn.region}"
-    log.info("participant %s, run %s (bucket %s, table %s, %s); state in %s", pid, conn.run_id, conn.bucket,
+    log.info("participant %s, run %s (bucket %s, table %s, %s); state in %s", options.pid, conn.run_id, conn.bucket,
              conn.table, endpoint, options.state_dir)
     try:
         outcome = Daemon(conn, options, stop, reporter).run()
@@ -232,17 +262,17 @@ def start(
             metrics = ", ".join(f"{k} {v:.4f}" for k, v in sorted(outcome.final.items()))
             acc = outcome.final.get("test_accuracy")
             headline = f"final test accuracy: {acc:.4f}" if acc is not None else "final model evaluated"
-            typer.echo(f"{headline} ({metrics}; run {conn.run_id}, participant {pid}, "
+            typer.echo(f"{headline} ({metrics}; run {conn.run_id}, participant {options.pid}, "
                        f"{outcome.rounds} round(s) trained by this process)")
         else:
             typer.echo(f"run {conn.run_id} finished: {outcome.reason}")
-        raise typer.Exit(0)
+        return 0
     if received and received[-1] == signal.SIGINT:
-        raise typer.Exit(130)
-    raise typer.Exit(0)
+        return 130
+    return 0
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     log.error(message)
     typer.echo(f"fed-participant: error: {message}", err=True)
     raise typer.Exit(1)
