@@ -20,6 +20,8 @@ delivered again (six worker timeouts later: `Coordinator`), and after shard_max_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aws_cdk import Duration, Stack
 from aws_cdk import aws_dynamodb as dynamodb
 from aws_cdk import aws_events as events
@@ -248,24 +250,7 @@ class Coordinator(Construct):
                 log_removal=removal_policy(settings),
             )
 
-        # The shard worker, fed by the shard queue that whichever tick aggregates fills. It reads the table's name
-        # from the environment like the others, never the table.
-        self.shard = build("shard", f"Run {run_id}: aggregation shards, from the shard queue a tick fills",
-                           settings.shard, shard_statements(bucket, run_id), asynchronous=False)
-        self.shard_queue = sqs.Queue(
-            self,
-            "ShardQueue",
-            encryption=sqs.QueueEncryption.SQS_MANAGED,
-            enforce_ssl=True,
-            # Lambda's advice for a queue event source (see the class docstring for what a late task does)
-            visibility_timeout=Duration.seconds(settings.shard.queue_visibility_seconds),
-            retention_period=Duration.seconds(settings.shard_retention_seconds()),
-            dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=settings.shard_max_receives,
-                                                  queue=self.dead_letters),
-        )
-        self.shard.add_event_source(
-            event_sources.SqsEventSource(self.shard_queue, batch_size=1, max_concurrency=settings.shard_concurrency)
-        )
+        self._shard_worker(run_id, settings, bucket, build)
         statements = coordinator_statements(bucket, table, run_id, shard_queue=self.shard_queue,
                                             state_topic=state_topic)
 
@@ -285,6 +270,33 @@ class Coordinator(Construct):
         self.functions = (self.tick, self.ingest, self.join, self.shard)
         self.committers = (self.tick, self.ingest)  # the functions that commit the run state (and publish it)
 
+        self._rules(run_id, settings, bucket)
+        self._acknowledge(bucket, run_id)
+
+    def _shard_worker(self, run_id: str, settings: DeploySettings, bucket: s3.Bucket,
+                      build: Callable[..., lambda_.Function]) -> None:
+        """The shard worker, fed by the shard queue that whichever tick aggregates fills. It reads the table's name
+        from the environment like the others, never the table."""
+        self.shard = build("shard", f"Run {run_id}: aggregation shards, from the shard queue a tick fills",
+                           settings.shard, shard_statements(bucket, run_id), asynchronous=False)
+        self.shard_queue = sqs.Queue(
+            self,
+            "ShardQueue",
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+            enforce_ssl=True,
+            # Lambda's advice for a queue event source (see the class docstring for what a late task does)
+            visibility_timeout=Duration.seconds(settings.shard.queue_visibility_seconds),
+            retention_period=Duration.seconds(settings.shard_retention_seconds()),
+            dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=settings.shard_max_receives,
+                                                  queue=self.dead_letters),
+        )
+        self.shard.add_event_source(
+            event_sources.SqsEventSource(self.shard_queue, batch_size=1, max_concurrency=settings.shard_concurrency)
+        )
+
+    def _rules(self, run_id: str, settings: DeploySettings, bucket: s3.Bucket) -> None:
+        """What invokes the functions: uploads (ingest), join requests (their own lane: a queue and the join
+        function draining it), and the schedule (tick)."""
         pattern = object_created_pattern(bucket.bucket_name, run_id)
         self.object_created = events.Rule(
             self,
@@ -335,7 +347,6 @@ class Coordinator(Construct):
             schedule=events.Schedule.rate(Duration.minutes(TICK_SCHEDULE_MINUTES)),
             targets=[self._target(self.tick)],
         )
-        self._acknowledge(bucket, run_id)
 
     def _target(self, fn: lambda_.Function) -> targets.LambdaFunction:
         return targets.LambdaFunction(
