@@ -120,18 +120,41 @@ def local(
     raise typer.Exit(run_local(cfg, port, tick_interval, connection_file, log_file, log_level.upper(), console))
 
 
+# `fed demo`'s longer option texts, kept out of its signature so that the options read as a list
+DEMO_TASK_HELP = (
+    "The built-in task to train, with settings that finish in minutes on a 2-core CPU: `digits` (the "
+    "default; an MLP on scikit-learn's 8x8 digits, 20 rounds, each round's test accuracy), `lm` (a "
+    "~1M-parameter byte-level transformer on Python's help text, 4 rounds, each round's held-out loss and "
+    "perplexity) or `flower` (the Flower anchor's digits work: participant i trains its own shard i, 15 rounds; "
+    "`make bench-rounds`). With --config, the file's task runs (a participant.tasks.lm task is reported by its "
+    "held-out loss)."
+)
+DEMO_SPLIT_HELP = (
+    "Train on private data (data_mode = local): the training set is split among the participants, "
+    "IID or with a Dirichlet(ALPHA) label skew (0.1: a few digits each; 100: close to IID), and each trains "
+    "only on its own part. Default: every round assigns each participant a slice of the shared set."
+)
+DEMO_UPDATES_HELP = (
+    "What participants upload (update_encoding): their trained weights (the default), or the delta from "
+    "the round's global as bfloat16 (half the bytes) or int8 per block of 256 with a scale each (about a "
+    "quarter), the quantization error carried into their next round."
+)
+DEMO_DOWNLOADS_HELP = (
+    "What participants download each round (download_encoding): the global model (the default), or the "
+    "round's change from the previous global as bfloat16 or int8 (about a quarter of the bytes), which each "
+    "participant applies to the model it holds; the global is then defined as previous + decoded change."
+)
+DEMO_MIXED_SPEEDS_HELP = (
+    "A fleet of mixed speeds: the last participant trains at a quarter of this host's speed (`fed-participant "
+    "start --throttle 0.25`). The report shows each participant's share and training seconds per round: equal "
+    "in the first round, sized by the measured throughput after it."
+)
+
+
 @app.command()
 def demo(
     participants: int = typer.Option(4, "--participants", "-n", min=1, help="Participant processes to start."),
-    task: str | None = typer.Option(
-        None, "--task", "-t",
-        help="The built-in task to train, with settings that finish in minutes on a 2-core CPU: `digits` (the "
-        "default; an MLP on scikit-learn's 8x8 digits, 20 rounds, each round's test accuracy), `lm` (a "
-        "~1M-parameter byte-level transformer on Python's help text, 4 rounds, each round's held-out loss and "
-        "perplexity) or `flower` (the Flower anchor's digits work: participant i trains its own shard i, 15 rounds; "
-        "`make bench-rounds`). With --config, the file's task runs (a participant.tasks.lm task is reported by its "
-        "held-out loss).",
-    ),
+    task: str | None = typer.Option(None, "--task", "-t", help=DEMO_TASK_HELP),
     rounds: int | None = typer.Option(
         None, "--rounds", "-r", min=1,
         help="Rounds to aggregate. Default: 20 (digits), 4 (lm), 15 (flower), or the --config file's total_rounds.",
@@ -153,30 +176,10 @@ def demo(
         help="SIGKILL one participant in the middle of a round: the coordinator drops it and the run goes on "
         "(the demo's default config then needs only N-1 members).",
     ),
-    split: str | None = typer.Option(
-        None, "--split", metavar="iid|dirichlet:ALPHA",
-        help="Train on private data (data_mode = local): the training set is split among the participants, "
-        "IID or with a Dirichlet(ALPHA) label skew (0.1: a few digits each; 100: close to IID), and each trains "
-        "only on its own part. Default: every round assigns each participant a slice of the shared set.",
-    ),
-    updates: str | None = typer.Option(
-        None, "--updates", metavar="weights|bf16|int8",
-        help="What participants upload (update_encoding): their trained weights (the default), or the delta from "
-        "the round's global as bfloat16 (half the bytes) or int8 per block of 256 with a scale each (about a "
-        "quarter), the quantization error carried into their next round.",
-    ),
-    downloads: str | None = typer.Option(
-        None, "--downloads", metavar="full|bf16|int8",
-        help="What participants download each round (download_encoding): the global model (the default), or the "
-        "round's change from the previous global as bfloat16 or int8 (about a quarter of the bytes), which each "
-        "participant applies to the model it holds; the global is then defined as previous + decoded change.",
-    ),
-    mixed_speeds: bool = typer.Option(
-        False, "--mixed-speeds",
-        help="A fleet of mixed speeds: the last participant trains at a quarter of this host's speed (`fed-participant "
-        "start --throttle 0.25`). The report shows each participant's share and training seconds per round: equal "
-        "in the first round, sized by the measured throughput after it.",
-    ),
+    split: str | None = typer.Option(None, "--split", metavar="iid|dirichlet:ALPHA", help=DEMO_SPLIT_HELP),
+    updates: str | None = typer.Option(None, "--updates", metavar="weights|bf16|int8", help=DEMO_UPDATES_HELP),
+    downloads: str | None = typer.Option(None, "--downloads", metavar="full|bf16|int8", help=DEMO_DOWNLOADS_HELP),
+    mixed_speeds: bool = typer.Option(False, "--mixed-speeds", help=DEMO_MIXED_SPEEDS_HELP),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Give up (exit 1) if the run has not finished."),
     tick_interval: float = typer.Option(1.0, "--tick-interval", min=0.05, help="Seconds between scheduled ticks."),
     workdir: Path | None = typer.Option(
