@@ -45,7 +45,7 @@ class Assumptions:
     once; ingest reads the state item and the update once, writes the record and the round's count; the aggregation
     reads the update once (a small model: ranged reads of a large one are in `aggregation_cost`)."""
 
-    round_seconds: float = 60.0  # wall time of a round, download to next global model (the steady state of issue 13)
+    round_seconds: float = 60.0  # wall time of a round, download to next global model (a minute: the steady state)
     # Silence after which a member is dropped: three rounds. Heartbeats go every liveness_timeout / 3, and none within
     # two intervals of an update upload (`RunConfig.heartbeat_after_update`), so a member uploading every round sends
     # none while its rounds are shorter than that (the load test: 0.00 a round in 57 s rounds).
