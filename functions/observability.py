@@ -40,11 +40,11 @@ def traced(fn: Any) -> Any:
     return tracer.capture_lambda_handler(fn) if tracer is not None else fn
 
 
-Work = Callable[[Deps, dict[str, Any]], dict[str, Any]]
-Handler = Callable[[dict[str, Any], LambdaContext], dict[str, Any]]
+FunctionWork = Callable[[Deps, dict[str, Any]], dict[str, Any]]
+LambdaHandler = Callable[[dict[str, Any], LambdaContext], dict[str, Any]]
 
 
-def lambda_handler(work: Work, deps: Callable[[], Deps] | None = None) -> Handler:
+def lambda_handler(work: FunctionWork, deps: Callable[[], Deps] | None = None) -> LambdaHandler:
     """The Lambda handler that does `work` with the function's `Deps` (from its environment, or `deps`: the local
     stack's, with its shard workers), logged, measured and traced as every handler is."""
 
