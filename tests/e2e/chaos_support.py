@@ -133,8 +133,8 @@ def install_crash_hooks(rng: random.Random, report: Callable[[str, dict[str, Any
     - Other aggregations raise `SimulatedCrash` after writing the global, at `aggregation_crash_rate`.
     - A recorded update's ingest raises before its tick at `ingest_crash_rate`.
     """
-    import coordinator.tick as coordinator
     import coordinator.service as service
+    import coordinator.tick as coordinator
     from shared.state import Aggregate
 
     original_carry, original_write = coordinator.carry_out_before_commit, coordinator.write_aggregate
