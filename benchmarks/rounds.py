@@ -108,51 +108,35 @@ def print_requests(title: str, counts: Counter[tuple[str, str]], divisor: float)
     return total
 
 
-def main() -> int:
-    launched = process_started_at()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="Also write the figures and the demo's report here.")
-    parser.add_argument("--timeout", type=float, default=600.0, help="Give up on the run after this many seconds.")
-    args = parser.parse_args()
-
-    from rich.console import Console
-
-    from fed.demo import DemoFailed, DemoOptions, run_demo
-    from participant.tasks import flower_digits_meta as meta
-
-    rounds = meta.ROUNDS
-    opts = DemoOptions(participants=PARTICIPANTS, task="flower", rounds=rounds, count_requests=True,
-                       timeout=args.timeout)
-    called = time.time()
-    try:
-        report = run_demo(opts, Console())
-    except DemoFailed as exc:
-        print(f"bench-rounds: the run failed: {exc}", file=sys.stderr)
-        return 1
-    returned = time.time()
-    # every request the server answered: (epoch seconds, sender, service, operation, the path of an S3 PutObject)
-    events = [(t, sender(address), svc, op, path) for t, address, svc, op, path in report.pop("request_events")]
-
-    # The anchor's rounds are the aggregated ones: a round the coordinator did not aggregate (too few updates, e.g.
-    # participants dropped as silent) carries its model over and is trained again as the next round, which the task
-    # numbers as the same Flower round. Such a round is reported, and its seconds are not in the median.
+def check(report: dict[str, Any], rounds: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """The aggregated rounds (the anchor's rounds: a round not aggregated, e.g. with participants dropped as silent,
+    carries its model over and is trained again as the same Flower round), and what differs from the anchor."""
     rows = report["rounds"]
     done = [r for r in rows if r["aggregated"]]
     accuracies = [round(r["accuracy"], 4) for r in done]
-    seconds = [r["ended"] - r["started"] for r in done]
     problems = [f"round {r['round']}: {r['accepted']} of {PARTICIPANTS} updates counted" for r in done
                 if r["accepted"] != PARTICIPANTS or r["participants"] != PARTICIPANTS]
     if len(done) != rounds:
         problems.append(f"{len(done)} rounds aggregated, expected {rounds}")
-    recipe = list(meta.RECIPE_ACCURACIES)
-    if accuracies != recipe[: len(accuracies)]:
+    if accuracies != list(meta().RECIPE_ACCURACIES)[: len(accuracies)]:
         problems.append("the accuracies differ from the recipe's (run directly in torch)")
     final = round(report["final_accuracy"], 4)
-    if final != meta.FLOWER_ACCURACY:
-        problems.append(f"final accuracy {final:.4f}, not Flower's and the recipe's {meta.FLOWER_ACCURACY:.4f}")
+    if final != meta().FLOWER_ACCURACY:
+        problems.append(f"final accuracy {final:.4f}, not Flower's and the recipe's {meta().FLOWER_ACCURACY:.4f}")
+    return done, problems
 
+
+def meta() -> Any:
+    from participant.tasks import flower_digits_meta
+
+    return flower_digits_meta
+
+
+def print_rounds(rows: list[dict[str, Any]], done: list[dict[str, Any]]) -> None:
+    """One line per round: its Flower round, accuracy beside the recipe's, seconds (or why it was not aggregated)."""
+    recipe = list(meta().RECIPE_ACCURACIES)
     print(f"\nbench-rounds: the Flower anchor's work through fed demo ({PARTICIPANTS} participants, {len(done)} "
-          f"aggregated rounds of {meta.TASK}; local data: participant p<i+1> trains shard i)")
+          f"aggregated rounds of {meta().TASK}; local data: participant p<i+1> trains shard i)")
     print(f"{'round':>5}  {'flower':>6}  {'test acc':>8}  {'recipe':>8}  {'seconds':>7}")
     aggregated = 0
     for r in rows:
@@ -169,18 +153,20 @@ def main() -> int:
     if len(done) < len(rows):
         print(f"warning: {len(rows) - len(done)} round(s) not aggregated; the figures below include the time they "
               "took except the median round, which is over the aggregated rounds")
-    if not done:
-        print("bench-rounds FAILED: no round was aggregated", file=sys.stderr)
-        return 1
 
+
+def print_times(report: dict[str, Any], done: list[dict[str, Any]], events: list[Any], launched: float,
+                called: float, returned: float) -> dict[str, float]:
+    """The run's times beside the polling era's and Flower's; the figures printed."""
+    rows = report["rounds"]
     first, last = rows[0], done[-1]
-    median = statistics.median(seconds)
+    median = statistics.median(r["ended"] - r["started"] for r in done)
     all_rounds = last["ended"] - first["started"]
     to_first = first["started"] - launched
     to_first_global = first["ended"] - launched
     wall = returned - launched
     low, high = FLOWER_FIFTEEN_ROUNDS
-    print(f"\nfinal test accuracy {final:.4f} (Flower {meta.FLOWER_ACCURACY:.4f})")
+    print(f"\nfinal test accuracy {round(report['final_accuracy'], 4):.4f} (Flower {meta().FLOWER_ACCURACY:.4f})")
     print("definitions: a round's seconds = ended - started of its round record (the tick that selected its "
           "trainers to the tick that aggregated it); launch = this process's start (the kernel's process start "
           "time: python and its imports, then fed demo's run_demo); first round = round 0's start in its record "
@@ -204,8 +190,16 @@ def main() -> int:
           f"global model (round 0 aggregated) {to_first_global:.2f} s")
     print(f"total wall             {wall:7.2f} s   Flower's whole run {low:.0f}-{high:.0f} s: "
           f"{wall / high:.3f}-{wall / low:.3f}x")
+    return {"median_round": median, "rounds_seconds": all_rounds, "launch_to_first_round": to_first,
+            "launch_to_first_global": to_first_global, "wall": wall}
 
-    # requests: every one the local server answered, by sender and phase
+
+def print_request_counts(report: dict[str, Any], done: list[dict[str, Any]], events: list[Any]
+                         ) -> tuple[dict[str, Counter[tuple[str, str]]], dict[str, Counter[tuple[str, str]]],
+                                    float, float]:
+    """Every request the local server answered, by sender and phase; per participant per round. Returns the
+    counts (whole run, steady state) and the two per-round figures."""
+    first, last = report["rounds"][0], done[-1]
     served = sum(n for _, _, n in report.get("requests", []))
     whole: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
     steady: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
@@ -231,15 +225,51 @@ def main() -> int:
         f"{PARTICIPANTS} / {len(done)})", steady[PARTICIPANT], divisor)
     print_requests("the coordinator side (this process: functions, local dispatcher, demo observer) per round, steady "
                    "state", steady[STACK], len(done))
+    return whole, steady, per_round, per_round_steady
+
+
+def main() -> int:
+    launched = process_started_at()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="Also write the figures and the demo's report here.")
+    parser.add_argument("--timeout", type=float, default=600.0, help="Give up on the run after this many seconds.")
+    args = parser.parse_args()
+
+    from rich.console import Console
+
+    from fed.demo import DemoFailed, DemoOptions, run_demo
+
+    rounds = meta().ROUNDS
+    opts = DemoOptions(participants=PARTICIPANTS, task="flower", rounds=rounds, count_requests=True,
+                       timeout=args.timeout)
+    called = time.time()
+    try:
+        report = run_demo(opts, Console())
+    except DemoFailed as exc:
+        print(f"bench-rounds: the run failed: {exc}", file=sys.stderr)
+        return 1
+    returned = time.time()
+    # every request the server answered: (epoch seconds, sender, service, operation, the path of an S3 PutObject)
+    events = [(t, sender(address), svc, op, path) for t, address, svc, op, path in report.pop("request_events")]
+    rows = report["rounds"]
+    done, problems = check(report, rounds)
+    print_rounds(rows, done)
+    if not done:
+        print("bench-rounds FAILED: no round was aggregated", file=sys.stderr)
+        return 1
+    times = print_times(report, done, events, launched, called, returned)
+    whole, steady, per_round, per_round_steady = print_request_counts(report, done, events)
     if not whole[PARTICIPANT]:
         problems.append("no request was counted from a participant process")
 
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         figures = {
-            "accuracies": accuracies, "round_seconds": seconds, "median_round": median,
-            "rounds_seconds": all_rounds, "rounds_recorded": len(rows), "launch_to_first_round": to_first,
-            "launch_to_first_global": to_first_global, "wall": wall,
+            "accuracies": [round(r["accuracy"], 4) for r in done],
+            "round_seconds": [r["ended"] - r["started"] for r in done], "median_round": times["median_round"],
+            "rounds_seconds": times["rounds_seconds"], "rounds_recorded": len(rows),
+            "launch_to_first_round": times["launch_to_first_round"],
+            "launch_to_first_global": times["launch_to_first_global"], "wall": times["wall"],
             "requests_per_participant_round": per_round,
             "steady_requests_per_participant_round": per_round_steady,
             "participant_requests": {f"{s} {o}": n for (s, o), n in sorted(whole[PARTICIPANT].items())},
