@@ -185,7 +185,7 @@ class Clients:
     admission taking 800 s instead of 320, heartbeats not arriving in time, a member dropped as silent). Waiting
     here costs no timeout; the server serves as fast as it can either way. The long polls (SQS) are not bounded:
     each waits, holding a connection, for a push (the local server lets them sleep until one comes:
-    local/moto_sqs.py)."""
+    local/moto/sqs.py)."""
 
     def __init__(self, conn: Connection, counter: RequestCounter, pool: int = 256, in_flight: int = 64) -> None:
         config = Config(retries={"max_attempts": 8, "mode": "standard"}, max_pool_connections=max(pool, in_flight),
