@@ -57,7 +57,7 @@ class LocalFunctions:
     sets up before the first event."""
 
     def __init__(self, shard_workers: int | None = None) -> None:
-        workers = os.cpu_count() or 1 if shard_workers is None else shard_workers
+        workers = (os.cpu_count() or 1) if shard_workers is None else shard_workers
         self.shards = ShardPool(workers) if workers > 0 else None
 
     def deps(self) -> Deps:

@@ -16,7 +16,6 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from coordinator.aggregation import from_outcome, retried, shard_outcome
-from coordinator.deps import ShardRunner
 from functions.settings import deps_from_env
 from shared.messages import ShardDone, ShardTask, parse_message
 from store.trace import acting_as, function, install_from_env
@@ -68,10 +67,6 @@ class ShardPool:
         """Every task on the pool at once, each retried on failure; their results in order (a `ShardRunner`)."""
         with ThreadPoolExecutor(max_workers=len(tasks)) as waiters:
             return list(waiters.map(lambda t: retried(lambda: self._attempt(t), t), tasks))
-
-    @property
-    def runner(self) -> ShardRunner:
-        return self.run
 
     def close(self) -> None:
         with self._lock:
