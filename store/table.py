@@ -141,14 +141,7 @@ class StateStore(RoundRecords):
 
     def commit(self, state: RunState, expected_version: int, summaries: tuple[RoundSummary, ...] = ()) -> int:
         """Write `state` if the stored version is still `expected_version`; return the new version."""
-        item = self.m.run(
-            self.pk,
-            STATE_SK,
-            phase=state.phase.value,
-            round=state.round,
-            epoch=state.epoch,
-            body=self.item_body(state),
-        )
+        item = self.state_item(state, self.item_body(state))
         if expected_version:  # without a version, pynamodb's save requires that the item not exist yet
             item.version = expected_version
         try:
@@ -158,12 +151,26 @@ class StateStore(RoundRecords):
                 with TransactWrite(connection=self._connection()) as tx:
                     tx.save(item)
                     for s in summaries:
-                        tx.save(self.m.round(self.pk, round_sk(s.round), round=s.round, body=summary_to_body(s)))
+                        tx.save(self.summary_item(s))
         except (PutError, TransactWriteError) as exc:
             if condition_failed(exc):
                 raise Conflict(f"state changed since version {expected_version}") from None
             raise
         return expected_version + 1
+
+    def state_item(self, state: RunState, body: dict[str, Any]) -> Any:
+        """The state item for `state` with its `body` (`item_body`), unsaved."""
+        return self.m.run(self.pk, STATE_SK, phase=state.phase.value, round=state.round, epoch=state.epoch, body=body)
+
+    def summary_item(self, summary: RoundSummary) -> Any:
+        """A closed round's summary item, unsaved."""
+        return self.m.round(self.pk, round_sk(summary.round), round=summary.round, body=summary_to_body(summary))
+
+    def new_participant_item(self, pid: str, at: float, public_key: str, info: dict[str, Any], sent_at: float,
+                             samples: int) -> Any:
+        """A newly registered participant's record, unsaved: joined and last seen `at`."""
+        return self.m.participant(self.pk, participant_sk(pid), pid=pid, joined_at=at, last_seen=at,
+                                  public_key=public_key, info=info, last_sent=sent_at, samples=samples)
 
     def claim(self, name: str, holder: str, until: float, now: float) -> bool:
         """Take the lease `name` for `holder` until `until` (one conditional write): True unless another holder
@@ -222,10 +229,7 @@ class StateStore(RoundRecords):
         The record and the run's participant count change in one transaction, so fake joins cannot
         grow the table past `limit` participants.
         """
-        item = self.m.participant(
-            self.pk, participant_sk(pid), pid=pid, joined_at=at, last_seen=at, public_key=public_key, info=info,
-            last_sent=sent_at, samples=samples,
-        )
+        item = self.new_participant_item(pid, at, public_key, info, sent_at, samples)
         counter = self.m.counter(self.pk, PARTICIPANT_COUNT_SK)
         n = self.m.counter.n
         try:

@@ -26,7 +26,6 @@ from shared.table_keys import (
     lease_sk,
     offer_sk,
     participant_sk,
-    round_sk,
     run_pk,
     update_count_sk,
 )
@@ -93,10 +92,11 @@ class FakeStateStore(StateStore):
             item = self._get(self.m.run, STATE_SK)
             if (item.version if item is not None else 0) != expected_version:
                 raise Conflict(f"state changed since version {expected_version}")
-            self._put(self.m.run(self.pk, STATE_SK, phase=state.phase.value, round=state.round, epoch=state.epoch,
-                                 body=body, version=expected_version + 1))
+            item = self.state_item(state, body)
+            item.version = expected_version + 1
+            self._put(item)
             for s in summaries:
-                self._put(self.m.round(self.pk, round_sk(s.round), round=s.round, body=records.summary_to_body(s)))
+                self._put(self.summary_item(s))
         return expected_version + 1
 
     def claim(self, name: str, holder: str, until: float, now: float) -> bool:
@@ -130,8 +130,7 @@ class FakeStateStore(StateStore):
             counter = self._get(self.m.counter, PARTICIPANT_COUNT_SK)
             if counter is not None and counter.n >= limit:
                 return "full"
-            self._put(self.m.participant(self.pk, participant_sk(pid), pid=pid, joined_at=at, last_seen=at,
-                                         public_key=public_key, info=info, last_sent=sent_at, samples=samples))
+            self._put(self.new_participant_item(pid, at, public_key, info, sent_at, samples))
             self._put(self.m.counter(self.pk, PARTICIPANT_COUNT_SK, n=(counter.n if counter else 0) + 1))
             return "created"
 
