@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from coordinator.catchup import WORKERS, late_objects
 from coordinator.deps import Deps
-from coordinator.intake import ObjectCreated, ingest_object
-from coordinator.intake.common import Ingested
+from coordinator.intake import Ingested, ObjectCreated, ingest_object
 from coordinator.tick import TickContention, TickResult, decide_and_commit
 
 
