@@ -113,10 +113,16 @@ ENV_TABLE = "FED_TABLE"
 ENV_CONFIG = "FED_CONFIG_JSON"
 ENV_ENDPOINT = "FED_AWS_ENDPOINT"
 ENV_STATE_TOPIC = "FED_STATE_TOPIC_ARN"  # where a commit that changes phase or round publishes ("": nowhere)
-# Where a tick's aggregation shards run: "lambda:<function name>" (the shard-worker function, on AWS),
-# "processes:<n>" (a pool of n worker processes: the local stack), unset: threads of the tick itself.
+# Where a tick's aggregation shards run: "queue:<url>" (the shard queue, which feeds the shard-worker function),
+# unset: threads of the tick itself.
 ENV_SHARD_RUNNER = "FED_SHARD_RUNNER"
 ENV_SHARD_WAIT = "FED_SHARD_WAIT"  # seconds a tick waits for its queue-fed shards' outcomes
+# The credential endpoint (`functions.credentials`): the role it issues sessions of, their lifetime, its rate limits
+# (requests a minute, per host and over all hosts).
+ENV_PARTICIPANT_ROLE = "FED_PARTICIPANT_ROLE_ARN"
+ENV_CREDENTIAL_SECONDS = "FED_CREDENTIAL_SECONDS"
+ENV_HOST_RATE = "FED_HOST_REQUESTS_PER_MINUTE"
+ENV_ALL_HOSTS_RATE = "FED_ALL_HOSTS_REQUESTS_PER_MINUTE"
 
 # DynamoDB table schema (one table per run; see store/records.py for the items).
 TABLE_HASH_KEY = "pk"
@@ -139,6 +145,11 @@ OUTPUT_PARTICIPANT_ROLE = "ParticipantRoleArn"
 OUTPUT_STATE_TOPIC = "StateTopicArn"
 OUTPUT_OPERATOR_POLICY = "OperatorPolicyArn"  # what `fed` needs to operate the run: attach it to operators
 OUTPUT_TICK_FUNCTION = "TickFunctionName"  # `fed run pause|resume` invokes it
+OUTPUT_CREDENTIAL_ENDPOINT = "CredentialEndpointUrl"  # the function URL invites name (`fed hosts invite`)
+
+# The participant role's inline policy `fed hosts revoke` writes: a deny on the revoked hosts' session tags. It is
+# not part of the template, so a redeploy leaves it in place.
+REVOKED_HOSTS_POLICY = "fed-revoked-hosts"
 
 # The session tag naming a participant; IAM policy variables use it to scope its keys.
 PARTICIPANT_TAG = "participant"
