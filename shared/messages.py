@@ -9,6 +9,12 @@ and the one the coordinator sends them:
 
     StateChange    the run's state topic -> each participant's queue    a committed state item, pushed
 
+and the credential endpoint's (a function URL; shared.hosts has its rules):
+
+    RedeemRequest     POST /redeem    an invite's secret, with the public key the host binds to its id
+    RenewRequest      POST /renew     a timestamp and nonce signed with that key
+    CredentialAnswer  either's 200    STS credentials for the participant role, and where the run lives
+
 Every model is strict (no coercion: "3" is not an integer), forbids unknown fields, is frozen and bounds
 every string, list and mapping, so a hostile upload costs a bounded amount of work and storage. Ingest
 parses each body with `parse_message`, whose `MessageError` names the offending field(s) and never echoes
@@ -18,6 +24,8 @@ more than a few hundred characters of the input. Senders build the model and upl
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import math
@@ -386,3 +394,75 @@ class ShardOutcome(Message):
         if (self.done is not None) + (self.corrupt is not None) + bool(self.failed) != 1:
             raise ValueError("a shard outcome is exactly one of done, corrupt and failed")
         return self
+
+
+# --- the credential endpoint's requests and answer (shared.hosts: the invite, the renewal's signed message) -------
+
+SECRET_PATTERN: Final = r"^[A-Za-z0-9_-]{43}$"  # base64url, unpadded, of 32 random bytes
+NONCE_PATTERN: Final = r"^[0-9a-f]{32}$"
+MAX_SIGNATURE = 128  # a base64 Ed25519 signature is 88 characters
+MAX_NAME = 2048  # an ARN, a URL or a resource name in the answer's connection
+
+
+def _base64_of(size: int, what: str) -> Any:
+    def check(text: str) -> str:
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{what} is not base64") from None
+        if len(raw) != size:
+            raise ValueError(f"{what} must be {size} bytes, not {len(raw)}")
+        return text
+
+    return AfterValidator(check)
+
+
+Ed25519Key = Annotated[str, Text(min_length=1, max_length=MAX_PUBLIC_KEY), _base64_of(32, "an Ed25519 public key")]
+Ed25519Signature = Annotated[str, Text(min_length=1, max_length=MAX_SIGNATURE), _base64_of(64, "an Ed25519 signature")]
+Name = Annotated[str, Text(max_length=MAX_NAME)]
+
+
+class RedeemRequest(Message):
+    """A host's first request: the invite's one-time secret, and the raw public key it binds to its id."""
+
+    host: ParticipantId
+    secret: str = Field(pattern=SECRET_PATTERN)
+    public_key: Ed25519Key
+
+
+class RenewRequest(Message):
+    """Every later request: signed with the bound key over `shared.hosts.renewal_message`; the time bounds how long a
+    copy could be replayed, the nonce refuses the replay within that time."""
+
+    host: ParticipantId
+    issued_at: SentAt
+    nonce: str = Field(pattern=NONCE_PATTERN)
+    signature: Ed25519Signature
+
+
+class IssuedCredentials(Message):
+    """STS credentials as botocore's refreshable credentials read them (`Expiration`: ISO 8601 UTC, "Z")."""
+
+    AccessKeyId: str = Field(min_length=16, max_length=128)
+    SecretAccessKey: str = Field(min_length=1, max_length=256)
+    SessionToken: str = Field(min_length=1, max_length=4096)
+    Expiration: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
+
+
+class RunConnection(Message):
+    """Where the run lives: `store.connection.Connection`'s fields but the tick function (an operator's)."""
+
+    run_id: RunId
+    bucket: Name
+    table: Name
+    region: Annotated[str, Text(min_length=1, max_length=64)]
+    participant_role: Name
+    state_topic: Name = ""
+    endpoint: Name | None = None  # None on AWS; the local stack's endpoint locally
+
+
+class CredentialAnswer(Message):
+    """The credential endpoint's 200 answer to a redemption or a renewal: all a host needs to take part."""
+
+    credentials: IssuedCredentials
+    connection: RunConnection

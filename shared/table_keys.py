@@ -11,6 +11,12 @@ One table per run, keys `pk` / `sk`:
     RUN#<run>  COUNT#participants       how many participants have joined (bounded by max_participants)
     RUN#<run>  COUNT#U#<round>          how many update records the round has (ingest ticks on the last one)
     RUN#<run>  X#<hash of key, etag>    an object refused outside any round slot, with the reason
+    RUN#<run>  host#<host>              a host (a participant outside AWS): invited, active or revoked
+    RUN#<run>  hostnonce#<host>#<nonce> a renewal's nonce, once used (expires)
+    RUN#<run>  hostrate#<host or *>#<minute>  requests to the credential endpoint in one minute (expires)
+    RUN#<run>  hostrefusal#<time>#<host>      a request the credential endpoint refused, with the reason (expires)
+
+Items that expire carry their epoch second in `TTL_ATTRIBUTE`, the table's time-to-live attribute.
 """
 
 from __future__ import annotations
@@ -62,3 +68,27 @@ def health_sk(round_no: int, pid: str = "") -> str:
 
 def refusal_sk(key: str, etag: str) -> str:
     return "X#" + hashlib.sha256(f"{key}\n{etag}".encode()).hexdigest()[:40]
+
+
+TTL_ATTRIBUTE = "expires_at"  # DynamoDB deletes an item some time after this epoch second (the table's TTL setting)
+HOST_PREFIX = "host#"
+HOST_REFUSAL_PREFIX = "hostrefusal#"
+ALL_HOSTS = "*"  # the rate counter's scope over every host
+
+
+def host_sk(host: str) -> str:
+    return f"{HOST_PREFIX}{host}"
+
+
+def host_nonce_sk(host: str, nonce: str) -> str:
+    return f"hostnonce#{host}#{nonce}"
+
+
+def host_rate_sk(scope: str, minute: int) -> str:
+    """The request counter of `scope` (a host id, or ALL_HOSTS) in the minute `minute` (epoch seconds // 60)."""
+    return f"hostrate#{scope}#{minute}"
+
+
+def host_refusal_sk(at: float, host: str) -> str:
+    """Fixed-width time first, so a query returns the refusals in time order."""
+    return f"{HOST_REFUSAL_PREFIX}{at:017.6f}#{host}"
