@@ -44,10 +44,11 @@ from store.schedule import Schedule
 from store.trace import acting_as, function
 
 FUNCTION_TICK, FUNCTION_INGEST, FUNCTION_JOIN = function("tick"), function("ingest"), function("join")
+FUNCTION_SHARD = function("shard")
 
 log = logging.getLogger("fed.local.dispatcher")
 
-MAIN_LANE, JOIN_LANE = "ingest", "join"
+MAIN_LANE, JOIN_LANE, SHARD_LANE = "ingest", "join", "shard"
 
 
 def scheduled_event(region: str, rule: str, at: float | None = None) -> dict[str, Any]:
@@ -140,6 +141,8 @@ class Lane:
     handler: Handler | None = None
     principal: str = ""  # whom the handler runs as (its role on AWS: `store.trace`)
     polls_as: str | None = None  # whom its queue is polled as: on AWS, an event source mapping uses the function's role
+    faulty: bool = True  # whether the fault plan applies (it stands for EventBridge's and Lambda's liberties with
+    # uploads' events; the shard queue is the coordinator's own)
     slots: threading.Semaphore = field(init=False, repr=False)
     delivering: threading.Event = field(default_factory=threading.Event, repr=False)
     pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
@@ -260,8 +263,10 @@ class Dispatcher:
         shard_workers: int | None = None,
     ) -> None:
         """`ingest` and `join` take one "Object Created" event each (default: the ingest function, and the join
-        function given it as a batch of one); `faults` applies to both lanes. The ticks of ingest and tick hand
-        their aggregation shards to `shard_workers` worker processes (default: one a core; 0: their own threads)."""
+        function given it as a batch of one); `faults` applies to both lanes. The shard lane delivers the shard
+        queue's tasks to the shard-worker function on `shard_workers` worker processes (default: one a core; 0: no
+        shard lane, for functions whose environment names no shard queue: their ticks aggregate on their own
+        threads)."""
         if tick_interval <= 0:
             raise ValueError("tick_interval must be positive")
         self.resources = resources
@@ -280,6 +285,9 @@ class Dispatcher:
         if resources.join_queue_url:
             self.lanes.append(Lane(JOIN_LANE, resources.join_queue_url, join_workers, "fed-local-join", join,
                                    principal=FUNCTION_JOIN, polls_as=FUNCTION_JOIN))
+        if resources.shard_queue_url and self.functions.shards is not None:
+            self.lanes.append(Lane(SHARD_LANE, resources.shard_queue_url, self.functions.shards.workers,
+                                   "fed-local-shard", principal=FUNCTION_SHARD, polls_as=FUNCTION_SHARD, faulty=False))
         self.faults = faults
         self.stats = DispatchStats()
         self._stop = threading.Event()
@@ -298,14 +306,14 @@ class Dispatcher:
 
     def start(self, deliver: bool = True) -> Dispatcher:
         """Start ticking, and delivering queued events unless `deliver` is False (then: `release()`)."""
-        defaults = {MAIN_LANE: self.functions.ingest, JOIN_LANE: self.functions.join}
+        defaults = {MAIN_LANE: self.functions.ingest, JOIN_LANE: self.functions.join, SHARD_LANE: self.functions.shard}
         for lane in self.lanes:
             lane.handler = lane.handler or defaults[lane.name]()
         self._tick = self._tick or self.functions.tick()
         self._stop.clear()
         for lane in self.lanes:
             lane.delivering.clear()
-            if deliver:
+            if deliver or lane.name == SHARD_LANE:  # held: the uploads' events, not the ticks' own shards
                 lane.delivering.set()
         self._threads = [threading.Thread(target=self._tick_loop, name="dispatch-tick", daemon=True),
                          threading.Thread(target=self._extend_loop, name="dispatch-extend", daemon=True)]
@@ -427,7 +435,7 @@ class Dispatcher:
         plan = DELIVER_ONCE
         try:
             event = json.loads(message["Body"])
-            if self.faults is not None:
+            if self.faults is not None and lane.faulty:
                 plan = self.faults.delivery(event, received)
             if plan.hold > 0:
                 self.in_flight.requeue(lane, message, plan.hold)  # late: later events overtake it

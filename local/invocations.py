@@ -1,11 +1,10 @@
 """The functions as the local stack invokes them: each handler made from the same work as on AWS
-(`functions.observability.lambda_handler`), with this process's `Deps` and, for the aggregation shards a tick hands
-out, the local stand-in for the shard-worker function (`local.shard_pool`), called as one Lambda invocation would be.
+(`functions.observability.lambda_handler`) with this process's `Deps`, and the shard-worker function on worker
+processes (`local.shard_pool`), fed from the shard queue as on AWS.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import uuid
@@ -13,63 +12,45 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.deps import Deps
+from local.context import Handler, local_invocation
 from local.shard_pool import ShardPool
 
-Handler = Callable[[dict[str, Any], Any], Any]
-
-
-def _local_invocation(handler: Handler) -> Handler:
-    """Call a handler as one Lambda invocation would, in a process that serves many at once.
-
-    With POWERTOOLS_METRICS_DISABLED, powertools neither prints nor clears the metric set at the end of an
-    invocation, so it grows across invocations until, at 100 values, it prints them to stdout anyway.
-    Each Lambda process starts empty; clearing after each call keeps it that way here.
-    """
-    from functions.observability import metrics
-
-    def invoke(event: dict[str, Any], context: Any) -> Any:
-        try:
-            return handler(event, context)
-        finally:
-            if os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() == "true":
-                metrics.clear_metrics()
-
-    return invoke
+__all__ = ["Handler", "LocalFunctions"]
 
 
 def _as_queue_batch(handler: Handler) -> Handler:
-    """The join function takes SQS batches (its event source mapping's); deliver one event as a batch of one,
-    and raise if the handler reports it failed, as the queue would deliver it again."""
+    """The join and shard functions take SQS batches (their event source mappings'); deliver one event as a batch
+    of one, and raise if the handler reports it failed, as the queue would deliver it again."""
 
     def invoke(event: dict[str, Any], context: Any) -> Any:
         record = {"messageId": str(uuid.uuid4()), "body": json.dumps(event), "eventSource": "aws:sqs"}
         result = handler({"Records": [record]}, context)
-        if result.get("batchItemFailures"):
-            raise RuntimeError("the join function reported the join request as failed")
+        if isinstance(result, dict) and result.get("batchItemFailures"):
+            raise RuntimeError("the function reported the queued event as failed")
         return result
 
     return invoke
 
 
 class LocalFunctions:
-    """The ingest, join and tick handlers, and the shard workers their ticks use (`shard_workers` processes; 0: the
-    tick's own threads). The functions read their settings from the environment on first call, which the caller
-    sets up before the first event."""
+    """The ingest, join and tick handlers, and the shard-worker function on `shard_workers` processes (default: one
+    a core; 0: none, and the ticks aggregate on their own threads). The functions read their settings from the
+    environment on first call, which the caller sets up before the first event."""
 
     def __init__(self, shard_workers: int | None = None) -> None:
         workers = (os.cpu_count() or 1) if shard_workers is None else shard_workers
         self.shards = ShardPool(workers) if workers > 0 else None
 
-    def deps(self) -> Deps:
+    @staticmethod
+    def deps() -> Deps:
         from functions.settings import deps_from_env
 
-        deps = deps_from_env()
-        return dataclasses.replace(deps, shard_runner=self.shards.run) if self.shards is not None else deps
+        return deps_from_env()
 
     def _handler(self, work: Callable[[Deps, dict[str, Any]], dict[str, Any]]) -> Handler:
         from functions.observability import lambda_handler
 
-        return _local_invocation(lambda_handler(work, self.deps))
+        return local_invocation(lambda_handler(work, self.deps))
 
     def ingest(self) -> Handler:
         from functions.ingest import ingest
@@ -85,6 +66,11 @@ class LocalFunctions:
         from functions.tick import tick
 
         return self._handler(tick)
+
+    def shard(self) -> Handler:
+        if self.shards is None:
+            raise RuntimeError("no shard workers: the ticks aggregate on their own threads")
+        return _as_queue_batch(self.shards.invoke)
 
     def close(self) -> None:
         if self.shards is not None:

@@ -1,8 +1,9 @@
 """Create, on any endpoint (moto here), the resources the CDK stack declares, from the same names.
 
 Bucket (versioned, EventBridge notifications on), table (pk/sk), the state topic participants' queues
-subscribe to (`shared.naming.state_topic_name`), and the two "Object Created" rules: the main lane
-(`shared.naming.object_created_pattern`, the participants' uploads but join requests), whose target here is an
+subscribe to (`shared.naming.state_topic_name`), the shard queue the ticks send aggregation shards to (the
+dispatcher's shard lane delivers them to the shard-worker function), and the two "Object Created" rules: the main
+lane (`shared.naming.object_created_pattern`, the participants' uploads but join requests), whose target here is an
 SQS queue the local dispatcher polls (on AWS: the ingest function), and the join lane
 (`join_request_pattern`), whose target is a second queue with its own dispatcher worker (on AWS: a queue the
 join function drains at a bounded concurrency).
@@ -27,6 +28,7 @@ from shared.naming import (
     join_rule_name,
     local_bucket_name,
     object_created_pattern,
+    shard_queue_name,
     state_topic_name,
     table_name,
     tick_rule_name,
@@ -44,6 +46,7 @@ class LocalResources:
     region: str
     join_queue_url: str = ""  # the join lane: runs/<run>/join/
     state_topic: str = ""  # the SNS topic a commit that changes phase or round publishes to (participants' queues)
+    shard_queue_url: str = ""  # the shard queue: a tick's aggregation shards, one task a message (`functions.shard`)
 
     @property
     def queue_urls(self) -> tuple[str, ...]:
@@ -98,8 +101,9 @@ def create_resources(run_id: str, endpoint: str | None = None, region: str = "us
         events.put_rule(Name=rule, EventPattern=json.dumps(pattern), State="ENABLED")
         events.put_targets(Rule=rule, Targets=[{"Id": target, "Arn": arn}])
         urls.append(url)
+    shard_queue = sqs.create_queue(QueueName=shard_queue_name(run_id))["QueueUrl"]
     # The tick schedule (the dispatcher ticks while it is enabled; the run switches it off while idle)
     events.put_rule(Name=tick_rule_name(run_id), ScheduleExpression="rate(1 minute)", State="ENABLED")
     topic = client("sns", endpoint, region).create_topic(Name=state_topic_name(run_id))["TopicArn"]
     return LocalResources(run_id, bucket, table, urls[0], endpoint, region, join_queue_url=urls[1],
-                          state_topic=topic)
+                          state_topic=topic, shard_queue_url=shard_queue)

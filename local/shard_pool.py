@@ -1,32 +1,41 @@
-"""The local stack's stand-in for the shard-worker function: a pool of worker processes, so that K aggregation shards
-use up to K cores (threads of one process would share one interpreter). On AWS the tick hands its shards to the
-shard queue instead (`coordinator.shard_queue`); the work each shard does is the same (`coordinator.aggregation`).
+"""The local stack's shard-worker function: each task from the shard queue runs `functions.shard.handler` in a
+worker process, so that K aggregation shards use up to K cores (threads of one process would share one
+interpreter). As on AWS, the tick only sends its shard tasks to the queue and waits for their outcomes in the bucket
+(`coordinator.shard_queue`); the dispatcher's shard lane delivers each message here, as the queue's event source
+mapping invokes the function on AWS.
 
-Each shard is retried on failure (its work is idempotent). A worker that dies mid-shard breaks the pool: the attempt
-fails, and the next one gets a fresh pool. The workers are spawned, not forked (the parent's threads, a server and a
-dispatcher, must not be copied), and inherit this process's environment: the functions' settings.
+An invocation whose worker dies mid-shard breaks the pool: it is tried again on a fresh pool (its work is
+idempotent), and after SHARD_ATTEMPTS such deaths the delivery fails and the queue delivers the task again. The
+workers are spawned, not forked (the parent's threads, a server and a dispatcher, must not be copied), and inherit
+this process's environment: the functions' settings.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import multiprocessing
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any
 
-from coordinator.aggregation import from_outcome, retried, shard_outcome
-from functions.settings import deps_from_env
-from shared.messages import ShardDone, ShardTask, parse_message
+from coordinator.aggregation import SHARD_ATTEMPTS
+from local.context import LocalContext, local_invocation
 from store.trace import acting_as, function, install_from_env
 
+log = logging.getLogger("fed.local.shards")
 
-def run_task_json(task_json: str) -> str:
-    """One shard in a worker process, as the shard-worker function (its role, for the access check): its outcome's
-    JSON."""
+SHARD_FUNCTION = "fed-local-shard"
+
+
+def invoke_in_worker(event_json: str) -> Any:
+    """One invocation of the shard-worker function in a worker process, as its role (for the access check)."""
+    from functions.shard import handler
+
     install_from_env()
     with acting_as(function("shard")):
-        return shard_outcome(deps_from_env(), parse_message(ShardTask, task_json)).model_dump_json()
+        return local_invocation(handler)(json.loads(event_json), LocalContext(function_name=SHARD_FUNCTION))
 
 
 class ShardPool:
@@ -55,18 +64,20 @@ class ShardPool:
         with self._lock:
             return list(self._pool._processes) if self._pool is not None else []  # (no public accessor)
 
-    def _attempt(self, task: ShardTask) -> ShardDone:
-        pool = self._current()
-        try:
-            return from_outcome(pool.submit(run_task_json, task.model_dump_json()).result(), task)
-        except BrokenProcessPool:  # a worker died mid-shard: the next attempt gets a fresh pool
-            self._discard(pool)
-            raise
-
-    def run(self, tasks: Sequence[ShardTask]) -> list[ShardDone]:
-        """Every task on the pool at once, each retried on failure; their results in order (a `ShardRunner`)."""
-        with ThreadPoolExecutor(max_workers=len(tasks)) as waiters:
-            return list(waiters.map(lambda t: retried(lambda: self._attempt(t), t), tasks))
+    def invoke(self, event: dict[str, Any], context: Any) -> Any:
+        """A handler: the shard function's invocation with `event` (a batch from the shard queue) on a worker."""
+        body = json.dumps(event)
+        for attempt in range(1, SHARD_ATTEMPTS + 1):
+            pool = self._current()
+            try:
+                return pool.submit(invoke_in_worker, body).result()
+            except BrokenProcessPool:
+                self._discard(pool)
+                if attempt == SHARD_ATTEMPTS:
+                    raise
+                log.warning("a shard worker died mid-shard (attempt %d of %d); retrying on a fresh pool", attempt,
+                            SHARD_ATTEMPTS)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         with self._lock:

@@ -26,6 +26,8 @@ from shared.naming import (
     ENV_CONFIG,
     ENV_ENDPOINT,
     ENV_RUN_ID,
+    ENV_SHARD_RUNNER,
+    ENV_SHARD_WAIT,
     ENV_STATE_TOPIC,
     ENV_TABLE,
 )
@@ -39,7 +41,7 @@ LOCAL_REGION = "us-east-1"
 
 # moto accepts any credentials; these keep boto3 from ever sending a real key to the local endpoint.
 LOCAL_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local"}
-_CLEARED = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE")
+_CLEARED = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", ENV_SHARD_RUNNER, ENV_SHARD_WAIT)
 
 
 def client_environment(region: str = LOCAL_REGION) -> dict[str, str]:
@@ -48,10 +50,17 @@ def client_environment(region: str = LOCAL_REGION) -> dict[str, str]:
             "AWS_EC2_METADATA_DISABLED": "true"}
 
 
-def function_environment(resources: LocalResources, config: RunConfig, log_level: str) -> dict[str, str]:
-    """What the Lambda functions find in their environment on AWS, pointing at the local endpoint."""
+LOCAL_SHARD_WAIT = 300  # seconds a tick waits for its shards' outcomes (a lost one fails the tick, which is retried)
+
+
+def function_environment(resources: LocalResources, config: RunConfig, log_level: str,
+                         shard_queue: bool = True) -> dict[str, str]:
+    """What the Lambda functions find in their environment on AWS, pointing at the local endpoint; with
+    `shard_queue`, the ticks send their aggregation shards to the shard queue, as deployed."""
     assert resources.endpoint is not None
+    shards = {ENV_SHARD_RUNNER: f"queue:{resources.shard_queue_url}", ENV_SHARD_WAIT: str(LOCAL_SHARD_WAIT)}
     return {
+        **(shards if shard_queue and resources.shard_queue_url else {}),
         **client_environment(resources.region),
         ENV_RUN_ID: config.run_id,
         ENV_BUCKET: resources.bucket,
@@ -98,6 +107,8 @@ class LocalStack:
     log_file: Path | None = None  # the functions' logs; None: this process's stdout
     region: str = LOCAL_REGION
     hold_events: bool = False  # True: tick, but deliver no S3 event until `release_events()`
+    shard_workers: int | None = None  # the shard-worker function's processes (None: one a core; 0: none, and the
+    # ticks aggregate on their own threads)
     dispatch: bool = True  # False: no dispatcher in this process (another process delivers events and ticks)
     faults: FaultPlan | None = None  # the dispatcher's fault plan (chaos tests); None: deliver faithfully
     count_requests: bool = False  # True: the server counts requests by service (`server.requests`) and keeps each
@@ -138,14 +149,14 @@ class LocalStack:
             if self.access.on:
                 self._set_env({ENV_TRACE: "1"})  # this process's functions and the participants it starts
                 install_trace()
-            self._set_env(function_environment(self.resources, self.config, self.log_level))
+            self._set_env(function_environment(self.resources, self.config, self.log_level, self.shard_workers != 0))
             if self.log_file is not None:
                 self.log_file.parent.mkdir(parents=True, exist_ok=True)
                 self._log_stream = self.log_file.open("a", buffering=1)
             self._previous_logs = route_function_logs(self.log_level, self._log_stream)
             if self.dispatch:
                 self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers, faults=self.faults,
-                                             join_workers=self.join_workers)
+                                             join_workers=self.join_workers, shard_workers=self.shard_workers)
                 self.dispatcher.start(deliver=not self.hold_events)
         except BaseException:
             self.stop()

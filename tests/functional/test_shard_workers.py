@@ -1,5 +1,6 @@
-"""Aggregation shards on worker processes (the local stack's stand-in for the shard-worker function): the same
-global model as the tick computing them itself, and a worker killed mid-shard is replaced and its shard redone."""
+"""Aggregation shards through the local stack's shard queue, to the shard-worker function on worker processes, as
+deployed: the same global model as the tick computing them itself, and a worker killed mid-shard is replaced and its
+shard redone."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from local.stack import LocalStack
 from shared import keys, wire
 from shared.config import RunConfig
 from shared.digest import PIECE_BYTES
+from shared.naming import ENV_SHARD_RUNNER
 from shared.state import Aggregate, AggregateInput
 
 RUN = "shard-test"
@@ -66,14 +68,15 @@ def threads_deps() -> Deps:
 
 
 def pooled(stack: LocalStack) -> Deps:
-    """What the stack's ingest and tick functions aggregate with: their shards on its worker processes."""
+    """What the stack's ingest and tick functions aggregate with: their shards as messages on the shard queue."""
     assert stack.dispatcher is not None
     return stack.dispatcher.functions.deps()
 
 
 def test_worker_processes_write_the_same_global_as_the_tick_itself(stack: LocalStack, round_zero: Aggregate) -> None:
     deps = pooled(stack)
-    assert deps.shard_runner is not None  # the local stack runs shards on worker processes
+    assert deps.shard_runner is not None  # the ticks send their shards to the shard queue
+    assert stack.resources is not None and os.environ[ENV_SHARD_RUNNER] == f"queue:{stack.resources.shard_queue_url}"
     assert write_aggregate(deps, round_zero) == write_aggregate(threads_deps(), round_zero)
 
 
@@ -100,7 +103,7 @@ def test_a_worker_killed_mid_shard_is_replaced_and_the_global_is_the_same(
                     break
 
     killer = threading.Thread(target=kill_a_worker_once_a_part_is_in, daemon=True)
-    with caplog.at_level(logging.WARNING, logger="fed-coordinator"):
+    with caplog.at_level(logging.WARNING):
         killer.start()
         got = write_aggregate(deps, round_zero)
         done.set()
