@@ -10,6 +10,7 @@ import boto3
 
 from shared.naming import (
     OUTPUT_BUCKET,
+    OUTPUT_CREDENTIAL_ENDPOINT,
     OUTPUT_PARTICIPANT_ROLE,
     OUTPUT_RUN_ID,
     OUTPUT_STATE_TOPIC,
@@ -34,6 +35,7 @@ class Connection:
     participant_role: str = ""
     state_topic: str = ""  # SNS topic announcing new phases and rounds ("": none, the participant polls)
     tick_function: str = ""  # the deployed tick function (`fed run pause|resume` invoke it); "": local, or none
+    credential_endpoint: str = ""  # where invited hosts get their sessions (`fed hosts invite` names it); "": none
 
     def save(self, path: Path = DEFAULT_LOCAL_FILE) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,4 +68,5 @@ class Connection:
             participant_role=outputs.get(OUTPUT_PARTICIPANT_ROLE, ""),
             state_topic=outputs.get(OUTPUT_STATE_TOPIC, ""),
             tick_function=outputs.get(OUTPUT_TICK_FUNCTION, ""),
+            credential_endpoint=outputs.get(OUTPUT_CREDENTIAL_ENDPOINT, ""),
         )
