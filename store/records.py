@@ -19,8 +19,10 @@ from pynamodb.connection import Connection
 from pynamodb.exceptions import PynamoDBException
 from pynamodb.models import Model
 
+from shared.hosts import HostRecord, HostRefusal, HostStatus
 from shared.sizing import Share, Speed
 from shared.state import Member, MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
+from shared.table_keys import TTL_ATTRIBUTE
 from store.views import ParticipantRecord, ProofRecord, RefusalRecord, UpdateRecord
 
 SCHEMA = 1
@@ -123,6 +125,44 @@ class RefusalItem(_Item):
     pid = UnicodeAttribute(default="")
 
 
+class HostItem(_Item):
+    """A host outside AWS (`shared.hosts.HostRecord`); times are epoch seconds, 0 for "not yet"."""
+
+    pid = UnicodeAttribute()
+    status = UnicodeAttribute()
+    secret_hash = UnicodeAttribute(default="")  # the invite secret's SHA-256, never the secret
+    invite_expires = NumberAttribute(default=0)
+    invited_at = NumberAttribute(default=0)
+    public_key = UnicodeAttribute(default="")
+    redeemed_at = NumberAttribute(default=0)
+    last_credentials_at = NumberAttribute(default=0)
+    revoked_at = NumberAttribute(default=0)
+    revoke_reason = UnicodeAttribute(default="")
+
+
+class HostNonceItem(_Item):
+    """A renewal's nonce, used once; kept until no renewal carrying it could be accepted any more."""
+
+    pid = UnicodeAttribute()
+    expires_at = NumberAttribute(attr_name=TTL_ATTRIBUTE)
+
+
+class HostRateItem(_Item):
+    """Requests to the credential endpoint in one minute, of one host or of all: `n` allowed, `refused` over the
+    limit (counted here, not recorded one by one)."""
+
+    n = NumberAttribute(default=0)
+    refused = NumberAttribute(default=0)
+    expires_at = NumberAttribute(attr_name=TTL_ATTRIBUTE)
+
+
+class HostRefusalItem(_Item):
+    pid = UnicodeAttribute()  # the host the request named; shared.hosts.UNKNOWN_HOST if none valid
+    reason = UnicodeAttribute()
+    at = NumberAttribute()
+    expires_at = NumberAttribute(attr_name=TTL_ATTRIBUTE)
+
+
 MAX_RETRY_ATTEMPTS = 8
 MAX_POOL_CONNECTIONS = 32  # every item class's requests share them (a local dispatcher runs a dozen functions at once)
 
@@ -151,6 +191,10 @@ class Models:
         self.lease = self._bind(LeaseItem, table, host, region)
         self.proof = self._bind(ProofItem, table, host, region)
         self.health = self._bind(HealthItem, table, host, region)
+        self.host = self._bind(HostItem, table, host, region)
+        self.host_nonce = self._bind(HostNonceItem, table, host, region)
+        self.host_rate = self._bind(HostRateItem, table, host, region)
+        self.host_refusal = self._bind(HostRefusalItem, table, host, region)
 
     def _bind(self, cls: type[_Item], table: str, host: str | None, region: str) -> Any:
         meta = type("Meta", (), {"table_name": table, "host": host, "region": region,
@@ -359,6 +403,25 @@ def proof_record(item: ProofItem) -> ProofRecord:
 
 def refusal_record(item: RefusalItem) -> RefusalRecord:
     return RefusalRecord(key=item.key, etag=item.etag, reason=item.reason, at=float(item.at), pid=item.pid)
+
+
+def host_record(item: HostItem) -> HostRecord:
+    return HostRecord(
+        host=item.pid,
+        status=HostStatus(item.status),
+        secret_hash=item.secret_hash or "",
+        invite_expires=float(item.invite_expires or 0),
+        invited_at=float(item.invited_at or 0),
+        public_key=item.public_key or "",
+        redeemed_at=float(item.redeemed_at or 0),
+        last_credentials_at=float(item.last_credentials_at or 0),
+        revoked_at=float(item.revoked_at or 0),
+        revoke_reason=item.revoke_reason or "",
+    )
+
+
+def host_refusal(item: HostRefusalItem) -> HostRefusal:
+    return HostRefusal(host=item.pid, reason=item.reason, at=float(item.at))
 
 
 def summary_to_body(s: RoundSummary) -> dict[str, Any]:
