@@ -7,12 +7,18 @@ import dataclasses
 import os
 from functools import cache
 
+from coordinator.credentials import CredentialDeps, build_credential_deps
 from coordinator.deps import Deps, SettingsError, build_deps
 from coordinator.shard_queue import queue_runner
+from shared.hosts import HostLimits
 from shared.naming import (
+    ENV_ALL_HOSTS_RATE,
     ENV_BUCKET,
     ENV_CONFIG,
+    ENV_CREDENTIAL_SECONDS,
     ENV_ENDPOINT,
+    ENV_HOST_RATE,
+    ENV_PARTICIPANT_ROLE,
     ENV_RUN_ID,
     ENV_SHARD_RUNNER,
     ENV_SHARD_WAIT,
@@ -20,7 +26,7 @@ from shared.naming import (
     ENV_TABLE,
 )
 
-__all__ = ["Deps", "SettingsError", "deps_from_env", "forget_warm_state"]
+__all__ = ["CredentialDeps", "Deps", "SettingsError", "credential_deps_from_env", "deps_from_env", "forget_warm_state"]
 
 DEFAULT_SHARD_WAIT = 900.0  # seconds a tick waits for its shards' outcomes when FED_SHARD_WAIT is not set
 
@@ -42,6 +48,7 @@ def deps_from_env() -> Deps:
 def forget_warm_state() -> None:
     """Every function starts cold (tests that start a new AWS, where the same names may hold other things)."""
     _warm.cache_clear()
+    _warm_credentials.cache_clear()
 
 
 @cache
@@ -58,3 +65,38 @@ def _warm(run_id: str, bucket: str, table: str, config_json: str, endpoint: str 
     wait = float(shard_wait or DEFAULT_SHARD_WAIT)
     runner = queue_runner(url, deps.bucket, run_id, wait, endpoint, region)
     return dataclasses.replace(deps, shard_runner=runner)
+
+
+def credential_deps_from_env() -> CredentialDeps:
+    """The credential endpoint's `CredentialDeps` (it needs no run configuration: only where the run lives, the
+    participant role it issues sessions of and its limits)."""
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return _warm_credentials(_need(ENV_RUN_ID), _need(ENV_BUCKET), _need(ENV_TABLE),
+                             os.environ.get(ENV_ENDPOINT) or None, region, os.environ.get(ENV_STATE_TOPIC, ""),
+                             _need(ENV_PARTICIPANT_ROLE), os.environ.get(ENV_CREDENTIAL_SECONDS, ""),
+                             os.environ.get(ENV_HOST_RATE, ""), os.environ.get(ENV_ALL_HOSTS_RATE, ""))
+
+
+def _positive(name: str, text: str, default: int) -> int:
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise SettingsError(f"environment variable {name} is {text!r}: expected a positive whole number")
+    return value
+
+
+@cache
+def _warm_credentials(run_id: str, bucket: str, table: str, endpoint: str | None, region: str, state_topic: str,
+                      role: str, seconds: str, host_rate: str, all_rate: str) -> CredentialDeps:
+    """One `CredentialDeps` per distinct environment, as `_warm` keeps one `Deps`."""
+    default = HostLimits()
+    limits = HostLimits(
+        credential_seconds=_positive(ENV_CREDENTIAL_SECONDS, seconds, default.credential_seconds),
+        per_host_per_minute=_positive(ENV_HOST_RATE, host_rate, default.per_host_per_minute),
+        all_hosts_per_minute=_positive(ENV_ALL_HOSTS_RATE, all_rate, default.all_hosts_per_minute),
+    )
+    return build_credential_deps(run_id, bucket, table, endpoint, region, state_topic, role, limits)
