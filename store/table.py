@@ -19,10 +19,12 @@ from pynamodb.exceptions import (
 from pynamodb.transactions import TransactWrite
 
 from shared import keys
+from shared.hosts import HostStatus
 from shared.state import ParticipantView, RoundSummary, RunState, Snapshot, heard_through_updates
 from shared.table_keys import (
     PARTICIPANT_COUNT_SK,
     STATE_SK,
+    host_sk,
     lease_sk,
     offer_sk,
     participant_sk,
@@ -219,6 +221,15 @@ class StateStore(RoundRecords):
         except DoesNotExist:
             return None
         return participant_record(item)
+
+    def host_revoked(self, pid: str) -> str | None:
+        """Why `pid`'s host was revoked (`fed hosts revoke`), or None if it was not (or is no invited host): ingest
+        refuses a revoked host's uploads. Read consistently, so a revocation holds from the next upload on."""
+        try:
+            item = self.m.host.get(self.pk, host_sk(pid), consistent_read=True)
+        except DoesNotExist:
+            return None
+        return (item.revoke_reason or "revoked") if item.status == HostStatus.REVOKED.value else None
 
     def create_participant(
         self, pid: str, at: float, public_key: str, info: dict[str, Any], limit: int, sent_at: float = 0.0,

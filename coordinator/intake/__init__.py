@@ -29,6 +29,8 @@ def ingest_object(deps: Deps, obj: ObjectCreated) -> Ingested:
     if parsed.run_id != deps.config.run_id:
         return refuse(deps, obj, "layout", f"object belongs to run {parsed.run_id!r}, not {deps.config.run_id!r}")
     pid = parsed.participant or ""
+    if pid and (revoked := deps.store.host_revoked(pid)) is not None:
+        return refuse(deps, obj, parsed.kind.value, f"from a revoked host: {revoked}", pid)
     if parsed.kind is ObjectKind.JOIN:
         return join.ingest(deps, obj, pid)
     if parsed.kind is ObjectKind.HEARTBEAT:

@@ -68,7 +68,7 @@ class FakeStateStore(StateStore):
             ("run", records.RunItem), ("participant", records.ParticipantItem), ("update", records.UpdateItem),
             ("offer", records.OfferItem), ("round", records.RoundItem), ("refusal", records.RefusalItem),
             ("counter", records.CounterItem), ("lease", records.LeaseItem), ("proof", records.ProofItem),
-            ("health", records.HealthItem))})
+            ("health", records.HealthItem), ("host", records.HostItem))})
         self.rosters = Rosters(bucket, run_id)
 
     # --- the table's items ----------------------------------------------------------------------------------
