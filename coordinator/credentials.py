@@ -18,6 +18,8 @@ import boto3
 from botocore.config import Config
 
 from shared.hosts import (
+    REDEEM_PATH,
+    RENEW_PATH,
     REPLAYED,
     UNKNOWN_HOST,
     HostLimits,
@@ -36,7 +38,7 @@ from store.hosts import HostStore
 # (host id, lifetime in seconds) -> the four fields of `shared.messages.IssuedCredentials`
 Issuer = Callable[[str, int], dict[str, str]]
 Answer = tuple[int, dict[str, Any]]
-ROUTES: dict[str, type[RedeemRequest] | type[RenewRequest]] = {"/redeem": RedeemRequest, "/renew": RenewRequest}
+ROUTES: dict[str, type[RedeemRequest] | type[RenewRequest]] = {REDEEM_PATH: RedeemRequest, RENEW_PATH: RenewRequest}
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def answer(deps: CredentialDeps, method: str, path: str, body: bytes, now: float
         return _refused(deps, 405, UNKNOWN_HOST, "only POST is answered", now)
     route = ROUTES.get(path)
     if route is None:
-        return _refused(deps, 404, UNKNOWN_HOST, "no such path: POST /redeem or /renew", now)
+        return _refused(deps, 404, UNKNOWN_HOST, f"no such path: POST {REDEEM_PATH} or {RENEW_PATH}", now)
     try:
         request = parse_message(route, body)
     except MessageError as exc:

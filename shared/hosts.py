@@ -33,6 +33,8 @@ from shared.keys import KeyError_, validate_participant_id
 from shared.messages import NONCE_PATTERN, SECRET_PATTERN, CredentialAnswer, RedeemRequest, RenewRequest
 
 INVITE_PREFIX: Final = "fed-invite-v1."
+REDEEM_PATH: Final = "/redeem"  # the endpoint's two paths (POST), after the invite's endpoint URL
+RENEW_PATH: Final = "/renew"
 INVITE_FIELDS: Final = ("endpoint", "host", "secret", "expires")  # in the order an invite is written
 MAX_INVITE_CHARS: Final = 4096
 MAX_ENDPOINT_CHARS: Final = 2048
