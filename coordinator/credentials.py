@@ -124,8 +124,13 @@ def claimed_host(body: bytes) -> str:
 
 
 def session_name(host: str) -> str:
-    """STS wants 2-64 characters; a participant id has 1-63 of the characters it allows."""
-    return host if len(host) >= 2 else f"host-{host}"
+    """STS wants 2-64 characters; a participant id has 1-63 of [A-Za-z0-9_-]. A one-character id gets an "=", which no
+    id holds, so the session's name still says which host it is (`host_of_session`)."""
+    return host if len(host) >= 2 else f"{host}="
+
+
+def host_of_session(name: str) -> str:
+    return name.removesuffix("=")
 
 
 def sts_issuer(role_arn: str, endpoint: str | None, region: str) -> Issuer:

@@ -47,6 +47,21 @@ run_app = typer.Typer(
 )
 app.add_typer(run_app, name="run")
 
+hosts_app = typer.Typer(
+    name="hosts",
+    help=(
+        "Hosts that join with an invite line alone: no AWS account, profile or key on the host.\n\n"
+        "`fed hosts invite ID` prints one line to hand to the host, which runs `fed-participant start --invite "
+        "LINE`. It redeems the line once, with a key it makes, and then renews its 15-60 minute credentials by "
+        "itself. `fed hosts list` shows every host; `fed hosts revoke ID` refuses it at once. The run is named by "
+        f"`--connection FILE` (a local run; default {DEFAULT_LOCAL_FILE}) or `--stack NAME` (a deployed run)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+)
+app.add_typer(hosts_app, name="hosts")
+
 CONNECTION_HELP = f"A local run's connection file (default {DEFAULT_LOCAL_FILE}, written by `fed local`)."
 STACK_HELP = "A deployed run's CloudFormation stack; AWS through the standard credential chain."
 REGION_HELP = "AWS region of --stack (default: from your AWS config)."
@@ -586,3 +601,85 @@ def _reachable(endpoint: str, timeout: float = 1.0) -> bool:
 
 if __name__ == "__main__":
     app()
+
+
+HOST_ARG_HELP = "The host's participant id: 1-63 letters, digits, '_' or '-'."
+
+
+@hosts_app.command("invite")
+@as_operator
+def hosts_invite(
+    host: str = typer.Argument(..., metavar="ID", help=HOST_ARG_HELP),
+    expires: str = typer.Option("24h", "--expires", metavar="DURATION",
+                                help="How long the invite may be redeemed: e.g. 30m, 24h, 7d (at most 30d)."),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+) -> None:
+    """Print an invite line for host ID (stdout: the line alone). Only its secret's hash is stored; the line is
+    redeemed once, by `fed-participant start --invite LINE` on the host. Inviting an id again replaces an invite
+    not yet redeemed; an active host must be revoked first."""
+    from fed.hosts import HostsError, duration_seconds, invite
+    from shared.keys import KeyError_
+
+    conn = _connect(connection_file, stack, region)
+    try:
+        line = invite(conn, host, duration_seconds(expires))
+    except (HostsError, KeyError_) as exc:
+        err.print(f"[red]cannot invite {host!r}: {exc}[/]")
+        raise typer.Exit(1) from None
+    typer.echo(line)
+    err.print(f"hand this line to host {host}, who runs: fed-participant start --invite <line>  "
+              f"(redeemable once, for {expires})")
+
+
+@hosts_app.command("list")
+@as_operator
+def hosts_list(
+    as_json: bool = typer.Option(False, "--json", help="Print the hosts as JSON (times in epoch seconds)."),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+) -> None:
+    """Every host: invited, active, expired or revoked; when it last received credentials and was last seen (its
+    last accepted upload); the endpoint's refusals of it."""
+    from rich.table import Table
+
+    from fed.hosts import as_json as hosts_json
+    from fed.hosts import listing
+
+    lines = listing(_connect(connection_file, stack, region))
+    if as_json:
+        typer.echo(hosts_json(lines))
+        return
+    table = Table("host", "status", "credentials", "last seen", "refusals", "why", box=None)
+    for h in lines:
+        why = h.revoke_reason if h.status == "revoked" else h.last_refusal
+        table.add_row(h.host, h.status, _ago(h.last_credentials_at), _ago(h.last_seen), str(h.refusals), why)
+    console.print(table if lines else "no hosts: `fed hosts invite ID` makes the first")
+
+
+def _ago(at: float) -> str:
+    return f"{max(0.0, time.time() - at):.0f} s ago" if at else "-"
+
+
+@hosts_app.command("revoke")
+@as_operator
+def hosts_revoke(
+    host: str = typer.Argument(..., metavar="ID", help=HOST_ARG_HELP),
+    reason: str = typer.Option("revoked by the operator", "--reason", help="Recorded, and shown to the host."),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+) -> None:
+    """Revoke host ID at once: its renewals are refused, ingest refuses its uploads with the reason, and on AWS its
+    sessions already issued are denied. The run goes on without it."""
+    from fed.hosts import HostsError, revoke
+
+    conn = _connect(connection_file, stack, region)
+    try:
+        for line in revoke(conn, host, reason):
+            console.print(line)
+    except HostsError as exc:
+        err.print(f"[red]cannot revoke {host!r}: {exc}[/]")
+        raise typer.Exit(1) from None

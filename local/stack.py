@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from local import access
+from local.credentials import LocalCredentialEndpoint
 from local.dispatcher import Dispatcher, FaultPlan
 from local.moto.pin import check_moto
 from local.resources import LocalResources, create_resources
@@ -24,7 +25,9 @@ from shared.config import RunConfig
 from shared.naming import (
     ENV_BUCKET,
     ENV_CONFIG,
+    ENV_CREDENTIAL_SECONDS,
     ENV_ENDPOINT,
+    ENV_PARTICIPANT_ROLE,
     ENV_RUN_ID,
     ENV_SHARD_RUNNER,
     ENV_SHARD_WAIT,
@@ -48,6 +51,11 @@ def client_environment(region: str = LOCAL_REGION) -> dict[str, str]:
     """Environment for any process talking to the local endpoint (participants, `fed status`)."""
     return {**LOCAL_CREDENTIALS, "AWS_DEFAULT_REGION": region, "AWS_REGION": region,
             "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def local_participant_role(run_id: str) -> str:
+    """The participant role the local credential endpoint names (moto's STS issues sessions of any role)."""
+    return f"arn:aws:iam::123456789012:role/fed-{run_id}-participant"
 
 
 LOCAL_SHARD_WAIT = 300  # seconds a tick waits for its shards' outcomes (a lost one fails the tick, which is retried)
@@ -107,6 +115,7 @@ class LocalStack:
     log_file: Path | None = None  # the functions' logs; None: this process's stdout
     region: str = LOCAL_REGION
     hold_events: bool = False  # True: tick, but deliver no S3 event until `release_events()`
+    credential_seconds: int = 900  # the lifetime of the sessions the credential endpoint issues to invited hosts
     shard_workers: int | None = None  # the shard-worker function's processes (None: one a core; 0: none, and the
     # ticks aggregate on their own threads)
     dispatch: bool = True  # False: no dispatcher in this process (another process delivers events and ticks)
@@ -118,6 +127,7 @@ class LocalStack:
     resources: LocalResources | None = field(default=None, init=False)
     access: access.CheckState | None = field(default=None, init=False)  # how the access check runs
     dispatcher: Dispatcher | None = field(default=None, init=False)
+    credentials: LocalCredentialEndpoint | None = field(default=None, init=False)  # served with the dispatcher
     _saved_env: dict[str, str | None] = field(default_factory=dict, init=False, repr=False)
     _log_stream: IO[str] | None = field(default=None, init=False, repr=False)
     _previous_logs: tuple[int, IO[str] | None] | None = field(default=None, init=False, repr=False)
@@ -134,7 +144,8 @@ class LocalStack:
             raise RuntimeError("the local stack is not running")
         r = self.resources
         return Connection(run_id=r.run_id, bucket=r.bucket, table=r.table, endpoint=r.endpoint, region=r.region,
-                          state_topic=r.state_topic)
+                          state_topic=r.state_topic, participant_role=local_participant_role(r.run_id),
+                          credential_endpoint=self.credentials.url if self.credentials is not None else "")
 
     def start(self) -> LocalStack:
         check_moto()  # before anything starts (a server process would only fail to come up)
@@ -150,6 +161,8 @@ class LocalStack:
                 self._set_env({ENV_TRACE: "1"})  # this process's functions and the participants it starts
                 install_trace()
             self._set_env(function_environment(self.resources, self.config, self.log_level, self.shard_workers != 0))
+            self._set_env({ENV_PARTICIPANT_ROLE: local_participant_role(self.config.run_id),
+                           ENV_CREDENTIAL_SECONDS: str(self.credential_seconds)})
             if self.log_file is not None:
                 self.log_file.parent.mkdir(parents=True, exist_ok=True)
                 self._log_stream = self.log_file.open("a", buffering=1)
@@ -158,6 +171,7 @@ class LocalStack:
                 self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers, faults=self.faults,
                                              join_workers=self.join_workers, shard_workers=self.shard_workers)
                 self.dispatcher.start(deliver=not self.hold_events)
+                self.credentials = LocalCredentialEndpoint().start()
         except BaseException:
             self.stop()
             raise
@@ -171,6 +185,9 @@ class LocalStack:
 
     def stop(self) -> None:
         """Stop delivering, stop the server, give the environment back. Safe to call twice."""
+        if self.credentials is not None:
+            self.credentials.stop()
+            self.credentials = None
         if self.dispatcher is not None:
             self.dispatcher.stop()
             self.dispatcher = None

@@ -20,6 +20,7 @@ from store.connection import DEFAULT_LOCAL_FILE, Connection, ConnectionError_
 from store.trace import install_from_env
 
 if TYPE_CHECKING:
+    from participant.credentials import CredentialServer
     from participant.daemon import Options
     from participant.ui import Reporter
 
@@ -48,6 +49,9 @@ EXAMPLES = """
 
   [dim]# a second participant on the same machine needs its own id[/dim]
   fed-participant start --id bob --device cpu --threads 1
+
+  [dim]# a host anywhere, with the line `fed hosts invite gpu-host-7` printed (no AWS account needed)[/dim]
+  fed-participant start --invite fed-invite-v1.eyJlbmRwb2ludCI6...
 
   [dim]# on AWS: read bucket, table and run id from the deployed stack's outputs[/dim]
   fed-participant start --stack FedRun-digits --run digits --id gpu-host-7 --device cuda
@@ -130,6 +134,12 @@ def start(
     region: str = typer.Option(
         None, "--region", metavar="REGION", help="AWS region of --stack (default: your AWS configuration).",
     ),
+    invite: str = typer.Option(
+        None, "--invite", metavar="LINE|@FILE",
+        help="The invite line an operator made with `fed hosts invite` (or @FILE holding it): all a host needs. "
+             "The host redeems it once with a key it makes (kept in --state-dir, or ~/.fed/hosts/), then renews its "
+             "credentials by itself; no AWS account, profile or environment variable. Names the participant id.",
+    ),
     run: str = typer.Option(
         None, "--run", metavar="RUN",
         help="Run id you expect to join; the participant refuses to start if the connection is for another run.",
@@ -183,13 +193,50 @@ def start(
     ),
 ) -> None:
     """Join a run and train until it is finished (see START_HELP)."""
+    credentials: CredentialServer | None = None
+    if invite:
+        participant_id, credentials = _redeem(invite, participant_id, state_dir)
     pid, reporter = _setup(participant_id, log_level)
-    conn = _connect(connection, stack, region, run, pid)
+    if credentials is not None:
+        conn = credentials.session.connection()
+        if run and run != conn.run_id:
+            _fail(f"--run {run}: the invite is for run {conn.run_id!r}")
+        install_from_env()
+    else:
+        conn = _connect(connection, stack, region, run, pid)
     from participant.daemon import Options, default_state_dir  # loaded only to run: --help stays quick
     options = Options(pid=pid, state_dir=state_dir or default_state_dir(conn.run_id, pid), task=task, device=device,
                       threads=threads, max_rounds=max_rounds, poll_max=poll_max, data=data, throttle=throttle,
                       push=push)
-    raise typer.Exit(_run(conn, options, reporter))
+    try:
+        raise typer.Exit(_run(conn, options, reporter, credentials))
+    finally:
+        if credentials is not None:
+            credentials.stop()
+
+
+def _redeem(line: str, participant_id: str | None, state_dir: Path | None) -> tuple[str, CredentialServer]:
+    """The invite's host id and its session, served to this process's AWS clients (`participant.credentials`)."""
+    from participant.credentials import CredentialServer, HostRefused, HostSession, default_host_dir
+    from shared.hosts import InviteError, parse_invite
+
+    if line.startswith("@"):
+        try:
+            line = Path(line[1:]).read_text()
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read {line[1:]}: {exc.strerror}", param_hint="--invite") from None
+    try:
+        parsed = parse_invite(line)
+    except InviteError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--invite") from None
+    if participant_id and participant_id != parsed.host:
+        raise typer.BadParameter(f"{participant_id!r}: the invite is for host {parsed.host!r}", param_hint="--id")
+    session = HostSession(parsed, state_dir / "host" if state_dir else default_host_dir(parsed))
+    try:
+        session.wait_for_first(threading.Event())
+    except HostRefused as exc:
+        _fail(str(exc))
+    return parsed.host, CredentialServer(session).start()
 
 
 def _setup(participant_id: str | None, log_level: str) -> tuple[str, Reporter]:
@@ -242,21 +289,28 @@ def _stop_on_signals() -> tuple[threading.Event, list[int]]:
     return stop, received
 
 
-def _run(conn: Connection, options: Options, reporter: Reporter) -> int:
-    """Run the daemon until the run is finished, --max-rounds is reached or a signal stops it, and print the
-    outcome; the exit status (an error it cannot work around exits 1 here)."""
+def _run(conn: Connection, options: Options, reporter: Reporter, credentials: CredentialServer | None = None) -> int:
+    """Run the daemon until the run is finished, --max-rounds is reached, a signal stops it or the credential
+    endpoint refuses this host, and print the outcome; the exit status (an error it cannot work around exits 1
+    here)."""
     from participant.daemon import Daemon
     from participant.protocol import ParticipantError
     from participant.remote import FatalRemoteError
 
     stop, received = _stop_on_signals()
+    if credentials is not None:
+        credentials.on_refused = lambda reason: stop.set()
     endpoint = conn.endpoint or f"AWS {conn.region}"
     log.info("participant %s, run %s (bucket %s, table %s, %s); state in %s", options.pid, conn.run_id, conn.bucket,
              conn.table, endpoint, options.state_dir)
     try:
         outcome = Daemon(conn, options, stop, reporter).run()
     except (ParticipantError, FatalRemoteError) as exc:
+        if credentials is not None and credentials.session.refused:
+            _fail(f"stopped: {credentials.session.refused}")
         _fail(str(exc))
+    if credentials is not None and credentials.session.refused:
+        _fail(f"stopped: {credentials.session.refused}")
     if outcome.finished:
         if outcome.final:
             metrics = ", ".join(f"{k} {v:.4f}" for k, v in sorted(outcome.final.items()))

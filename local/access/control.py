@@ -49,6 +49,24 @@ def principal_of(headers: Mapping[str, str], query: str = "") -> str | None:
         return f"{FUNCTION}{access_key[len(FUNCTION_KEY):]}"
     if access_key == OPERATOR:
         return OPERATOR
+    return _invited_host(access_key)
+
+
+def _invited_host(access_key: str) -> str | None:
+    """participant:<id> for a session moto's STS issued of a participant role (the local credential endpoint's, to
+    an invited host: `coordinator.credentials`, whose session names say the host), else None. Looked up in moto's
+    own backend, which lives in the process this check runs in."""
+    if not access_key.startswith("ASIA"):
+        return None
+    from moto.sts.models import sts_backends
+
+    from coordinator.credentials import host_of_session
+
+    for account in list(sts_backends.keys()):
+        for backend in sts_backends[account].values():
+            role = backend.get_assumed_role_from_access_key(access_key)
+            if role is not None and role.role_arn.endswith("-participant"):
+                return f"{PARTICIPANT}:{host_of_session(role.session_name)}"
     return None
 
 

@@ -1,0 +1,265 @@
+"""A host that joins with an invite: no AWS account, profile, CLI or environment variable, only the invite line.
+
+The host makes an Ed25519 key of its own (kept in its host directory, mode 600), redeems the invite's one-time
+secret with the key's public half, and from then on renews by requests signed with that key
+(`shared.hosts.sign_renewal`). Each answer is a participant session of 15-60 minutes and where the run lives.
+
+The session is served to every AWS client of this process, and of the processes it starts, the way ECS serves a
+task's role: a loopback HTTP server in botocore's container-credentials format, named by
+AWS_CONTAINER_CREDENTIALS_FULL_URI and guarded by a random AWS_CONTAINER_AUTHORIZATION_TOKEN. botocore treats those
+credentials as refreshable and asks again before they expire, whichever library made the client (boto3, pynamodb);
+the server renews at the endpoint once a third of the session's lifetime is left, so a round of any length never
+meets an expired session. A refusal (the host was revoked) stops the participant with the endpoint's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from datetime import UTC, datetime
+from hashlib import sha256
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shared.hosts import REDEEM_PATH, RENEW_PATH, Invite, public_key_of, sign_renewal
+from shared.messages import CredentialAnswer, MessageError, RedeemRequest, parse_message
+from store.connection import Connection
+
+log = logging.getLogger("participant.credentials")
+
+HOST_KEY_FILE = "host-key.pem"
+REDEEMED_FILE = "redeemed.json"  # the endpoint and host the key is bound to
+ENV_FULL_URI = "AWS_CONTAINER_CREDENTIALS_FULL_URI"
+ENV_AUTH_TOKEN = "AWS_CONTAINER_AUTHORIZATION_TOKEN"
+RENEW_AT_LEFT = 1 / 3  # renew once this share of a session's lifetime is left
+RETRY_FIRST, RETRY_MAX = 1.0, 30.0  # seconds between tries while the endpoint cannot be reached
+
+
+class HostRefused(RuntimeError):
+    """The credential endpoint refused this host (revoked, expired invite, ...): retrying cannot help."""
+
+
+class EndpointUnavailable(RuntimeError):
+    """The endpoint could not be reached or asked to wait (rate limit, server error): worth trying again."""
+
+
+def default_host_dir(invite: Invite) -> Path:
+    """Where a host keeps its key for one run's endpoint: ~/.fed/hosts/<endpoint's digest>/<host id>."""
+    return Path.home() / ".fed" / "hosts" / sha256(invite.endpoint.encode()).hexdigest()[:12] / invite.host
+
+
+def load_or_create_key(path: Path) -> Ed25519PrivateKey:
+    if path.exists():
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        if not isinstance(key, Ed25519PrivateKey):
+            raise HostRefused(f"{path} does not hold an Ed25519 key: remove it to make a new one (and a new invite)")
+        return key
+    key = Ed25519PrivateKey.generate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    return key
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 30.0) -> CredentialAnswer:
+    """One request to the endpoint: its answer, HostRefused on a 4xx but 429, EndpointUnavailable otherwise."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 - the invite's http(s) URL
+            data = resp.read(1 << 16)
+    except urllib.error.HTTPError as exc:
+        reason = _reason(exc.read(4096)) or exc.reason
+        if exc.code == 429 or exc.code >= 500:
+            raise EndpointUnavailable(f"the credential endpoint answered {exc.code}: {reason}") from None
+        raise HostRefused(f"the credential endpoint refused this host ({exc.code}): {reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise EndpointUnavailable(f"the credential endpoint {url} cannot be reached: {exc}") from None
+    try:
+        return parse_message(CredentialAnswer, data)
+    except MessageError as exc:
+        raise EndpointUnavailable(f"the credential endpoint's answer is not one: {exc}") from None
+
+
+def _reason(data: bytes) -> str:
+    try:
+        return str(json.loads(data).get("error", ""))[:500]
+    except (ValueError, AttributeError):
+        return ""
+
+
+class HostSession:
+    """This host's participant session: redeemed once, renewed by signed requests, kept fresh (thread-safe)."""
+
+    def __init__(self, invite: Invite, host_dir: Path, clock: Callable[[], float] = time.time) -> None:
+        self.invite = invite
+        self.host_dir = host_dir
+        self.clock = clock
+        self.key = load_or_create_key(host_dir / HOST_KEY_FILE)
+        self.renewals = 0
+        self.refused = ""  # the endpoint's reason, once it refused this host
+        self._answer: CredentialAnswer | None = None
+        self._issued_at = 0.0
+        self._lock = threading.Lock()
+
+    def _redeemed(self) -> bool:
+        try:
+            marker = json.loads((self.host_dir / REDEEMED_FILE).read_text())
+        except (FileNotFoundError, ValueError):
+            return False
+        return bool(marker == {"endpoint": self.invite.endpoint, "host": self.invite.host})
+
+    def _ask(self) -> CredentialAnswer:
+        base = self.invite.endpoint.rstrip("/")
+        if not self._redeemed():
+            redeem = RedeemRequest(host=self.invite.host, secret=self.invite.secret, public_key=public_key_of(self.key))
+            try:
+                answer = post(base + REDEEM_PATH, redeem.model_dump(mode="json"))
+            except HostRefused:
+                if not self._renews():  # redeemed before, but the marker was not written: the key is bound
+                    raise
+            else:
+                (self.host_dir / REDEEMED_FILE).write_text(json.dumps({"endpoint": self.invite.endpoint,
+                                                                       "host": self.invite.host}))
+                return answer
+        renewal = sign_renewal(self.key, self.invite.host, self.clock())
+        answer = post(base + RENEW_PATH, renewal.model_dump(mode="json"))
+        self.renewals += 1
+        log.info("credentials renewed at the endpoint (renewal %d; valid until %s)", self.renewals,
+                 answer.credentials.Expiration)
+        return answer
+
+    def _renews(self) -> bool:
+        try:
+            post(self.invite.endpoint.rstrip("/") + RENEW_PATH,
+                 sign_renewal(self.key, self.invite.host, self.clock()).model_dump(mode="json"))
+        except HostRefused:
+            return False
+        (self.host_dir / REDEEMED_FILE).write_text(json.dumps({"endpoint": self.invite.endpoint,
+                                                               "host": self.invite.host}))
+        return True
+
+    def answer(self) -> CredentialAnswer:
+        """The current session, renewed first when a third of its lifetime or less is left. HostRefused once the
+        endpoint refuses this host (kept: later calls refuse at once)."""
+        with self._lock:
+            if self.refused:
+                raise HostRefused(self.refused)
+            now = self.clock()
+            if self._answer is None or self._left(now) <= RENEW_AT_LEFT * max(1.0, self._expires() - self._issued_at):
+                try:
+                    self._answer, self._issued_at = self._ask(), now
+                except HostRefused as exc:
+                    self.refused = str(exc)
+                    raise
+            return self._answer
+
+    def _expires(self) -> float:
+        assert self._answer is not None
+        return datetime.strptime(self._answer.credentials.Expiration, "%Y-%m-%dT%H:%M:%SZ").replace(
+            tzinfo=UTC).timestamp()
+
+    def _left(self, now: float) -> float:
+        return self._expires() - now
+
+    def connection(self) -> Connection:
+        c = self.answer().connection
+        return Connection(run_id=c.run_id, bucket=c.bucket, table=c.table, endpoint=c.endpoint, region=c.region,
+                          participant_role=c.participant_role, state_topic=c.state_topic)
+
+    def wait_for_first(self, stop: threading.Event) -> CredentialAnswer:
+        """The first session, trying again while the endpoint cannot be reached (until `stop`)."""
+        pause = RETRY_FIRST
+        while True:
+            try:
+                return self.answer()
+            except EndpointUnavailable as exc:
+                log.warning("%s; trying again in %.0f s", exc, pause)
+                if stop.wait(pause):
+                    raise
+                pause = min(RETRY_MAX, pause * 2)
+
+
+class CredentialServer:
+    """botocore's container-credentials endpoint on loopback, serving `session`; `start` points this process's
+    environment at it (and so every process it starts), `stop` takes it away."""
+
+    def __init__(self, session: HostSession, on_refused: Callable[[str], None] = lambda reason: None) -> None:
+        self.session = session
+        self.on_refused = on_refused
+        self.token = secrets.token_urlsafe(32)
+        self._server: ThreadingHTTPServer | None = None
+        self._saved: dict[str, str | None] = {}
+
+    def start(self) -> CredentialServer:
+        handler = _handler_for(self)
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=self._server.serve_forever, name="host-credentials", daemon=True).start()
+        port = self._server.server_address[1]
+        values = {ENV_FULL_URI: f"http://127.0.0.1:{port}/credentials", ENV_AUTH_TOKEN: self.token,
+                  "AWS_EC2_METADATA_DISABLED": "true"}
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+            values[name] = ""  # nothing earlier in botocore's chain may shadow the host's session
+        for name, value in values.items():
+            self._saved.setdefault(name, os.environ.get(name))
+            if value:
+                os.environ[name] = value
+            else:
+                os.environ.pop(name, None)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        for name, value in self._saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._saved = {}
+
+    def body(self) -> tuple[int, dict[str, str]]:
+        try:
+            c = self.session.answer().credentials
+        except HostRefused as exc:
+            self.on_refused(str(exc))
+            return 403, {"message": str(exc)}
+        except EndpointUnavailable as exc:  # botocore keeps the session it has until it expires
+            log.warning("%s", exc)
+            return 503, {"message": str(exc)}
+        return 200, {"AccessKeyId": c.AccessKeyId, "SecretAccessKey": c.SecretAccessKey, "Token": c.SessionToken,
+                     "Expiration": c.Expiration}
+
+
+def _handler_for(server: CredentialServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if not secrets.compare_digest(self.headers.get("Authorization", ""), server.token):
+                status, body = 401, {"message": "not authorized"}
+            else:
+                status, body = server.body()
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+            return None
+
+    return Handler

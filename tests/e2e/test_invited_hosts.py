@@ -1,0 +1,167 @@
+"""Hosts that join with an invite line alone (issue 33): participant processes with no AWS credential in their
+environment at all (no AWS_* variable, a HOME without .aws) redeem their invite at the local credential endpoint,
+renew their short sessions by themselves through a run, and a revoked host is refused at once while the run goes
+on without it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fed.demo.processes import participant_command
+from fed.hosts import invite, revoke
+from fed.localrun import store_for, wait_until
+from local.stack import LocalStack
+from participant.credentials import HostRefused, load_or_create_key, post
+from shared.hosts import RENEW_PATH, sign_renewal
+from shared.state import Phase
+from store.hosts import HostStore
+from store.table import StateStore
+from tests.e2e.harness import e2e_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+CREDENTIAL_SECONDS = 12  # a session lasts 12 s: renewed every ~8 s, several times a run
+# In the revocation test a session lasts 30 s: renewed every ~20 s, so that a revocation just after a renewal leaves
+# carol ~20 s of heartbeats (one every 2 s) before its next renewal is refused
+REVOCATION_SECONDS = 30
+RENEWED = re.compile(r"credentials renewed")
+
+
+class Hosts:
+    """`fed-participant start --invite LINE` processes, each in an environment with no AWS credential at all."""
+
+    def __init__(self, stack: LocalStack, workdir: Path) -> None:
+        self.stack, self.workdir = stack, workdir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
+
+    def environment(self, name: str) -> dict[str, str]:
+        home = self.workdir / "homes" / name
+        home.mkdir(parents=True, exist_ok=True)
+        kept = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        return {**kept, "HOME": str(home), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+    def start(self, name: str, line: str) -> None:
+        env = self.environment(name)
+        assert not any(k.startswith("AWS_") for k in env) and not (Path(env["HOME"]) / ".aws").exists()
+        self.logs[name] = self.workdir / f"{name}.log"
+        with self.logs[name].open("wb") as log:
+            self.procs[name] = subprocess.Popen(
+                [*participant_command(), "start", "--invite", line, "--device", "cpu", "--threads", "1",
+                 "--poll-max", "0.5"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
+                start_new_session=True)
+
+    def output(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace")
+
+    def running(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalStack]:
+    seconds = getattr(request, "param", CREDENTIAL_SECONDS)
+    config = e2e_config(run_id="hosts", min_clients=2, min_per_round=2, min_updates=2, total_rounds=6)
+    with LocalStack(config, tick_interval=0.5, log_file=tmp_path / "functions.log", log_level="INFO",
+                    credential_seconds=seconds) as s:
+        yield s
+
+
+@pytest.fixture
+def hosts(stack: LocalStack, tmp_path: Path) -> Iterator[Hosts]:
+    h = Hosts(stack, tmp_path)
+    yield h
+    h.stop()
+
+
+def wait(predicate, timeout: float, what: str, hosts: Hosts) -> None:  # type: ignore[no-untyped-def]
+    if not wait_until(predicate, timeout, interval=0.25):
+        logs = "\n".join(f"--- {n}\n{hosts.output(n)[-3000:]}" for n in hosts.procs)
+        pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
+
+
+def test_hosts_with_nothing_but_an_invite_train_a_run_to_the_end_renewing_their_sessions(
+    stack: LocalStack, hosts: Hosts
+) -> None:
+    # Given two invites, and two hosts with no AWS credential of their own
+    conn = stack.connection
+    for name in ("alice", "bob"):
+        hosts.start(name, invite(conn, name, 3600))
+
+    # When they run
+    store = store_for(conn)
+    wait(lambda: store.read_state().phase is Phase.FINISHED, 240, "the run to finish", hosts)
+    wait(lambda: not hosts.running("alice") and not hosts.running("bob"), 60, "the hosts to exit", hosts)
+
+    # Then both trained every round and exited cleanly, with no refusal of anything they sent
+    state = store.read_state()
+    assert state.aggregated == stack.config.total_rounds
+    rounds = store.rounds()
+    assert all(set(r.counted) == {"alice", "bob"} for r in rounds), [(r.round, r.counted) for r in rounds]
+    assert [hosts.procs[n].returncode for n in ("alice", "bob")] == [0, 0], hosts.output("alice")[-2000:]
+    assert store.refusals() == []
+    # and each renewed its session at least twice on the way (each renewal a signed request the endpoint accepted)
+    for name in ("alice", "bob"):
+        assert len(RENEWED.findall(hosts.output(name))) >= 2, hosts.output(name)[-3000:]
+    records = {r.host: r for r in HostStore(conn.table, conn.run_id, conn.endpoint, conn.region).list()}
+    assert {r.status.value for r in records.values()} == {"active"} and all(r.last_credentials_at for r in
+                                                                            records.values())
+
+
+@pytest.mark.parametrize("stack", [REVOCATION_SECONDS], indirect=True)
+def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack: LocalStack, hosts: Hosts) -> None:
+    # Given three invited hosts in a run that needs two
+    conn = stack.connection
+    for name in ("alice", "bob", "carol"):
+        hosts.start(name, invite(conn, name, 3600))
+    store: StateStore = store_for(conn)
+    host_store = HostStore(conn.table, conn.run_id, conn.endpoint, conn.region)
+    wait(lambda: store.read_state().aggregated >= 1, 180, "a round to be aggregated", hosts)
+
+    # When the operator revokes carol, just after carol renewed its session
+    def last_renewal() -> float:
+        record = host_store.get("carol")
+        return record.last_credentials_at if record is not None else 0.0
+    before = last_renewal()
+    wait(lambda: last_renewal() > before, 2 * REVOCATION_SECONDS, "carol's next renewal", hosts)
+    revoked_at = time.time()
+    done = revoke(conn, "carol", "key leaked")
+    assert "refused" in done[0]
+
+    # Then carol's next upload is refused with the recorded reason
+    def carol_refused() -> bool:
+        return any(r.pid == "carol" and "from a revoked host: key leaked" in r.reason for r in store.refusals())
+    wait(carol_refused, 60, "carol's next upload to be refused", hosts)
+    # and a renewal signed with carol's own key is refused, recorded with its reason
+    key_file = next((hosts.workdir / "homes" / "carol").rglob("host-key.pem"))
+    with pytest.raises(HostRefused, match="revoked"):
+        post(conn.credential_endpoint + RENEW_PATH,
+             sign_renewal(load_or_create_key(key_file), "carol", time.time()).model_dump(mode="json"))
+    assert any(r.host == "carol" and "revoked" in r.reason and r.at >= revoked_at for r in host_store.refusals())
+
+    # and the run goes on to the end without carol, alice's and bob's uploads unaffected
+    wait(lambda: store.read_state().phase is Phase.FINISHED, 240, "the run to finish without carol", hosts)
+    late = [r for r in store.rounds() if r.started >= revoked_at + 1]
+    assert late and all("carol" not in r.counted for r in late)
+    assert not [r for r in store.refusals() if r.pid in {"alice", "bob"}]
+    # and carol, refused a renewal by its own session too, stops with the endpoint's reason
+    wait(lambda: not hosts.running("carol"), 60, "carol to stop", hosts)
+    assert hosts.procs["carol"].returncode == 1
+    assert "revoked" in hosts.output("carol") and "key leaked" in hosts.output("carol")
