@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from shared.config import ConfigError, RunConfig, describe, load_config, parse_config
 
@@ -42,7 +42,10 @@ LOG_RETENTION_DAYS = (
     3653,
 )
 STACK_NAME_MAX = 128
-FUNCTIONS = ("tick", "ingest", "join", "shard")  # the [deploy] tables holding a FunctionSettings
+FUNCTIONS = ("tick", "ingest", "join", "shard", "credentials")  # the [deploy] tables holding a FunctionSettings
+# The participant sessions the credential endpoint issues: STS issues none shorter than 15 minutes, and the function
+# assumes the participant role from its own role's session (role chaining), which AWS caps at one hour.
+CREDENTIAL_MINUTES = (15, 60)
 
 # Lambda's guidance for a queue it drains (an SQS event source): a visibility timeout of at least six times the
 # function's timeout, and a redrive to the dead-letter queue after at least five receives. Lambda receives a batch
@@ -104,6 +107,25 @@ class DeploySettings(BaseModel):
         FunctionSettings(memory_mb=512, timeout_seconds=60),
         description="The join function: it only registers joiners (no aggregation), so it needs little. It is "
         "invoked by its queue, not asynchronously: retry_attempts and max_event_age_seconds do not apply.",
+    )
+    credentials: FunctionSettings = Field(
+        FunctionSettings(memory_mb=512, timeout_seconds=15, ephemeral_storage_mb=512, reserved_concurrency=2),
+        description="The credential endpoint (`infra.hosts`): a few DynamoDB calls and one STS call per request, "
+        "answered synchronously (retry_attempts and max_event_age_seconds do not apply). Its URL is public (the "
+        "hosts have no AWS identity), so its reserved concurrency is required: it bounds what a flood of requests "
+        "can cost and keeps the flood off the account's pool. Reserving needs 10 unreserved left in the account.",
+    )
+    credential_minutes: int = Field(
+        60, description="Lifetime of the participant sessions the credential endpoint issues, 15 to 60 minutes; "
+        "hosts renew them before they expire.",
+    )
+    host_requests_per_minute: int = Field(
+        12, ge=1, description="Credential endpoint requests (redemptions and renewals) one host id may make a "
+        "minute; more are answered 429.",
+    )
+    all_hosts_requests_per_minute: int = Field(
+        120, ge=1, validate_default=True, description="Credential endpoint requests all hosts together may make a "
+        "minute; more are answered 429. At least host_requests_per_minute.",
     )
     join_concurrency: int = Field(
         2, ge=2, le=1000, description="Join function invocations at once, at most (the join queue's event source "
@@ -183,6 +205,38 @@ class DeploySettings(BaseModel):
             if not arn.startswith("arn:"):
                 raise ValueError(f"{arn!r} is not an ARN")
         return value
+
+    @field_validator("credentials")
+    @classmethod
+    def _credentials(cls, value: FunctionSettings) -> FunctionSettings:
+        if value.reserved_concurrency is None:
+            raise ValueError("reserved_concurrency must be set: the credential endpoint's URL is public, and its "
+                             "reserved concurrency bounds what a flood of requests can cost")
+        return value
+
+    @field_validator("credential_minutes")
+    @classmethod
+    def _credential_minutes(cls, value: int) -> int:
+        low, high = CREDENTIAL_MINUTES
+        if not low <= value <= high:
+            raise ValueError(f"must be {low} to {high} minutes: STS issues no session shorter than {low} minutes, and "
+                             f"one the credential function chains from its own role lasts at most {high} (role "
+                             "chaining)")
+        return value
+
+    @field_validator("all_hosts_requests_per_minute")
+    @classmethod
+    def _all_hosts_rate(cls, value: int, info: ValidationInfo) -> int:
+        per_host = info.data.get("host_requests_per_minute")
+        if per_host is not None and value < per_host:
+            raise ValueError(f"must be at least host_requests_per_minute ({per_host}): the limit over all hosts "
+                             "cannot be below one host's")
+        return value
+
+    @property
+    def credential_seconds(self) -> int:
+        """The participant sessions' lifetime the credential function asks STS for."""
+        return self.credential_minutes * 60
 
     def shard_retention_seconds(self) -> int:
         """How long the shard queue keeps a task: until a task that keeps killing its worker has been received
