@@ -27,10 +27,11 @@ from tests.e2e.harness import e2e_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-CREDENTIAL_SECONDS = 12  # a session lasts 12 s: renewed every ~8 s, several times a run
+# A session lasts 5 s: renewed every ~3.3 s, so several times in a run of 20 rounds (the slower the machine, the more)
+CREDENTIAL_SECONDS, ROUNDS = 5, 20
 # In the revocation test a session lasts 30 s: renewed every ~20 s, so that a revocation just after a renewal leaves
-# carol ~20 s of heartbeats (one every 2 s) before its next renewal is refused
-REVOCATION_SECONDS = 30
+# carol ~20 s of heartbeats (one every 2 s) before its next renewal is refused; the run is long enough to outlast it
+REVOCATION_SECONDS, REVOCATION_ROUNDS = 30, 60
 RENEWED = re.compile(r"credentials renewed")
 
 
@@ -77,8 +78,8 @@ class Hosts:
 
 @pytest.fixture
 def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalStack]:
-    seconds = getattr(request, "param", CREDENTIAL_SECONDS)
-    config = e2e_config(run_id="hosts", min_clients=2, min_per_round=2, min_updates=2, total_rounds=6)
+    seconds, rounds = getattr(request, "param", (CREDENTIAL_SECONDS, ROUNDS))
+    config = e2e_config(run_id="hosts", min_clients=2, min_per_round=2, min_updates=2, total_rounds=rounds)
     with LocalStack(config, tick_interval=0.5, log_file=tmp_path / "functions.log", log_level="INFO",
                     credential_seconds=seconds) as s:
         yield s
@@ -125,7 +126,7 @@ def test_hosts_with_nothing_but_an_invite_train_a_run_to_the_end_renewing_their_
                                                                             records.values())
 
 
-@pytest.mark.parametrize("stack", [REVOCATION_SECONDS], indirect=True)
+@pytest.mark.parametrize("stack", [(REVOCATION_SECONDS, REVOCATION_ROUNDS)], indirect=True)
 def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack: LocalStack, hosts: Hosts) -> None:
     # Given three invited hosts in a run that needs two
     conn = stack.connection
