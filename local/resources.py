@@ -33,6 +33,7 @@ from shared.naming import (
     table_name,
     tick_rule_name,
 )
+from shared.table_keys import TTL_ATTRIBUTE
 from store.blobs import s3_client
 
 
@@ -88,6 +89,9 @@ def create_resources(run_id: str, endpoint: str | None = None, region: str = "us
     except ClientError as exc:
         if exc.response["Error"]["Code"] != "ResourceInUseException":
             raise
+    else:  # the credential endpoint's nonces, request counters and refusals expire (`store.hosts`)
+        ddb.update_time_to_live(TableName=table, TimeToLiveSpecification={"Enabled": True,
+                                                                          "AttributeName": TTL_ATTRIBUTE})
     sqs = client("sqs", endpoint, region)
     events = client("events", endpoint, region)
     lanes = (
