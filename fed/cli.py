@@ -195,6 +195,10 @@ def demo(
     updates: str | None = typer.Option(None, "--updates", metavar="weights|bf16|int8", help=DEMO_UPDATES_HELP),
     downloads: str | None = typer.Option(None, "--downloads", metavar="full|bf16|int8", help=DEMO_DOWNLOADS_HELP),
     mixed_speeds: bool = typer.Option(False, "--mixed-speeds", help=DEMO_MIXED_SPEEDS_HELP),
+    invites: bool = typer.Option(
+        False, "--invites", help="Each participant joins with an invite line alone (`fed hosts invite`), redeemed "
+        "at the local credential endpoint, as a host outside AWS would: no credential in its environment.",
+    ),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Give up (exit 1) if the run has not finished."),
     tick_interval: float = typer.Option(1.0, "--tick-interval", min=0.05, help="Seconds between scheduled ticks."),
     workdir: Path | None = typer.Option(
@@ -216,7 +220,8 @@ def demo(
         raise typer.Exit(2)
     options = DemoOptions(participants=participants, rounds=rounds, report=report, plot=plot, config=_load(config),
                           kill_one=kill_one, timeout=timeout, tick_interval=tick_interval, workdir=workdir, task=task,
-                          split=split, updates=updates, downloads=downloads, mixed_speeds=mixed_speeds)
+                          split=split, updates=updates, downloads=downloads, mixed_speeds=mixed_speeds,
+                          invites=invites)
     try:
         run_demo(options, console)
     except DemoFailed as exc:

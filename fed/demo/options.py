@@ -33,6 +33,7 @@ class DemoOptions:
     updates: str | None = None  # update_encoding (weights, bf16, int8); None: the config's (weights by default)
     downloads: str | None = None  # download_encoding (full, bf16, int8); None: the config's (full by default)
     mixed_speeds: bool = False  # the last participant trains at a quarter of the host's speed (--throttle 0.25)
+    invites: bool = False  # each participant joins with an invite line alone, as a host outside AWS would
     count_requests: bool = False  # the local server counts requests by service and operation: the report's requests
 
 

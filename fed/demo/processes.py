@@ -73,16 +73,20 @@ class Participants:
             self.zygote = Zygote(participant_environment(), self.workdir / "logs" / "zygote.log")
             self.zygote.start()  # (its imports overlap whatever the caller does until the first spawn)
 
-    def spawn(self, names: list[str], extra: dict[str, list[str]] | None = None) -> None:
-        """Start a process per name; `extra` adds arguments for some of them (e.g. another --task)."""
+    def spawn(self, names: list[str], extra: dict[str, list[str]] | None = None,
+              invites: dict[str, str] | None = None) -> None:
+        """Start a process per name; `extra` adds arguments for some of them (e.g. another --task); one with an
+        invite line in `invites` joins with it alone (`fed-participant start --invite`), as a host outside AWS."""
         env = participant_environment()
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for name in names:
             log = logs / f"{name}.log"
             state_dir = self.workdir / "participants" / name
-            args = ["start", "--connection", str(self.connection_file), "--id", name, "--state-dir", str(state_dir),
-                    "--threads", "1", "--poll-max", str(POLL_MAX), *self.extra_args, *(extra or {}).get(name, [])]
+            joins = (["--invite", invites[name]] if invites and name in invites else
+                     ["--connection", str(self.connection_file), "--id", name])
+            args = ["start", *joins, "--state-dir", str(state_dir), "--threads", "1", "--poll-max", str(POLL_MAX),
+                    *self.extra_args, *(extra or {}).get(name, [])]
             log.write_bytes(b"")
             self.procs[name] = ParticipantProcess(name, self._start(args, env, log), log)
 

@@ -31,11 +31,13 @@ from fed.demo.report import (
 )
 from fed.demo.tasks import reports_loss
 from fed.evaluation import Evaluator
+from fed.hosts import invite
 from fed.localrun import RoundFollower, store_for
 from local.stack import LocalStack
 from shared.config import RunConfig
 from shared.state import Phase
 
+INVITE_SECONDS = 3600  # how long the demo's invites may be redeemed (--invites)
 EXIT_GRACE = 20.0  # after the run finished, how long participants get to notice and exit
 
 
@@ -64,7 +66,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         _announce(console, opts, config, stack, workdir, connection_file)
         names = [f"p{i}" for i in range(1, opts.participants + 1)]
         speeds = throttles(names, opts.mixed_speeds)
-        procs.spawn(names, _participant_args(names, speeds, opts.split, console))
+        invites = {n: invite(stack.connection, n, INVITE_SECONDS) for n in names} if opts.invites else None
+        procs.spawn(names, _participant_args(names, speeds, opts.split, console), invites)
         evaluator = Evaluator(config, connection_file, workdir / "logs" / "evaluator.log",
                               lambda args, log: procs.start_helper("fed.evaluation", args, log))
         with console.status(f"starting {len(names)} participant processes"):
