@@ -43,7 +43,7 @@ SHARD_DURATION_ALARM_SHARE = 0.8
 
 class Observability(Construct):
     """Dashboard, stuck-run alarm, function-error and dead-letter alarms, shard-worker throttle and duration
-    alarms, optional e-mail topic."""
+    alarms, the credential endpoint's throttle alarm, optional e-mail topic."""
 
     def __init__(
         self,
@@ -57,6 +57,7 @@ class Observability(Construct):
         dead_letters: sqs.Queue,
         join_queue: sqs.Queue | None = None,
         shard: lambda_.Function | None = None,
+        credentials: lambda_.Function | None = None,
     ) -> None:
         super().__init__(scope, id)
         self.run_id = config.run_id
@@ -105,6 +106,9 @@ class Observability(Construct):
         self.shard_near_timeout: cw.Alarm | None = None
         if shard is not None:
             self._shard_alarms(config, settings, shard)
+        self.credential_throttles: cw.Alarm | None = None
+        if credentials is not None:
+            self._credential_alarms(config, settings, credentials)
         self.alarms.append(
             cw.Alarm(
                 self,
@@ -164,6 +168,24 @@ class Observability(Construct):
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         )
         self.alarms += [self.shard_throttles, self.shard_near_timeout]
+
+    def _credential_alarms(self, config: RunConfig, settings: DeploySettings, credentials: lambda_.Function) -> None:
+        """The credential endpoint's errors are alarmed with every function's (`functions`); its throttles mean its
+        reserved concurrency was used up: a flood, or more hosts renewing at once than it was sized for. Either
+        way hosts are being turned away and will retry, and a host that cannot renew in time loses its session."""
+        self.credential_throttles = cw.Alarm(
+            self,
+            "CredentialsThrottles",
+            alarm_description=f"Run {config.run_id}: credential endpoint requests were throttled (reserved "
+            f"concurrency {settings.credentials.reserved_concurrency}): a flood of requests, or more hosts at once "
+            "than [deploy.credentials] reserved_concurrency serves.",
+            metric=credentials.metric_throttles(period=Duration.minutes(5), statistic="Sum"),
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        )
+        self.alarms.append(self.credential_throttles)
 
     def metric(self, name: str, statistic: str, period: Duration = PERIOD) -> cw.Metric:
         return cw.Metric(

@@ -7,6 +7,8 @@ else, every `fed` command works against the deployed run:
     fed status / dashboard / verify    read the run's state items and objects (every version: verify recomputes)
     fed run pause / resume             commit the request, switch the tick schedule, invoke the tick function
     fed run restore                    write the checkpoint's global model and optimizer state back, commit the state
+    fed hosts invite / list / revoke   write and read the host records (invite stores a secret's hash), mark a host
+                                       revoked, and deny its sessions in the participant role's inline policy
     fed check                          list the stack's resources, read the functions' configuration and invoke
                                        the tick as a dry run, ask IAM's policy simulator about every role (this
                                        policy's own document included), read the bucket's notification setting
@@ -41,6 +43,9 @@ SIMULATE = "iam:SimulatePrincipalPolicy"
 # anything of the account: each judges only what the request itself carries (an event and a pattern; a policy
 # document, actions and ARNs).
 RESOURCELESS = ("events:TestEventPattern", "iam:SimulateCustomPolicy")
+# `fed hosts revoke` on AWS writes the participant role's inline policy `shared.naming.REVOKED_HOSTS_POLICY` whole,
+# from the revoked host records (`fed.hosts.deny_sessions`): it never reads it back nor deletes it.
+REVOKE_ACTIONS = ("iam:PutRolePolicy",)
 
 
 def policy_name(run_id: str) -> str:
@@ -77,7 +82,8 @@ class OperatorAccess(Construct):
             self,
             "Policy",
             managed_policy_name=name,
-            description=f"Operate run {run_id} with `fed` (status, dashboard, verify, pause, resume, restore, check).",
+            description=f"Operate run {run_id} with `fed` (status, dashboard, verify, pause, resume, restore, hosts, "
+            "check).",
             statements=[
                 iam.PolicyStatement(sid="ReadRunState", actions=["dynamodb:GetItem", "dynamodb:Query"],
                                     resources=[table.table_arn]),
@@ -113,6 +119,15 @@ class OperatorAccess(Construct):
                 iam.PolicyStatement(sid="ReadOwnPolicy", actions=["iam:GetPolicy", "iam:GetPolicyVersion"],
                                     resources=[own_arn]),
                 iam.PolicyStatement(sid="TryParticipantSession", actions=["sts:AssumeRole", "sts:TagSession"],
+                                    resources=[participant_role.role_arn]),
+                # fed hosts revoke marks the host item revoked (invite's PutItem and list's Query are granted above)
+                iam.PolicyStatement(sid="RevokeHosts", actions=["dynamodb:UpdateItem"], resources=[table.table_arn]),
+                # ... and on AWS writes the participant role's inline policy REVOKED_HOSTS_POLICY, a deny on the
+                # revoked hosts' session tags, which cuts the sessions they already hold at once. IAM has no condition
+                # key for an inline policy's name, so this reaches every inline policy of the participant role; its
+                # permissions boundary (`ParticipantAccess`) keeps whatever is written there within what the template
+                # grants participants, so this right cannot widen a participant session (nor the operator's own).
+                iam.PolicyStatement(sid="RevokeHostSessions", actions=list(REVOKE_ACTIONS),
                                     resources=[participant_role.role_arn]),
                 # the outputs (every `fed` command with --stack), the resources (fed check: functions, queues)
                 iam.PolicyStatement(sid="ReadStack",

@@ -103,21 +103,31 @@ class ParticipantAccess(Construct):
             if settings.participant_principals
             else [iam.AccountRootPrincipal()]
         )
+        witnessing = config.witness_nodes > 0
+
+        def statements() -> list[iam.PolicyStatement]:
+            return (self._statements(bucket, table, run_id, witnessing=witnessing)
+                    + self._state_statements(state_topic, self.own_queue_arn))
+
+        # The same statements again as the role's permissions boundary: the operator may write the role's inline
+        # policies (`fed hosts revoke` denies revoked hosts' sessions there, and IAM cannot limit that right to one
+        # policy name), and the boundary keeps anything written there within what this template grants.
+        self.boundary = iam.ManagedPolicy(
+            self, "Boundary", statements=statements(),
+            description=f"The most a participant session of run {run_id} may do, whatever its inline policies say.",
+        )  # fmt: skip
         self.role = iam.Role(
             self,
             "Role",
             description=f"Participants of run {run_id}, assumed with the session tag {PARTICIPANT_TAG}=<id>.",
             assumed_by=iam.PrincipalWithConditions(trusted[0], TRUST_CONDITIONS).with_session_tags(),
             max_session_duration=Duration.hours(settings.participant_session_hours),
-            inline_policies={
-                "participant": iam.PolicyDocument(
-                    statements=self._statements(bucket, table, run_id, witnessing=config.witness_nodes > 0)
-                    + self._state_statements(state_topic, self.own_queue_arn)
-                )
-            },
+            inline_policies={"participant": iam.PolicyDocument(statements=statements())},
+            permissions_boundary=self.boundary,
         )
         trust = self.role.assume_role_policy
         assert trust is not None
+        self._trust = trust
         for other in trusted[1:]:
             trust.add_statements(
                 iam.PolicyStatement(
@@ -140,7 +150,7 @@ class ParticipantAccess(Construct):
                 )
             )
         acknowledge(
-            self.role,
+            self,  # the role's policy and its boundary
             "IAM5",
             "Wildcards stand only for the round (and, under it, the kind of report) below this run's prefix: a "
             "participant writes and checks its update, witness proof or health report for any round at "
@@ -156,6 +166,19 @@ class ParticipantAccess(Construct):
                 f"Resource::{arn_ref(bucket)}/{layout.round_objects(run_id)}",
                 f"Resource::{arn_ref(bucket)}/{layout.rosters(run_id)}",
             ],
+        )
+
+    def admit_issuer(self, issuer: iam.IRole) -> None:
+        """Trust `issuer` (the credential endpoint's role, `infra.hosts`) to assume the role for a host: with exactly
+        one session tag, a usable participant id, as every other principal; the conditions are written out here as
+        well as in the deny statements, so this statement admits nothing on its own that they would refuse."""
+        self._trust.add_statements(
+            iam.PolicyStatement(
+                sid="CredentialEndpoint",
+                actions=["sts:AssumeRole", "sts:TagSession"],
+                principals=[iam.ArnPrincipal(issuer.role_arn)],
+                conditions={**TRUST_CONDITIONS, **id_conditions(REQUEST_TAG)},
+            )
         )
 
     @staticmethod

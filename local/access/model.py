@@ -20,7 +20,7 @@ from shared.naming import OUTPUT_OPERATOR_POLICY, OUTPUT_PARTICIPANT_ROLE, PARTI
 LOCAL_ACCOUNT = "123456789012"  # moto's account
 PARTICIPANT = "participant"
 OPERATOR = "operator"
-FUNCTION = "function:"  # + the function's name (tick, ingest, join, shard): the module its handler lives in
+FUNCTION = "function:"  # + the function's name (tick, ingest, join, shard, credentials): its handler's module
 _HANDLER = re.compile(r"^functions\.(\w+)\.handler$")
 
 

@@ -124,10 +124,11 @@ def test_bucket_notifies_eventbridge_without_a_custom_resource(synth: Synth) -> 
     # When we look for custom resources and Lambda functions
     types = {v["Type"] for v in synth.resources.values()}
     functions = synth.of_type("AWS::Lambda::Function")
-    # Then there is no notification custom resource, no custom resource at all, only our four functions
+    # Then there is no notification custom resource, no custom resource at all, only our five functions
     assert "Custom::S3BucketNotifications" not in types
     assert not [t for t in types if t.startswith("Custom::") or t == "AWS::CloudFormation::CustomResource"]
     assert sorted(f["Properties"]["Handler"] for f in functions.values()) == [
+        "functions.credentials.handler",
         "functions.ingest.handler",
         "functions.join.handler",
         "functions.shard.handler",
@@ -304,7 +305,8 @@ def participant_role(synth: Synth) -> dict[str, Any]:
 def test_participants_assume_the_role_only_with_their_id_as_session_tag(synth: Synth) -> None:
     # Given the participant role's trust policy
     trust = participant_role(synth)["AssumeRolePolicyDocument"]["Statement"]
-    allow = [s for s in trust if s["Effect"] == "Allow"]
+    # (the credential endpoint's own statement, on the same conditions, is test_hosts.py's)
+    allow = [s for s in trust if s["Effect"] == "Allow" and s.get("Sid") != "CredentialEndpoint"]
     deny = [s for s in trust if s["Effect"] == "Deny"]
     # Then assuming it needs exactly one session tag, the participant id, and sts:TagSession is allowed
     assert len(allow) == 1
@@ -588,8 +590,11 @@ def test_a_schedule_invokes_the_tick_function(synth: Synth) -> None:
     assert rule["ScheduleExpression"] == f"rate({TICK_SCHEDULE_MINUTES} {unit})"
     (target,) = rule["Targets"]
     assert target["Arn"] == {"Fn::GetAtt": [function_id(synth, "functions.tick.handler"), "Arn"]}
-    # And EventBridge may invoke each function only from its own rule
-    permissions = synth.of_type("AWS::Lambda::Permission").values()
+    # And EventBridge may invoke each function only from its own rule (the credential endpoint's URL, whose
+    # permissions admit anyone through that URL, is test_hosts.py's)
+    credentials = {"Fn::GetAtt": [function_id(synth, "functions.credentials.handler"), "Arn"]}
+    permissions = [p for p in synth.of_type("AWS::Lambda::Permission").values()
+                   if p["Properties"]["FunctionName"] != credentials]
     assert sorted(p["Properties"]["Principal"] for p in permissions) == ["events.amazonaws.com"] * 2
     assert all("SourceArn" in p["Properties"] for p in permissions)
 
@@ -629,7 +634,7 @@ def test_dashboard_and_alarms_watch_the_run(synth: Synth) -> None:
     assert {"Name": "run", "Value": synth.config.run_id} in round_metric["MetricStat"]["Metric"]["Dimensions"]
     # And every function's errors and the dead-letter queue raise alarms, all sent to the e-mail topic
     error_alarms = [a for a in alarms.values() if a["Properties"].get("MetricName") == "Errors"]
-    assert len(error_alarms) == 4  # tick, ingest, join, shard
+    assert len(error_alarms) == 5  # tick, ingest, join, shard, credentials
     # And the shard worker's throttles and a duration near its timeout raise alarms too, and it has its row
     shard = {"Name": "FunctionName", "Value": {"Ref": function_id(synth, "functions.shard.handler")}}
     throttles = synth.resources[synth.logical_id(synth.stack.observability.shard_throttles)]["Properties"]
