@@ -215,6 +215,52 @@ def start(
             credentials.stop()
 
 
+CHECK_HELP = (
+    "Check, before starting, that this host can take part: one line per item, ✓ or ✗, each ✗ with what to do.\n\n"
+    "Credentials (from --invite, which it redeems if it was not yet, or the host's usual ones), the run's config and "
+    "a missing key of its own as AWS answers them, its push queue, its clock against S3's, free disk against the "
+    "model's size, CUDA and bf16, and the upload and download rates to the bucket with the time one round's "
+    "transfers take at the current model size. Nothing is written that the coordinator would see. Exit status 0 when "
+    "every item is ✓, 1 otherwise."
+)
+
+
+@app.command(help=CHECK_HELP, short_help="Check that this host can take part (before starting).")
+def check(
+    participant_id: str = typer.Option(None, "--id", metavar="PID", show_default="this host's name",
+                                       help="Participant id (the invite's, with --invite)."),
+    invite: str = typer.Option(None, "--invite", metavar="LINE|@FILE", help="An invite line, as for `start`."),
+    connection: Path = typer.Option(DEFAULT_LOCAL_FILE, "--connection", metavar="FILE",
+                                    help="Connection file (`fed local` writes .fed/local.json). Ignored with --stack."),
+    stack: str = typer.Option(None, "--stack", metavar="NAME", help="A deployed run stack on AWS."),
+    region: str = typer.Option(None, "--region", metavar="REGION", help="AWS region of --stack."),
+    run: str = typer.Option(None, "--run", metavar="RUN", help="Run id you expect."),
+    state_dir: Path = typer.Option(None, "--state-dir", metavar="DIR", show_default="~/.fed/<run>/<id>",
+                                   help="Where the participant will keep its state (its disk is measured)."),
+    device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda[:N]", help="The device you will train on."),
+) -> None:
+    credentials: CredentialServer | None = None
+    if invite:
+        participant_id, credentials = _redeem(invite, participant_id, state_dir)
+    pid, _ = _setup(participant_id, "WARNING")
+    try:
+        if credentials is not None:
+            conn = credentials.session.connection()
+            install_from_env()
+        else:
+            conn = _connect(connection, stack, region, run, pid)
+        from participant.daemon import default_state_dir
+        from participant.preflight import Preflight
+
+        items = Preflight(conn, pid, state_dir or default_state_dir(conn.run_id, pid), device).run()
+    finally:
+        if credentials is not None:
+            credentials.stop()
+    for item in items:
+        typer.echo(item.line())
+    raise typer.Exit(0 if all(item.ok for item in items) else 1)
+
+
 def _redeem(line: str, participant_id: str | None, state_dir: Path | None) -> tuple[str, CredentialServer]:
     """The invite's host id and its session, served to this process's AWS clients (`participant.credentials`)."""
     from participant.credentials import CredentialServer, HostRefused, HostSession, default_host_dir

@@ -166,3 +166,30 @@ def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack:
     wait(lambda: not hosts.running("carol"), 60, "carol to stop", hosts)
     assert hosts.procs["carol"].returncode == 1
     assert "revoked" in hosts.output("carol") and "key leaked" in hosts.output("carol")
+
+
+def test_check_with_an_invite_says_what_the_host_can_do_and_what_to_fix(stack: LocalStack, hosts: Hosts) -> None:
+    # Given an invite, and a run that has published its config (its first tick)
+    conn = stack.connection
+    line = invite(conn, "dave", 3600)
+    store = store_for(conn)
+    wait(lambda: store.read_state().version > 0, 30, "the first tick", hosts)
+
+    def check(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*participant_command(), "check", "--invite", line, *extra], capture_output=True,
+                              text=True, env=hosts.environment("dave"), cwd=hosts.workdir, timeout=120)
+
+    # When the host checks with nothing but the invite
+    done = check()
+
+    # Then every item holds, each on its own line, and the upload probe left nothing for the coordinator to see
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    for what in ("credentials", "run config", "a missing own key", "push queue", "clock", "disk", "device",
+                 "download", "upload"):
+        assert any(ln.startswith(f"✓ {what}:") for ln in lines), (what, done.stdout)
+    assert store.refusals() == [] and "dave" not in store.participant_records()
+    # and asking for a device this host lacks is a ✗ with what to do, and exit status 1
+    wanting = check("--device", "cuda")
+    assert wanting.returncode == 1
+    assert "✗ device: no CUDA device" in wanting.stdout and "→ install a CUDA build" in wanting.stdout
