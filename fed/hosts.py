@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import boto3
+from botocore.exceptions import ClientError
 
 from shared.hosts import HostRecord, HostStatus, Invite, format_invite, new_secret, secret_hash
 from shared.keys import validate_participant_id
@@ -111,7 +112,13 @@ def revoke(conn: Connection, host: str, reason: str, iam: Any = None, now: float
     done = [f"host {host} revoked: its renewals and its uploads are refused ({reason})"]
     if conn.endpoint is None and conn.participant_role:
         revoked = [r.host for r in hosts_of(conn).list() if r.status is HostStatus.REVOKED]
-        deny_sessions(iam or boto3.client("iam"), conn.participant_role, revoked)
+        try:
+            deny_sessions(iam or boto3.client("iam", region_name=conn.region), conn.participant_role, revoked)
+        except ClientError as exc:
+            raise HostsError(
+                f"{done[0]}; but its sessions already issued could not be denied ({exc}). They end within "
+                "credential_minutes. The role's inline policies are limited to 10,240 characters in all: with that "
+                "many revoked hosts, start the run's next stack instead") from None
         done.append(f"its sessions already issued are denied (policy {REVOKED_HOSTS_POLICY} on the participant role)")
     return done
 

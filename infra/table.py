@@ -1,4 +1,5 @@
-"""The run's DynamoDB table: one item per run, participant, update and round (see store/records.py)."""
+"""The run's DynamoDB table: one item per run, participant, update and round, and the invited hosts' records (see
+store/records.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from infra.settings import DeploySettings
 from infra.storage import removal_policy
 from shared.config import RunConfig
 from shared.naming import TABLE_HASH_KEY, TABLE_RANGE_KEY
+from shared.table_keys import TTL_ATTRIBUTE
 
 
 class StateTable(Construct):
@@ -31,4 +33,6 @@ class StateTable(Construct):
             ),
             deletion_protection=settings.table_deletion_protection,
             removal_policy=removal_policy(settings),
+            # the credential endpoint's used nonces, request counters and refusals expire (`store.hosts`)
+            time_to_live_attribute=TTL_ATTRIBUTE,
         )
