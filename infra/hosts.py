@@ -47,8 +47,8 @@ from shared.table_keys import run_pk
 
 NAME = "credentials"  # functions.credentials.handler; the access check knows the role as function:credentials
 # The host records (host, nonce, rate-counter and refusal items): read one, create one conditionally, update one
-# (a redemption, a counter's ADD, the time credentials were last issued), and query a host's or a window's items.
-HOST_RECORD_ACTIONS = ("dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:Query")
+# (a redemption, a counter's ADD, the time credentials were last issued). It never lists them: operators do.
+HOST_RECORD_ACTIONS = ("dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem")
 # A participant session: assumed with the one session tag naming the host.
 SESSION_ACTIONS = ("sts:AssumeRole", "sts:TagSession")
 

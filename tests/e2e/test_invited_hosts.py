@@ -21,17 +21,19 @@ from local.stack import LocalStack
 from participant.credentials import HostRefused, load_or_create_key, post
 from shared.hosts import RENEW_PATH, sign_renewal
 from shared.state import Phase
+from store.connection import Connection
 from store.hosts import HostStore
 from store.table import StateStore
+from store.trace import OPERATOR, acting_as
 from tests.e2e.harness import e2e_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 # A session lasts 5 s: renewed every ~3.3 s, so several times in a run of 20 rounds (the slower the machine, the more)
 CREDENTIAL_SECONDS, ROUNDS = 5, 20
-# In the revocation test a session lasts 30 s: renewed every ~20 s, so that a revocation just after a renewal leaves
-# carol ~20 s of heartbeats (one every 2 s) before its next renewal is refused; the run is long enough to outlast it
-REVOCATION_SECONDS, REVOCATION_ROUNDS = 30, 60
+# In the revocation test a session lasts 15 s: renewed every ~10 s, so that a revocation just after a renewal leaves
+# carol ~10 s of heartbeats (one every 2 s) before its next renewal is refused; the run outlasts all of it
+REVOCATION_SECONDS, REVOCATION_ROUNDS = 15, 400
 RENEWED = re.compile(r"credentials renewed")
 
 
@@ -92,6 +94,12 @@ def hosts(stack: LocalStack, tmp_path: Path) -> Iterator[Hosts]:
     h.stop()
 
 
+def as_operator_invite(conn: Connection, host: str) -> str:
+    """`fed hosts invite`, judged as the operator's."""
+    with acting_as(OPERATOR):
+        return invite(conn, host, 3600)
+
+
 def wait(predicate, timeout: float, what: str, hosts: Hosts) -> None:  # type: ignore[no-untyped-def]
     if not wait_until(predicate, timeout, interval=0.25):
         logs = "\n".join(f"--- {n}\n{hosts.output(n)[-3000:]}" for n in hosts.procs)
@@ -104,7 +112,7 @@ def test_hosts_with_nothing_but_an_invite_train_a_run_to_the_end_renewing_their_
     # Given two invites, and two hosts with no AWS credential of their own
     conn = stack.connection
     for name in ("alice", "bob"):
-        hosts.start(name, invite(conn, name, 3600))
+        hosts.start(name, as_operator_invite(conn, name))
 
     # When they run
     store = store_for(conn)
@@ -131,7 +139,7 @@ def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack:
     # Given three invited hosts in a run that needs two
     conn = stack.connection
     for name in ("alice", "bob", "carol"):
-        hosts.start(name, invite(conn, name, 3600))
+        hosts.start(name, as_operator_invite(conn, name))
     store: StateStore = store_for(conn)
     host_store = HostStore(conn.table, conn.run_id, conn.endpoint, conn.region)
     wait(lambda: store.read_state().aggregated >= 1, 180, "a round to be aggregated", hosts)
@@ -143,7 +151,8 @@ def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack:
     before = last_renewal()
     wait(lambda: last_renewal() > before, 2 * REVOCATION_SECONDS, "carol's next renewal", hosts)
     revoked_at = time.time()
-    done = revoke(conn, "carol", "key leaked")
+    with acting_as(OPERATOR):
+        done = revoke(conn, "carol", "key leaked")
     assert "refused" in done[0]
 
     # Then carol's next upload is refused with the recorded reason
@@ -157,39 +166,14 @@ def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack:
              sign_renewal(load_or_create_key(key_file), "carol", time.time()).model_dump(mode="json"))
     assert any(r.host == "carol" and "revoked" in r.reason and r.at >= revoked_at for r in host_store.refusals())
 
-    # and the run goes on to the end without carol, alice's and bob's uploads unaffected
-    wait(lambda: store.read_state().phase is Phase.FINISHED, 240, "the run to finish without carol", hosts)
-    late = [r for r in store.rounds() if r.started >= revoked_at + 1]
-    assert late and all("carol" not in r.counted for r in late)
-    assert not [r for r in store.refusals() if r.pid in {"alice", "bob"}]
     # and carol, refused a renewal by its own session too, stops with the endpoint's reason
-    wait(lambda: not hosts.running("carol"), 60, "carol to stop", hosts)
-    assert hosts.procs["carol"].returncode == 1
+    wait(lambda: not hosts.running("carol"), 4 * REVOCATION_SECONDS, "carol to stop", hosts)
+    assert hosts.procs["carol"].returncode == 1, hosts.output("carol")[-3000:]
     assert "revoked" in hosts.output("carol") and "key leaked" in hosts.output("carol")
-
-
-def test_check_with_an_invite_says_what_the_host_can_do_and_what_to_fix(stack: LocalStack, hosts: Hosts) -> None:
-    # Given an invite, and a run that has published its config (its first tick)
-    conn = stack.connection
-    line = invite(conn, "dave", 3600)
-    store = store_for(conn)
-    wait(lambda: store.read_state().version > 0, 30, "the first tick", hosts)
-
-    def check(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*participant_command(), "check", "--invite", line, *extra], capture_output=True,
-                              text=True, env=hosts.environment("dave"), cwd=hosts.workdir, timeout=120)
-
-    # When the host checks with nothing but the invite
-    done = check()
-
-    # Then every item holds, each on its own line, and the upload probe left nothing for the coordinator to see
-    lines = done.stdout.splitlines()
-    assert done.returncode == 0, done.stdout + done.stderr
-    for what in ("credentials", "run config", "a missing own key", "push queue", "clock", "disk", "device",
-                 "download", "upload"):
-        assert any(ln.startswith(f"✓ {what}:") for ln in lines), (what, done.stdout)
-    assert store.refusals() == [] and "dave" not in store.participant_records()
-    # and asking for a device this host lacks is a ✗ with what to do, and exit status 1
-    wanting = check("--device", "cuda")
-    assert wanting.returncode == 1
-    assert "✗ device: no CUDA device" in wanting.stdout and "→ install a CUDA build" in wanting.stdout
+    # and the run goes on without carol, alice's and bob's uploads unaffected
+    then = store.read_state().aggregated
+    wait(lambda: store.read_state().aggregated >= then + 3, 120, "three more rounds without carol", hosts)
+    late = [r for r in store.rounds() if r.started >= revoked_at + 1]
+    assert late and all("carol" not in r.counted and r.aggregated for r in late)
+    assert not [r for r in store.refusals() if r.pid in {"alice", "bob"}]
+    assert hosts.running("alice") and hosts.running("bob")

@@ -116,7 +116,7 @@ def test_its_role_may_only_issue_participant_sessions_and_keep_the_run_s_records
     # participant role (tagging the session): nothing else
     assert sorted(statements, key=lambda s: s["Sid"]) == [
         {"Sid": "HostRecords", "Effect": "Allow",
-         "Action": ["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:Query"],
+         "Action": ["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem"],
          "Resource": getatt(synth.logical_id(synth.stack.state.table)),
          "Condition": {"ForAllValues:StringEquals": {"dynamodb:LeadingKeys": [f"RUN#{synth.config.run_id}"]}}},
         {"Sid": "IssueParticipantSessions", "Effect": "Allow", "Action": ["sts:AssumeRole", "sts:TagSession"],
