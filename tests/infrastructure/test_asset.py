@@ -180,10 +180,9 @@ def local_run(monkeypatch: pytest.MonkeyPatch, synth: Synth) -> Iterator[tuple[R
         # roles in the synthesized template, as on AWS (`local.access`)
         access.enable_on(server, config, REGION, server.endpoint)
         sqs = boto3.client("sqs", endpoint_url=server.endpoint, region_name=REGION)
-        url = sqs.create_queue(
-            QueueName=shard_queue_name(config.run_id),
-            Attributes={"VisibilityTimeout": str(shard_queue["VisibilityTimeout"])},
-        )["QueueUrl"]
+        url = resources.shard_queue_url  # (the local stack's: as the template declares it)
+        assert url.endswith(shard_queue_name(config.run_id))
+        sqs.set_queue_attributes(QueueUrl=url, Attributes={"VisibilityTimeout": str(shard_queue["VisibilityTimeout"])})
         yield config, resources, url
 
 
