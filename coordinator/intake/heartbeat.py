@@ -10,17 +10,23 @@ import time
 from typing import Any
 
 from coordinator.deps import Deps
-from coordinator.intake.common import Ingested, ObjectCreated, refuse, replayed, signed
+from coordinator.intake.common import Ingested, ObjectCreated, read, refuse, replayed, signed
+from shared import keys
 from shared.admission import bounded_info, staleness
-from shared.messages import MAX_CONTROL_BYTES, Heartbeat, parse_message
+from shared.messages import MAX_CONTROL_BYTES, Heartbeat, JoinRequest, parse_message
+from shared.signing import verify
 from shared.state import MemberStatus, Phase
 from store.blobs import NotFound
 from store.table import ParticipantRecord
+
+EARLY = "early: sent before its join request was recorded, which takes it (not a refusal)"
 
 
 def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Ingested:
     try:
         record = deps.store.participant(pid)
+        if record is None and _signed_by_pending_join(deps, obj, pid):
+            return Ingested("heartbeat", obj.key, False, EARLY, pid, recorded=False, ticks=False)
         beat = parse_message(Heartbeat, signed(deps, obj, pid, MAX_CONTROL_BYTES, record))
     except (ValueError, NotFound) as exc:
         return refuse(deps, obj, "heartbeat", f"heartbeat refused: {exc}", pid)
@@ -37,6 +43,21 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Ingested:
     recorded = taken == "accepted"
     return Ingested("heartbeat", obj.key, True, participant=pid, recorded=recorded,
                    ticks=recorded and _heartbeat_matters_now(deps, beat, pid, record))
+
+
+def _signed_by_pending_join(deps: Deps, obj: ObjectCreated, pid: str) -> bool:
+    """Whether this heartbeat of a participant not registered yet is signed by the key of a join request of its
+    waiting in the join lane: the ordinary start-up race (joins have a lane of their own), which the join function
+    settles by taking the heartbeat it finds once the join is recorded (`intake.join`). A heartbeat no pending join
+    vouches for (a forged one, or one that never joined) is refused as before."""
+    try:
+        request = parse_message(JoinRequest, deps.bucket.get(keys.join_key(deps.config.run_id, pid),
+                                                             max_bytes=MAX_CONTROL_BYTES).data)
+        blob = read(deps, obj, MAX_CONTROL_BYTES)
+        verify(request.public_key, obj.key, blob.data, blob.metadata)
+    except (ValueError, NotFound):  # (SignatureError and MessageError are ValueErrors)
+        return False
+    return request.participant == pid
 
 
 def _progress(beat: Heartbeat, record: ParticipantRecord | None) -> dict[str, Any]:

@@ -147,11 +147,13 @@ def test_a_heartbeat_is_delivered_while_hundreds_of_joins_wait_in_their_lane(sta
 
 
 def test_a_heartbeat_that_overtook_the_join_counts_once_the_join_is_registered(harness: Harness) -> None:
-    # Given alice's join request still waiting in its lane while her first heartbeat is delivered: refused
+    # Given alice's join request still waiting in its lane while her first heartbeat is delivered: early, kept for
+    # the join (which takes it), and no refusal of an honest participant
     run = harness.config.run_id
     join = harness.put(keys.join_key(run, "alice"), harness.join_bytes("alice"))
     beat = harness.send(keys.heartbeat_key(run, "alice"), harness.heartbeat_bytes("alice", ready_epoch=0))
-    assert beat["accepted"] is False and "never joined" in beat["reason"]
+    assert beat["accepted"] is False and beat["reason"].startswith("early")
+    assert harness.deps.store.refusals() == []
     # When the join request is delivered
     assert harness.deliver(join)["accepted"] is True
     # Then her heartbeat is taken now: she has been heard from since her join, and may be admitted
@@ -320,3 +322,14 @@ def test_released_joins_are_all_registered_before_a_tick_runs() -> None:
         assert 0 < len(set(seen)) and set(seen) <= {0, len(names)}, seen
         assert all(r.proven for r in store.participants().values())
         assert sorted(store.participants()) == names
+
+
+def test_a_forged_heartbeat_beside_a_pending_join_is_still_refused(harness: Harness) -> None:
+    # Given alice's join request waiting in its lane, and a heartbeat at her key signed by another key
+    run = harness.config.run_id
+    harness.put(keys.join_key(run, "alice"), harness.join_bytes("alice"))
+    forged = harness.send(keys.heartbeat_key(run, "alice"), harness.heartbeat_bytes("alice"), signed_by="mallory")
+    # Then it is refused, and shown as a refusal
+    assert forged["accepted"] is False and "never joined" in forged["reason"]
+    (refusal,) = harness.deps.store.refusals()
+    assert refusal.pid == "alice" and "never joined" in refusal.reason
