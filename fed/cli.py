@@ -241,6 +241,9 @@ def status(
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C."),
     interval: float = typer.Option(1.0, "--interval", min=0.2, help="Seconds between refreshes with --watch."),
     as_json: bool = typer.Option(False, "--json", help="Print the status as JSON (once) instead of tables."),
+    wide: bool = typer.Option(False, "--wide", help="Every column, however narrow the terminal (default: the "
+                              "columns that fit: participant, condition, this round, progress, last seen and why "
+                              "first)."),
     plot: Path | None = typer.Option(
         None, "--plot", dir_okay=False,
         help="Also write a PNG of every round's training loss, test accuracy and seconds here (again at each "
@@ -261,9 +264,10 @@ def status(
 
     conn = _connect(connection_file, stack, region)
     said: set[str] = set()
+    named = _named(connection_file, stack)
 
     def collect_and_plot() -> Status:
-        status = collect(conn)
+        status = collect(conn, named=named)
         if plot is not None:
             try:
                 write_plot(conn, plot)
@@ -278,19 +282,20 @@ def status(
             console.print_json(render_json(collect_and_plot()))
             return
         if not watch:
-            console.print(render(collect_and_plot()))
+            console.print(render(collect_and_plot(), console.width, wide))
             return
         if not console.is_terminal:  # piped or logged: one full status per refresh
             while True:
                 console.rule(time.strftime("%H:%M:%S"))
-                console.print(render(collect_and_plot()))
+                console.print(render(collect_and_plot(), console.width, wide))
                 time.sleep(interval)
         from rich.live import Live
 
-        with Live(render(collect_and_plot()), console=console, refresh_per_second=4, screen=False) as live:
+        with Live(render(collect_and_plot(), console.width, wide), console=console, refresh_per_second=4,
+                  screen=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(render(collect_and_plot()))
+                live.update(render(collect_and_plot(), console.width, wide))
     except KeyboardInterrupt:
         pass
     except Exception as exc:  # an endpoint that is gone, a table that does not exist
@@ -317,7 +322,8 @@ def dashboard(
 
     conn = _connect(connection_file, stack, region)
     try:
-        board = Dashboard(status_source(conn), port=port, interval=interval, title=f"fed: run {conn.run_id}")
+        board = Dashboard(status_source(conn, _named(connection_file, stack)), port=port, interval=interval,
+                          title=f"fed: run {conn.run_id}")
     except OSError as exc:
         err.print(f"[red]cannot serve on 127.0.0.1:{port}:[/] {exc}")
         raise typer.Exit(1) from None
@@ -360,6 +366,11 @@ def _connect(connection_file: Path | None, stack: str | None, region: str | None
             err.print(f"[red]nothing answers at {conn.endpoint}[/]: is `fed local` (or `fed demo`) still running?")
             raise typer.Exit(1)
     return conn
+
+
+def _named(connection_file: Path | None, stack: str | None) -> str:
+    """How the commands a view shows (`fed export ...`) name the run, as this one was named."""
+    return f"--stack {stack}" if stack else f"--connection {connection_file}" if connection_file else ""
 
 
 def _deps(conn: Connection):  # type: ignore[no-untyped-def]
@@ -688,3 +699,30 @@ def hosts_revoke(
     except HostsError as exc:
         err.print(f"[red]cannot revoke {host!r}: {exc}[/]")
         raise typer.Exit(1) from None
+
+
+@app.command("export")
+@as_operator
+def export(
+    out: Path = typer.Argument(..., metavar="FILE", help="Where to write the model (a safetensors file)."),
+    round_no: str = typer.Option("latest", "--round", metavar="R|latest",
+                                 help="The round whose global model to export (latest: the run's newest)."),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+) -> None:
+    """Write a run's global model to FILE: the safetensors file the coordinator wrote (tensors and their metadata),
+    checked against its digest before it is written. `fed status` shows the latest's round and digest."""
+    from fed.export import ExportError, export_global
+
+    if round_no != "latest" and not round_no.isdigit():
+        err.print(f"[red]--round {round_no!r}: a round number, or latest[/]")
+        raise typer.Exit(2)
+    conn = _connect(connection_file, stack, region)
+    try:
+        done = export_global(conn, None if round_no == "latest" else int(round_no), out)
+    except ExportError as exc:
+        err.print(f"[red]cannot export: {exc}[/]")
+        raise typer.Exit(1) from None
+    console.print(f"round {done.round}'s global model of run {conn.run_id}: {done.size:,} bytes, sha256 "
+                  f"{done.digest}, written to {done.path}")

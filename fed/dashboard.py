@@ -22,16 +22,16 @@ Source = Callable[[], dict[str, Any]]
 DEFAULT_PORT = 8765
 
 
-def status_source(connection: Connection) -> Source:
+def status_source(connection: Connection, named: str = "") -> Source:
     """What the page shows, read from the run's records at each request: `fed status --json` and the history of
-    every round (loss, accuracy, seconds)."""
+    every round (loss, accuracy, seconds). `named`: how the commands it shows name the run."""
     from fed.localrun import store_for
     from fed.status import collect
 
     store = store_for(connection)
 
     def read() -> dict[str, Any]:
-        body = collect(connection).to_json()
+        body = collect(connection, named=named).to_json()
         body["history"] = [
             {"round": r.round, "loss": r.loss, "accuracy": r.accuracy, "seconds": round(r.seconds, 3),
              "aggregated": r.aggregated, "counted": len(r.counted), "selected": len(r.selected)}
@@ -132,7 +132,11 @@ PAGE = """<!doctype html>
  table { border-collapse: collapse; margin: .8em 0; }
  th, td { border-bottom: 1px solid #ddd; padding: .25em .6em; text-align: left; vertical-align: top; }
  th { background: #f4f4f4; }
- .ok { color: #080; } .slow { color: #b60; } .stuck, .silent, .dropped { color: #b00; font-weight: bold; }
+ .ok, .finished { color: #080; } .slow { color: #b60; }
+ .stuck, .silent, .dropped { color: #b00; font-weight: bold; }
+ #result { margin: .6em 0; padding: .4em .6em; background: #f3f8f3; border-left: 3px solid #080; }
+ #result:empty { display: none; }
+ #result code { font-size: .9em; }
  .bar { width: 80px; height: 8px; background: #eee; display: inline-block; margin-right: .4em; }
  .bar > div { height: 8px; background: #48c; }
  .charts { display: flex; gap: 1.2em; flex-wrap: wrap; }
@@ -149,6 +153,7 @@ PAGE = """<!doctype html>
  <span>round time <b id="round-seconds">-</b></span><span class="small" id="updated"></span>
 </div>
 <div id="error"></div>
+<div id="result"></div>
 <table id="fleet">
  <thead><tr><th>participant</th><th>state</th><th>condition</th><th>this round</th><th>progress</th>
  <th>samples/s</th><th>share</th><th>last seen</th><th>host / device</th><th>activity / why</th>
@@ -212,6 +217,26 @@ function fleet(participants) {
   body.replaceChildren(...rows);
 }
 
+function result(r, finished) {
+  const box = document.getElementById("result");
+  if (!r) { box.replaceChildren(); return; }
+  const metrics = [["loss", r.loss], ["accuracy", r.accuracy]].filter(m => m[1] !== null)
+    .map(m => m[0] + " " + m[1].toFixed(4)).join(", ");
+  const parts = [];
+  const head = document.createElement("b");
+  head.textContent = (finished ? "final" : "latest") + " global model: round " + r.round +
+    (metrics ? " (" + metrics + ")" : "");
+  parts.push(head);
+  for (const [label, id, text] of [["key", "result-key", r.key], ["sha256", "result-digest", r.digest],
+                                   ["fetch it", "result-fetch", r.fetch]]) {
+    const line = document.createElement("div");
+    line.appendChild(document.createTextNode(label + " "));
+    const code = document.createElement("code"); code.id = id; code.textContent = text;
+    line.appendChild(code); parts.push(line);
+  }
+  box.replaceChildren(...parts);
+}
+
 function curve(id, history, key) {
   const svg = document.getElementById(id);
   const w = svg.width.baseVal.value, h = svg.height.baseVal.value, pad = 28;
@@ -224,7 +249,9 @@ function curve(id, history, key) {
   if (pts.length) {
     const xs = pts.map(r => r.round), ys = pts.map(r => r[key]);
     const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-    const y0 = Math.min(...ys, key === "accuracy" ? 0 : Infinity), y1 = Math.max(...ys, y0 + 1e-9);
+    // the axis starts near the data, not at 0, so the curve's shape shows (accuracy from 0.90 to 0.97, say)
+    const lo = Math.min(...ys), hi = Math.max(...ys), margin = (hi - lo) * 0.08 || Math.abs(hi) * 0.05 || 1;
+    const y0 = lo >= 0 ? Math.max(0, lo - margin) : lo - margin, y1 = hi + margin;  // (no axis below 0 for >= 0)
     const X = x => pad + (w - pad - 12) * (x - x0) / (x1 - x0);
     const Y = y => (h - pad) - (h - pad - pad / 2) * (y - y0) / (y1 - y0);
     const line = document.createElementNS(NS, "polyline");
@@ -233,6 +260,14 @@ function curve(id, history, key) {
     line.dataset.points = String(pts.length);
     line.dataset.lastRound = String(xs[xs.length - 1]);
     kids.push(line);
+    const last = pts[pts.length - 1], value = document.createElementNS(NS, "text");
+    value.setAttribute("x", Math.min(X(last.round) + 3, w - 44)); value.setAttribute("y", Y(last[key]) - 4);
+    value.setAttribute("font-size", "11"); value.setAttribute("font-weight", "bold");
+    value.textContent = Number(last[key]).toPrecision(4);
+    value.classList.add("last-value");
+    kids.push(value);
+    svg.dataset.lastValue = value.textContent;
+    svg.dataset.axisFrom = String(y0);
     for (const [text, x, y] of [[y1.toPrecision(3), 2, pad / 2 + 4], [y0.toPrecision(3), 2, h - pad],
                                  ["round " + x0, pad, h - 8], ["" + x1, w - 30, h - 8]]) {
       const t = document.createElementNS(NS, "text");
@@ -255,6 +290,7 @@ async function refresh() {
     setText("round-seconds", s.predicted_round_seconds !== null ? s.predicted_round_seconds.toFixed(1) +
             "s predicted" : (s.round_seconds !== null ? s.round_seconds.toFixed(1) + "s" : "-"));
     fleet(s.participants);
+    result(s.result, s.phase === "Finished");
     curve("curve-loss", s.history, "loss");
     curve("curve-accuracy", s.history, "accuracy");
     curve("curve-seconds", s.history, "seconds");

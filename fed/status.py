@@ -43,8 +43,8 @@ RECENT_ROUNDS = 10
 @dataclass(frozen=True)
 class ParticipantLine:
     pid: str
-    state: str  # pending | active | dropped
-    reason: str  # why it was dropped, or why it is pending
+    state: str  # pending | active | finished (the run is over, it was a member to the end) | dropped
+    reason: str  # why it was dropped, why it is pending, or the round it last trained in
     selected: bool
     round_status: str  # this round: training | uploaded | refused | waiting | -
     round_detail: str  # refusal reason, or the update's training loss
@@ -54,7 +54,7 @@ class ParticipantLine:
     health: int | None = None  # witnesses that attested it in the last witnessed round (None: not scored)
     strikes: int = 0  # witnessed rounds in a row it went unattested (a health report drops it at `strikes_needed`)
     # the fleet view (issue: which host computes, which is stuck, which is slow)
-    condition: str = ""  # ok | slow (missed the last deadline, smaller share) | stuck | silent | dropped | -
+    condition: str = ""  # ok | slow (missed the last deadline, smaller share) | stuck | silent | finished | dropped | -
     activity: str = ""  # what its last heartbeat said it was doing
     progress: float | None = None  # % of its share of the round it trains (or trained last) done
     progress_round: int | None = None
@@ -121,6 +121,18 @@ class WitnessInfo:
 
 
 @dataclass(frozen=True)
+class ResultLine:
+    """Where the run's latest global model is, what its last round measured, and how to fetch it."""
+
+    round: int  # the round it is the global model of
+    key: str
+    digest: str
+    loss: float | None  # the last aggregated round's training loss and accuracy
+    accuracy: float | None
+    fetch: str  # the command that writes it to a file
+
+
+@dataclass(frozen=True)
 class Status:
     run_id: str
     phase: str
@@ -141,6 +153,7 @@ class Status:
     predicted_round_seconds: float | None = None  # from the throughput estimates and the round's plan
     work_sizing: str = ""
     suspects: list[SuspectLine] = field(default_factory=list)  # witnesses the others contradicted, most recent last
+    result: ResultLine | None = None  # the latest global model (None: none yet)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,9 +171,11 @@ def describe(
     endpoint: str | None = None,
     proofs: Mapping[str, Proof] | None = None,
     info: Mapping[str, Mapping[str, Any]] | None = None,
+    named: str = "",
 ) -> Status:
     """Everything `fed status` shows, from the run's records and the time now. Pure. `info`: what each participant
-    said about itself (host, device, activity), displayed and never trusted."""
+    said about itself (host, device, activity), displayed and never trusted. `named`: how commands shown name the
+    run (`--connection FILE` or `--stack NAME`)."""
     records = _Records(
         state=state, participants=participants, updates=updates, config=config, now=now,
         refusals=sorted([*refused_updates, *refusals], key=lambda r: r.at),
@@ -200,7 +215,20 @@ def describe(
         predicted_round_seconds=prediction,
         work_sizing=config.work_sizing.value if config is not None else "",
         suspects=[SuspectLine(r.round, pid, why) for r in records.rounds for pid, why in sorted(r.suspects.items())],
+        result=_result(state, records.rounds, named),
     )
+
+
+def _result(state: RunState, rounds: Sequence[RoundSummary], named: str) -> ResultLine | None:
+    """`named`: how the fetch command names the run (`--connection FILE` or `--stack NAME`; "": the default file)."""
+    if not state.global_digest:
+        return None
+    done = [r for r in rounds if r.aggregated]
+    last = done[-1] if done else None
+    return ResultLine(state.round, keys.global_key(state.run_id, state.round, state.global_digest),
+                      state.global_digest, last.loss if last else None, last.accuracy if last else None,
+                      " ".join(["fed export", f"--round {state.round}", *([named] if named else []),
+                                "global.safetensors"]))
 
 
 @dataclass(frozen=True)
@@ -228,12 +256,14 @@ def _participant_line(records: _Records, pid: str) -> ParticipantLine:
     activity, progress, speed, share, host and device) and its history of drops and refusals."""
     state, config, now = records.state, records.config, records.now
     view = records.participants.get(pid)
-    st, reason = _membership(state, pid)
+    st, reason = _membership(state, pid, records.rounds)
     selected = pid in state.selected
     round_status, round_detail = _this_round(state, records.updates.get(pid), selected, st)
     ago = now - view.last_seen if view is not None else None
     timeout = config.liveness_timeout if config else None
-    silent = bool(ago is not None and timeout and ago > timeout / 2 and st != "dropped")
+    # (a member that uploaded this round is waiting for it to close, and one of a finished run has exited: neither
+    # is silent)
+    silent = bool(ago is not None and timeout and ago > timeout / 2 and st == "active" and round_status != "uploaded")
     about = records.info.get(pid, {})
     condition = _condition(records.snap, config, st, silent, pid, now)
     if condition == "stuck" and round_status == "training":
@@ -243,7 +273,8 @@ def _participant_line(records: _Records, pid: str) -> ParticipantLine:
         pid, st, reason, selected, round_status, round_detail, ago, silent, _witness_mark(records, pid),
         state.health.get(pid) if records.scored else None,
         strikes=state.strikes.get(pid, 0) if st == "active" else 0,
-        condition=condition, activity=str(about.get("activity", "")), progress=_progress(view),
+        condition=condition, activity=str(about.get("activity", "")) if st != "finished" else "",
+        progress=_progress(view),
         progress_round=view.progress_round if view is not None and view.progress_round >= 0 else None,
         samples_per_second=round(speed.rate, 3) if speed is not None else None,
         reported_rate=round(view.rate, 3) if view is not None and view.rate > 0 else None,
@@ -256,13 +287,17 @@ def _participant_line(records: _Records, pid: str) -> ParticipantLine:
     )
 
 
-def _membership(state: RunState, pid: str) -> tuple[str, str]:
-    """pending (joined, not yet admitted), active or dropped, and why it is pending or was dropped."""
+def _membership(state: RunState, pid: str, rounds: Sequence[RoundSummary]) -> tuple[str, str]:
+    """pending (joined, not yet admitted), active, finished (a member when the run finished) or dropped, and why it
+    is pending or was dropped, or the round it last trained in."""
     member = state.members.get(pid)
     if member is None:
         return "pending", "joined; admitted at the next epoch" if state.phase is not Phase.FINISHED else ""
     if member.status is MemberStatus.DROPPED:
         return "dropped", member.reason
+    if state.phase is Phase.FINISHED:
+        trained = [r.round for r in rounds if pid in r.counted]
+        return "finished", f"last trained round {trained[-1]}" if trained else "trained in no round"
     return "active", ""
 
 
@@ -372,8 +407,8 @@ def _condition(snap: Snapshot, config: RunConfig | None, st: str, silent: bool, 
     """ok, slow (it missed the last deadline while progressing: a smaller share), stuck (heartbeats, but its training
     has not moved for stuck_timeout), silent (no sign of life for half the liveness timeout), dropped; "-" when not
     a member."""
-    if st == "dropped":
-        return "dropped"
+    if st in ("dropped", "finished"):
+        return st
     if st != "active":
         return "-"
     state = snap.state
@@ -387,8 +422,8 @@ def _condition(snap: Snapshot, config: RunConfig | None, st: str, silent: bool, 
     return "ok"
 
 
-def collect(connection: Connection, now: float | None = None) -> Status:
-    """Read the run's records and describe them."""
+def collect(connection: Connection, now: float | None = None, named: str = "") -> Status:
+    """Read the run's records and describe them (`named`: how commands shown name the run)."""
     bucket = Bucket(connection.bucket, s3_client(connection.endpoint, connection.region))
     store = StateStore.of(connection, bucket)
     config = read_config(bucket, connection.run_id)
@@ -407,7 +442,7 @@ def collect(connection: Connection, now: float | None = None) -> Status:
     proofs = store.proofs(state.round) if state.witnesses else {}
     return describe(state, participants, updates, refused_updates, refusals, rounds, config,
                     time.time() if now is None else now, connection.endpoint, proofs,
-                    {pid: r.info for pid, r in records.items()})
+                    {pid: r.info for pid, r in records.items()}, named)
 
 
 def write_plot(connection: Connection, path: Path) -> Path:
@@ -442,7 +477,7 @@ def _num(value: float | None, fmt: str = ".4f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
-STATE_STYLE = {"active": "green", "pending": "yellow", "dropped": "red"}
+STATE_STYLE = {"active": "green", "pending": "yellow", "finished": "green", "dropped": "red"}
 MAX_SHOWN_REASON, MAX_SHOWN_KEY, MAX_SHOWN_ID = 240, 120, 64
 
 
@@ -454,21 +489,23 @@ def shown(text: str, limit: int = MAX_SHOWN_REASON, style: str = "") -> Text:
 
 
 ROUND_STYLE = {"uploaded": "green", "refused": "red", "training": "cyan", "stuck": "red"}
-CONDITION_STYLE = {"ok": "green", "slow": "yellow", "stuck": "red", "silent": "red", "dropped": "red"}
+CONDITION_STYLE = {"ok": "green", "slow": "yellow", "stuck": "red", "silent": "red", "finished": "green",
+                   "dropped": "red"}
 
 
-def render(status: Status) -> RenderableType:
-    """The status as `fed status` prints it: the run's heading, the participants, then the tables that have rows
-    (drops, suspect witnesses, refused uploads, recent rounds)."""
-    parts: list[RenderableType] = [_heading(status), _participants_table(status)]
+def render(status: Status, width: int | None = None, wide: bool = False) -> RenderableType:
+    """The status as `fed status` prints it: the run's heading and its result, the participants (the columns that
+    fit `width`, or all if `wide`), then the tables that have rows (drops, suspect witnesses, refused uploads, recent
+    rounds)."""
+    parts: list[RenderableType] = [_heading(status), _participants_table(status, width, wide)]
     if status.drops:
-        parts.append(_drops_table(status.drops))
+        parts.append(_drops_table(status.drops, width))
     if status.suspects:
-        parts.append(_suspects_table(status.suspects))
+        parts.append(_suspects_table(status.suspects, width))
     if status.refusals:
-        parts.append(_refusals_table(status.refusals))
+        parts.append(_refusals_table(status.refusals, width))
     if status.rounds:
-        parts.append(_rounds_table(status.rounds, witnessed=status.witnessing is not None))
+        parts.append(_rounds_table(status.rounds, status.witnessing is not None, width))
     return Group(*parts)
 
 
@@ -487,11 +524,22 @@ def _heading(status: Status) -> Text:
         predicted = (f"   predicted {status.predicted_round_seconds:.1f}s (measured throughput)"
                      if status.predicted_round_seconds is not None else "")
         head.append(f"\n{measured}{predicted}   ETA {_seconds(status.eta_seconds)}".replace("\n   ", "\n"))
+    if status.result is not None:
+        _append_result(head, status.result, finished=status.phase == Phase.FINISHED.value)
     for note in status.notes:
         head.append(f"\n{note}", style="yellow")
     if status.witnessing is not None:
         _append_witnessing(head, status.witnessing)
     return head
+
+
+def _append_result(head: Text, r: ResultLine, finished: bool) -> None:
+    """The latest global model: its round, metrics, key and digest, and the command that fetches it."""
+    metrics = ", ".join(f"{name} {value:.4f}" for name, value in (("loss", r.loss), ("accuracy", r.accuracy))
+                        if value is not None)
+    head.append(f"\n{'final' if finished else 'latest'} global model: round {r.round}" +
+                (f" ({metrics})" if metrics else ""), style="bold green" if finished else "")
+    head.append(f"\n  key {r.key}\n  sha256 {r.digest}\n  fetch it: {r.fetch}")
 
 
 def _append_witnessing(head: Text, w: WitnessInfo) -> None:
@@ -511,98 +559,130 @@ def _append_witnessing(head: Text, w: WitnessInfo) -> None:
                     f"{named}", style="yellow")
 
 
-def _participants_table(status: Status) -> Table:
-    """A row per participant; with witnessing, its witness duty and health columns too."""
+# The participants table's columns in display order. On a terminal too narrow for all of them, the optional ones go,
+# the least useful first (DROPPED_FIRST), until the rest fit; `fed status --wide` keeps them all, `--json` has all.
+COLUMNS = ("participant", "state", "condition", "selected", "this round", "progress", "samples/s", "share",
+           "last seen", "witness", "health", "host / device", "why")
+DROPPED_FIRST = ("host / device", "share", "samples/s", "selected", "health", "witness", "state")
+FLEXIBLE = frozenset({"why", "host / device", "key", "reason"})  # free text: cut to fit, the rest kept whole
+MIN_CELL = 6  # a cell is never cut to fewer characters than this
+MAX_FLEXIBLE = 80  # the widest a free-text column gets
+Row = Mapping[str, RenderableType]
+
+
+def _participants_table(status: Status, width: int | None = None, wide: bool = False) -> Table:
+    """A row per participant; with witnessing, its witness duty and health columns too. Fitted to `width`."""
     w = status.witnessing
-    people = Table(title="participants", title_justify="left", expand=False)
-    columns = ["participant", "state", "condition", "selected", "this round", "progress", "samples/s", "share",
-               "last seen", "host / device", "activity / detail"]
-    if w is not None:
-        columns[8:8] = ["witness", "health"]
-    for col in columns:
-        people.add_column(col)
-    for p in status.participants:
-        people.add_row(*_participant_cells(p, w))
-    if not status.participants:
-        people.add_row("(nobody has joined yet)", *[""] * (len(columns) - 1))
-    return people
+    rows: list[Row] = [_participant_cells(p, w) for p in status.participants]
+    if not rows:
+        rows = [{"participant": "(nobody has joined yet)"}]
+    names = [c for c in COLUMNS if w is not None or c not in ("witness", "health")]
+    return _table("participants", names, rows, None if wide else width, optional=DROPPED_FIRST)
 
 
-def _participant_cells(p: ParticipantLine, w: WitnessInfo | None) -> list[RenderableType]:
+def _table(title: str, names: Sequence[str], rows: Sequence[Row], width: int | None,
+           right: frozenset[str] = frozenset(), optional: Sequence[str] = ()) -> Table:
+    """A table whose rows never wrap. With a `width`: the `optional` columns go, the first first, until the rest fit
+    with their headers whole; if they still do not, headers are cut (to MIN_CELL). Free text is cut to fit."""
+    names = list(names)
+    widths = None
+    if width is not None:
+        for drop in [None, *optional]:
+            if drop in names:
+                names.remove(drop)
+            if (widths := _widths(names, rows, width, whole_headers=True)) is not None:
+                break
+        widths = widths or _widths(names, rows, width, whole_headers=False)
+    table = Table(title=title, title_justify="left", expand=False)
+    for k, name in enumerate(names):
+        table.add_column(name, no_wrap=True, overflow="ellipsis", justify="right" if name in right else "left",
+                         width=widths[k] if widths else None, max_width=MAX_FLEXIBLE if name in FLEXIBLE else None)
+    for row in rows:
+        table.add_row(*[row.get(name, "") for name in names])
+    return table
+
+
+def _widths(names: Sequence[str], rows: Sequence[Row], width: int, whole_headers: bool) -> list[int] | None:
+    """Column widths that fit `width`, or None: fixed columns whole (and their headers, or those cut to MIN_CELL),
+    free-text ones sharing what is left, each at least MIN_CELL."""
+    cells = {n: max([0, *(_width(r.get(n, "")) for r in rows)]) for n in names}
+    fixed = {n: max(cells[n], len(n) if whole_headers else min(len(n), MIN_CELL)) for n in names if n not in FLEXIBLE}
+    free = [n for n in names if n in FLEXIBLE]
+    left = width - (3 * len(names) + 1) - sum(fixed.values())
+    if left < MIN_CELL * len(free):
+        return None
+    wanted = {n: min(MAX_FLEXIBLE, max(cells[n], MIN_CELL)) for n in free}
+    if sum(wanted.values()) > left:  # shared in proportion to what each holds, MIN_CELL at least
+        total = sum(wanted.values())
+        wanted = {n: max(MIN_CELL, left * v // total) for n, v in wanted.items()}
+    return [fixed[n] if n in fixed else wanted[n] for n in names]
+
+
+def _width(cell: RenderableType) -> int:
+    return len(cell.plain) if isinstance(cell, Text) else len(str(cell))
+
+
+def _participant_cells(p: ParticipantLine, w: WitnessInfo | None) -> dict[str, RenderableType]:
     seen = "never" if p.last_seen_ago is None else f"{_seconds(p.last_seen_ago)} ago"
     progress = "-" if p.progress is None else f"{p.progress:.0f}% (r{p.progress_round})"
     rate = p.samples_per_second if p.samples_per_second is not None else p.reported_rate
     detail = p.reason or p.round_detail or p.activity
     if p.drops and p.state != "dropped":
         detail = f"{detail}; dropped before ({len(p.drops)}x)" if detail else f"dropped before ({len(p.drops)}x)"
-    cells: list[RenderableType] = [
-        p.pid,
-        Text(p.state, style=STATE_STYLE.get(p.state, "")),
-        Text(p.condition, style=CONDITION_STYLE.get(p.condition, "")),
-        "yes" if p.selected else "",
-        Text(p.round_status, style=ROUND_STYLE.get(p.round_status, "")),
-        progress,
-        "-" if rate is None else f"{rate:,.1f}",
-        "-" if p.share is None else f"{100 * p.share:.0f}%" + (
+    cells: dict[str, RenderableType] = {
+        "participant": shown(p.pid, MAX_SHOWN_ID),
+        "state": Text(p.state, style=STATE_STYLE.get(p.state, "")),
+        "condition": Text(p.condition, style=CONDITION_STYLE.get(p.condition, "")),
+        "selected": "yes" if p.selected else "",
+        "this round": Text(p.round_status, style=ROUND_STYLE.get(p.round_status, "")),
+        "progress": progress,
+        "samples/s": "-" if rate is None else f"{rate:,.1f}",
+        "share": "-" if p.share is None else f"{100 * p.share:.0f}%" + (
             f" (~{_seconds(p.predicted_seconds)})" if p.predicted_seconds is not None else ""),
-        Text(seen, style="red" if p.silent else ""),
-        shown(" ".join(x for x in (p.host, p.device) if x) or "-", MAX_SHOWN_ID),
-        shown(detail, 80),
-    ]
+        "last seen": Text(seen, style="red" if p.silent else ""),
+        "host / device": shown(" ".join(x for x in (p.host, p.device) if x) or "-", MAX_SHOWN_ID),
+        "why": shown(detail, MAX_SHOWN_REASON),
+    }
     if w is not None:
         unhealthy = p.health is not None and p.health < w.health_quorum
         score = "-" if p.health is None else str(p.health)
         if p.strikes:
             score += f" (strike {p.strikes}/{w.strikes_needed})"
-        cells[8:8] = [p.witness, Text(score, style="red" if unhealthy else "")]
+        cells["witness"] = p.witness
+        cells["health"] = Text(score, style="red" if unhealthy else "")
     return cells
 
 
-def _drops_table(drops: Sequence[DropLine]) -> Table:
-    dropped = Table(title="dropped", title_justify="left")
-    for col in ("round", "participant", "why"):
-        dropped.add_column(col)
-    for d in drops[-RECENT_ROUNDS:]:
-        dropped.add_row("now" if d.round is None else str(d.round), d.pid, shown(d.reason, style="red"))
-    return dropped
+def _drops_table(drops: Sequence[DropLine], width: int | None) -> Table:
+    rows: list[Row] = [{"round": "now" if d.round is None else str(d.round), "participant": shown(d.pid, MAX_SHOWN_ID),
+             "why": shown(d.reason, style="red")} for d in drops[-RECENT_ROUNDS:]]
+    return _table("dropped", ("round", "participant", "why"), rows, width)
 
 
-def _suspects_table(suspects: Sequence[SuspectLine]) -> Table:
-    suspected = Table(title="suspect witnesses", title_justify="left")
-    for col in ("round", "witness", "why"):
-        suspected.add_column(col)
-    for sus in suspects[-RECENT_ROUNDS:]:
-        suspected.add_row(str(sus.round), shown(sus.pid, MAX_SHOWN_ID), shown(sus.reason, style="yellow"))
-    return suspected
+def _suspects_table(suspects: Sequence[SuspectLine], width: int | None) -> Table:
+    rows: list[Row] = [{"round": str(x.round), "witness": shown(x.pid, MAX_SHOWN_ID),
+                        "why": shown(x.reason, style="yellow")} for x in suspects[-RECENT_ROUNDS:]]
+    return _table("suspect witnesses", ("round", "witness", "why"), rows, width)
 
 
-def _refusals_table(refusals: Sequence[RefusalLine]) -> Table:
-    refused = Table(title="refused uploads", title_justify="left")
-    for col in ("round", "participant", "key", "reason"):
-        refused.add_column(col)
-    for x in refusals[-RECENT_ROUNDS:]:
-        refused.add_row("-" if x.round is None else str(x.round), shown(x.pid or "?", MAX_SHOWN_ID),
-                        shown(x.key, MAX_SHOWN_KEY), shown(x.reason, style="red"))
-    return refused
+def _refusals_table(refusals: Sequence[RefusalLine], width: int | None) -> Table:
+    rows: list[Row] = [{"round": "-" if x.round is None else str(x.round),
+                        "participant": shown(x.pid or "?", MAX_SHOWN_ID), "key": shown(x.key, MAX_SHOWN_KEY),
+                        "reason": shown(x.reason, style="red")} for x in refusals[-RECENT_ROUNDS:]]
+    return _table("refused uploads", ("round", "participant", "key", "reason"), rows, width)
 
 
-def _rounds_table(round_lines: Sequence[RoundLine], witnessed: bool) -> Table:
+def _rounds_table(round_lines: Sequence[RoundLine], witnessed: bool, width: int | None) -> Table:
     """The recent rounds; with witnessing, the proofs each received of those elected."""
-    rounds = Table(title="recent rounds", title_justify="left")
-    cols = ["round", "participants", "accepted", "refused", "dropped", "loss", "accuracy", "seconds"]
+    names = ["round", "participants", "accepted", "refused", "dropped", "loss", "accuracy", "seconds"]
     if witnessed:
-        cols.insert(5, "proofs")
-    for col in cols:
-        rounds.add_column(col, justify="right")
-    for r in round_lines:
-        row = [
-            str(r.round), str(r.participants), str(r.accepted) if r.aggregated else f"{r.accepted} (not counted)",
-            str(r.refused), str(r.dropped), _num(r.loss), _num(r.accuracy), f"{r.seconds:.1f}",
-        ]
-        if witnessed:
-            row.insert(5, f"{r.proofs}/{r.witnesses}" if r.witnesses else "-")
-        rounds.add_row(*row)
-    return rounds
+        names.insert(5, "proofs")
+    rows: list[Row] = [{"round": str(r.round), "participants": str(r.participants),
+             "accepted": str(r.accepted) if r.aggregated else f"{r.accepted} (not counted)",
+             "refused": str(r.refused), "dropped": str(r.dropped), "loss": _num(r.loss),
+             "accuracy": _num(r.accuracy), "seconds": f"{r.seconds:.1f}",
+             "proofs": f"{r.proofs}/{r.witnesses}" if r.witnesses else "-"} for r in round_lines]
+    return _table("recent rounds", names, rows, width, right=frozenset(names), optional=("dropped", "refused"))
 
 
 def render_json(status: Status) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from fed.dashboard import Dashboard, status_source
+from shared.digest import digest_file
 from shared.state import Phase
 from tests.e2e.browser import Browser, chromium
 from tests.e2e.harness import Run, e2e_config
@@ -58,18 +59,44 @@ def test_the_dashboard_shows_the_fleet_and_the_curves_and_follows_the_run(
                       "the page to show a later round")
         run.wait_for(lambda: run.state().phase is Phase.FINISHED, 150, "the run to finish")
         page.wait_for("document.getElementById('phase').textContent === 'Finished'", 30, "the page to show the end")
+        page.wait_for("!!document.getElementById('result-digest')", 30, "the page to show the result")
         shown = page.evaluate(
             "({points: Number(document.getElementById('curve-loss').dataset.points),"
             " refreshes: Number(document.body.dataset.refreshes),"
             " cells: [...document.querySelectorAll('#fleet tbody tr')].map(tr =>"
             "   [...tr.children].map(td => td.textContent)),"
             " aggregated: document.getElementById('aggregated').textContent,"
-            " polyline: !!document.querySelector('#curve-accuracy polyline')})")
+            " polyline: !!document.querySelector('#curve-accuracy polyline'),"
+            " key: document.getElementById('result-key').textContent,"
+            " digest: document.getElementById('result-digest').textContent,"
+            " fetch: document.getElementById('result-fetch').textContent,"
+            " accuracyFrom: Number(document.getElementById('curve-accuracy').dataset.axisFrom),"
+            " accuracyLast: document.getElementById('curve-accuracy').dataset.lastValue})")
         assert shown["points"] == 6 and shown["aggregated"] == "6/6" and shown["polyline"]
         assert shown["refreshes"] > first[2]
+        # and every participant finished (not silent: they exited as designed), none with a refusal
         for cells in shown["cells"]:
-            pid, state = cells[0], cells[1]
-            assert pid in names and state == "active" and cells[8], cells  # host / device shown
+            pid, state, condition = cells[0], cells[1], cells[2]
+            assert pid in names and (state, condition) == ("finished", "finished") and cells[8], cells
+            assert cells[9].startswith("last trained round") and cells[10] == "", cells  # why; drops and refusals
+        # and where the result is: the final global's key and digest, and the command that fetches it
+        state = run.state()
+        assert shown["digest"] == state.global_digest and shown["key"].endswith(f"/global/{state.global_digest}")
+        assert shown["fetch"].startswith(f"fed export --round {state.round}")
+        # and the accuracy axis starts near the data, its last value labelled
+        assert shown["accuracyFrom"] > 0.5 and float(shown["accuracyLast"]) > 0.5
+        # and `fed status --json` says the same
+        code, out = run.fed("status", "--json")
+        assert code == 0, out
+        status = json.loads(out)
+        assert {(p["pid"], p["state"], p["condition"]) for p in status["participants"]} == {
+            (n, "finished", "finished") for n in names}
+        assert status["refusals"] == [] and all(not p["refusals"] for p in status["participants"])
+        assert (status["result"]["key"], status["result"]["digest"]) == (shown["key"], shown["digest"])
+        # and the command shown fetches it, checked against its digest
+        code, out = run.fed("export", "--round", "latest", str(run.workdir / "final.safetensors"))
+        assert code == 0, out
+        assert digest_file(run.workdir / "final.safetensors") == state.global_digest
         # and a screenshot of it is kept
         shot = page.screenshot(REPORTS / "dashboard.png")
         assert shot.stat().st_size > 10_000

@@ -142,9 +142,9 @@ def test_refusals_are_shown_bounded_without_control_characters_or_markup() -> No
     console = Console(width=200, record=True)
     console.print(render(status))
     text = console.export_text()
-    # Then the table shows a bounded, printable excerpt, the markup as literal text
+    # Then the table shows a bounded, printable excerpt, cut to its column, the markup as literal text
     assert "[bold red]owned[/]" in text and "\x1b" not in text and "\r" not in text
-    assert len(text) < 10_000 and "more characters" in text
+    assert len(text) < 10_000 and "xxx…" in text
 
 
 def test_the_fleet_view_shows_progress_throughput_share_host_and_who_is_stuck_or_slow() -> None:
@@ -222,3 +222,93 @@ def test_suspect_witnesses_are_shown_with_why() -> None:
     assert [(s.round, s.pid, s.reason) for s in status.suspects] == [(3, "b", why)]
     text = console.export_text()
     assert "suspect witnesses" in text and why in text
+
+
+def finished_run() -> tuple[RunState, dict[str, ParticipantView], list[RoundSummary]]:
+    """A run finished after 10 rounds: a and b members to the end (silent since: they exited), c dropped in round
+    4, d joined too late to be admitted."""
+    state = RunState("status-run", version=40, phase=Phase.FINISHED, epoch=1, round=10, aggregated=10,
+                     members={"a": Member(), "b": Member(), "c": Member(MemberStatus.DROPPED, 500.0, "silent for 21s")},
+                     global_digest="ab" * 32)
+    participants = {p: ParticipantView(p, 100.0, NOW - 300) for p in ("a", "b", "c", "d")}
+    rounds = [summary(r, 3.0, counted=("a", "b") if r != 9 else ("a",), global_digest=f"{r:02d}" * 32)
+              for r in range(10)]
+    return state, participants, rounds
+
+
+def test_a_finished_run_shows_its_members_finished_and_where_its_result_is() -> None:
+    state, participants, rounds = finished_run()
+    status = describe(state, participants, {}, [], [], rounds, CONFIG, NOW, named="--connection run.json")
+
+    lines = {p.pid: p for p in status.participants}
+    assert (lines["a"].state, lines["a"].condition, lines["a"].reason) == ("finished", "finished",
+                                                                          "last trained round 9")
+    assert (lines["b"].state, lines["b"].reason) == ("finished", "last trained round 8")
+    assert not lines["a"].silent and not lines["b"].silent and lines["a"].activity == ""
+    assert (lines["c"].state, lines["c"].condition, lines["c"].reason) == ("dropped", "dropped", "silent for 21s")
+    assert lines["d"].state == "pending" and lines["d"].condition == "-"
+    result = status.result
+    assert result is not None and result.round == 10 and result.digest == "ab" * 32
+    assert result.key == f"runs/status-run/rounds/{10:06d}/global/{'ab' * 32}"
+    assert (result.loss, result.accuracy) == (0.5, 0.9)
+    assert result.fetch == "fed export --round 10 --connection run.json global.safetensors"
+    console = Console(width=200, record=True)
+    console.print(render(status, 200))
+    text = console.export_text()
+    assert "final global model: round 10 (loss 0.5000, accuracy 0.9000)" in text and result.key in text
+    assert result.fetch in text and "silent" not in text.split("participants")[1].split("dropped")[0]
+
+
+def test_a_member_that_uploaded_and_waits_for_the_round_to_close_is_not_silent() -> None:
+    state = RunState("status-run", version=9, phase=Phase.TRAIN, epoch=1, round=3, aggregated=3,
+                     deadline=NOW + 30, members={"a": Member(), "b": Member()}, selected=("a", "b"))
+    participants = {"a": ParticipantView("a", 100.0, NOW - 15), "b": ParticipantView("b", 100.0, NOW - 15)}
+    updates = {"a": UpdateView("a", 3, True, 100, metrics={"loss": 0.2})}
+    lines = {p.pid: p for p in describe(state, participants, updates, [], [], [], CONFIG, NOW).participants}
+    assert (lines["a"].round_status, lines["a"].condition, lines["a"].silent) == ("uploaded", "ok", False)
+    assert (lines["b"].round_status, lines["b"].condition, lines["b"].silent) == ("training", "silent", True)
+
+
+def table_rows(text: str, title: str) -> list[str]:
+    """The lines of the table titled `title` that hold cells (its header, then one per row unless one wrapped)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == title)
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("└"):
+            break
+        if line.startswith(("│", "┃")):
+            rows.append(line)
+    return rows
+
+
+def test_status_fits_the_terminal_it_is_printed_to() -> None:
+    # Given a run with witnesses (two more columns), hosts, devices and long reasons
+    config = CONFIG.model_copy(update={"witness_nodes": 2})
+    members = {f"gpu-host-{i:02d}": Member() for i in range(8)}
+    state = RunState("status-run", version=9, phase=Phase.TRAIN, epoch=1, round=4, aggregated=4, deadline=NOW + 9,
+                     members=members, selected=tuple(members), witnesses=("gpu-host-00", "gpu-host-01"))
+    participants = {p: ParticipantView(p, 100.0, NOW - 3, progress_round=4, progress_done=3, progress_total=10,
+                                       progress_at=NOW - 3, rate=123.4) for p in members}
+    info = {p: {"host": f"{p}.lab.example.org", "device": "cuda:0", "gpu": "NVIDIA H100 80GB HBM3",
+                "activity": "training round 4: epoch 1 of 3, batch 117 of 400, loss 0.4312"} for p in members}
+    status = describe(state, participants, {}, [], [], [summary(r, 9.0) for r in range(4)], config, NOW, info=info)
+
+    for width in (80, 200):
+        # When it is printed to a terminal that wide
+        console = Console(width=width, record=True)
+        console.print(render(status, width))
+        text = console.export_text()
+
+        # Then no line is wider, no participant's row wraps, and no cell is cut to fewer than 6 characters
+        assert max(len(line) for line in text.splitlines()) <= width
+        rows = table_rows(text, "participants")
+        assert len(rows) == 1 + len(members), "\n".join(rows)
+        cells = [c.strip() for row in rows[1:] for c in row.strip("│").split("│")]
+        assert all(len(c) >= 6 for c in cells if c.endswith("…")), [c for c in cells if c.endswith("…")]
+        header = [c.strip() for c in rows[0].strip("┃").split("┃")]
+        assert not any(c.endswith("…") for c in header), header
+        # and the columns that matter most are there, whole
+        assert {"participant", "condition", "this round", "progress", "last seen", "why"} <= set(header), header
+    # and at 200 columns, every one of them
+    assert {"state", "selected", "samples/s", "share", "witness", "health", "host / device"} <= set(header), header
