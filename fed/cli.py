@@ -250,12 +250,16 @@ def status(
         "refresh with --watch).",
     ),
 ) -> None:
-    """Show a run: phase, epoch, round and the phase's deadline; one row per participant: its state (pending,
-    active, dropped and why), its condition (ok, slow, stuck, silent, dropped), whether it is selected this round
+    """Show a run: phase, epoch, round and the phase's deadline, and where its latest global model is (round, key,
+    digest, metrics, and the `fed export` command that fetches it); one row per participant: its state (pending,
+    active, finished with the round it last trained, dropped and why), its condition (ok, slow, stuck, silent,
+    finished, dropped), whether it is selected this round
     and has uploaded or been refused, its training progress, its measured samples per second and its share of the
     round (throughput sizing), when it was last seen, its host and device, what it says it is doing, and its drops
     and refusals with their reasons; refused uploads; the last rounds' loss and accuracy; and the run's ETA from
-    the measured throughput. `--json` has every field.
+    the measured throughput. The table fits the terminal: on a narrow one the columns that matter most (participant,
+    condition, this round, progress, last seen, why) stay and the rest go (`--wide` keeps them); `--json` has every
+    field.
 
     With witnessing on: the current round's witnesses and which proofs are in, the last witnessed round's health
     scores (how many witnesses attested each participant) against its quorum, and who was dropped, when and why."""
