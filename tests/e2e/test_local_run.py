@@ -84,7 +84,7 @@ def test_a_participant_killed_mid_round_is_dropped_and_the_run_finishes(local_ru
     # and `fed status` shows it dropped, with the reason
     lines = {p.pid: p for p in collect(run.stack.connection).participants}
     assert (lines["p3"].state, lines["p3"].reason) == ("dropped", reason)
-    assert lines["p1"].state == lines["p2"].state == "active"
+    assert lines["p1"].state == lines["p2"].state == "finished"
     # and the survivors finish normally
     assert run.procs.wait_exit(30)
     assert run.procs.procs["p1"].process.returncode == 0 and run.procs.procs["p2"].process.returncode == 0
