@@ -112,7 +112,7 @@ def test_a_run_finishes_through_queued_events_and_ticks(stack: LocalStack) -> No
     assert {"heartbeat", "init", "update"} <= ingested <= set(keys.UPLOADED_KINDS), ingested
     status = collect(stack.connection)
     assert status.phase == "Finished" and status.aggregated == 3
-    assert {p.pid: p.state for p in status.participants} == {"alice": "active", "bob": "active"}
+    assert {p.pid: p.state for p in status.participants} == {"alice": "finished", "bob": "finished"}
     # And the finished run switched its tick schedule off: nothing fires while it is idle
     c = stack.connection
     events = boto3.client("events", endpoint_url=c.endpoint, region_name=c.region)
