@@ -61,7 +61,8 @@ from shared.table_keys import STATE_SK, run_pk
 from store.blobs import Bucket, NotFound, s3_addressing
 from store.connection import Connection
 
-FUNCTIONS = ("tick", "ingest", "join", "shard")  # functions.<name>.handler
+FUNCTIONS = ("tick", "ingest", "join", "shard", "credentials")  # functions.<name>.handler
+CONSTRUCTS = {"credentials": "HostsCredentials"}  # a function's construct where it is not Coordinator<Name>
 FUNCTION = "function:"
 PARTICIPANT = "participant"
 OPERATOR = "operator"
@@ -227,6 +228,7 @@ def catalog(w: Wiring, witnessing: bool = False) -> list[Call]:
     _coordinator_services(c)
     _join_function(c)
     _shard_function(c)
+    _credential_function(c)
     _lambda_on_roles(c)
     _participant(c, witnessing)
     _operator(c)
@@ -344,6 +346,20 @@ def _shard_function(c: _Catalog) -> None:
               "download-delta pieces (coordinator/aggregation.py, coordinator/shard_queue.py)", w.obj(grant))
 
 
+def _credential_function(c: _Catalog) -> None:
+    """The credential endpoint: invited hosts' records, and the participant sessions it issues them."""
+    w, leading, credentials = c.w, c.leading, f"{FUNCTION}credentials"
+    for action, why in (("dynamodb:GetItem", "the host's record (redeem, renew)"),
+                        ("dynamodb:PutItem", "a used nonce, a refusal (conditional puts)"),
+                        ("dynamodb:UpdateItem", "a redemption, a request counted in its minute, the time of the "
+                                                "last credentials")):
+        c.add(credentials, action, w.table_arn, f"{why} (store/hosts.py)", context=leading)
+    for action in ("sts:AssumeRole", "sts:TagSession"):
+        c.add(credentials, action, w.roles.get(PARTICIPANT, ""), "a participant session tagged with the host's "
+              "id (coordinator/credentials.py)",
+              context={f"aws:RequestTag/{PARTICIPANT_TAG}": SAMPLE_PARTICIPANT, "aws:TagKeys": [PARTICIPANT_TAG]})
+
+
 def _lambda_on_roles(c: _Catalog) -> None:
     """What Lambda does with each function's role: its logs; the queue event sources' polling."""
     w = c.w
@@ -414,7 +430,8 @@ def _operator(c: _Catalog) -> None:
     for action, why in (("dynamodb:GetItem", "fed status, verify, run: the run state (store/table.py)"),
                         ("dynamodb:Query", "fed status, verify: participants, updates, rounds, refusals"),
                         ("dynamodb:PutItem", "fed run pause|resume|restore commit the state "
-                                             "(coordinator/operations.py)")):
+                                             "(coordinator/operations.py); fed hosts invite records an invite"),
+                        ("dynamodb:UpdateItem", "fed hosts revoke marks the host revoked (store/hosts.py)")):
         c.add(o, action, w.table_arn, why, context=leading)
     c.reads(o, "s3:GetObject", [keys.config_key(run), keys.roster_key(run, d), keys.global_key(run, r, d),
                                 keys.latest_checkpoint_key(run), keys.checkpoint_state_key(run, r),
@@ -446,6 +463,8 @@ def _operator(c: _Catalog) -> None:
     for principal in (*(f"{FUNCTION}{n}" for n in FUNCTIONS), PARTICIPANT):
         c.add(o, "iam:SimulatePrincipalPolicy", w.roles.get(principal, ""),
               f"fed check asks IAM's simulator about the {principal} role")
+    c.add(o, "iam:PutRolePolicy", w.roles.get(PARTICIPANT, ""), "fed hosts revoke --stack denies the revoked "
+          "hosts' sessions on the participant role (fed/hosts.py)")
     for action in ("iam:GetPolicy", "iam:GetPolicyVersion"):
         c.add(o, action, w.operator_policy, "fed check reads this policy's default version to simulate it")
     c.add(o, "iam:SimulateCustomPolicy", "*", "fed check simulates this policy's document")
@@ -982,7 +1001,8 @@ def local_wiring(conn: Connection, model: Any) -> Wiring:
         stack_id=f"arn:aws:cloudformation:{region}:{account}:stack/{binding.stack_name}/local",  # (as model.py's)
         join_queue=queue(names["JoinQueue"]), shard_queue=queue(names["ShardQueue"]),
         dead_letters=queue(names["DeadLetters"]),
-        functions={n: granted(OPERATOR, "lambda:GetFunction", f":function:Coordinator{n.capitalize()}")
+        functions={n: granted(OPERATOR, "lambda:GetFunction",
+                              f":function:{CONSTRUCTS.get(n, f'Coordinator{n.capitalize()}')}")
                    or f"arn:aws:lambda:{region}:{account}:function:{fallback}-{n}" for n in FUNCTIONS},
         log_groups={n: granted(f"{FUNCTION}{n}", "logs:PutLogEvents").removesuffix(":*")
                     or f"arn:aws:logs:{region}:{account}:log-group:{fallback}-{n}" for n in FUNCTIONS},

@@ -116,7 +116,8 @@ def test_fed_check_passes_on_the_local_stack(connection: str) -> None:
     # Then every check passes, one ✓ line each (and one per principal for the roles)
     assert code == 0, out
     assert "✗" not in out
-    for line in ("✓ stack: local run", "✓ functions: functions.ingest.handler", "✓ roles: function:tick",
+    for line in ("✓ stack: local run", "✓ functions: functions.credentials.handler, functions.ingest.handler",
+                 "✓ roles: function:tick",
                  "✓ roles: participant", "✓ roles: operator", "✓ events: bucket", "✓ schedule:",
                  "✓ participant fed-check-"):
         assert line in out, (line, out)
