@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from coordinator.deps import Deps, ShardRunner
-from coordinator.model_files import CorruptInput, GlobalModel, HeldRange, ObjectRange, read_global, read_header
+from coordinator.model_files import GlobalModel, read_global, read_header
 from coordinator.optimizer_state import StoredState
 from shared import keys
 from shared.aggregate import PieceAggregator, PieceOutput, RangeSource, StateSource, WeightedInput, round_plan
@@ -49,6 +49,7 @@ from shared.state import Aggregate, AggregateInput
 from shared.strategies import strategy_of
 from shared.wire import Manifest
 from store.blobs import UploadGone
+from store.ranges import CorruptInput, HeldRange, ObjectRange
 
 log = logging.getLogger("fed-coordinator")
 

@@ -8,7 +8,6 @@ from collections.abc import Callable
 import numpy as np
 
 from coordinator.deps import Deps
-from coordinator.model_files import CorruptInput
 from shared import keys
 from shared.digest import PIECE_BYTES
 from shared.server_opt import (
@@ -21,6 +20,7 @@ from shared.server_opt import (
     index_pieces,
 )
 from store.blobs import NotFound, Tampered
+from store.ranges import CorruptInput
 
 MAX_PIECE_BYTES = 4 * PIECE_BYTES + 64 * 1024  # two float32 slots over a piece of 2-byte elements, and a header
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.deps import Deps
-from coordinator.model_files import GlobalModel, ObjectRange
+from coordinator.model_files import GlobalModel
 from shared.compress import CachedRange, CompressError, DecodedSource, Encoding, encoded_manifest
 from shared.digest import PIECE_BYTES, TreeHasher
 from shared.scan import DataScan
 from shared.wire import Header, Manifest, WireError, header_length, parse_header_prefix
+from store.ranges import ObjectRange
 
 BLOCK = PIECE_BYTES
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from coordinator.aggregation import AggregationBusy, RoundLease, write_aggregate
 from coordinator.deps import Deps
-from coordinator.model_files import CorruptInput, copy_global, read_header
+from coordinator.model_files import copy_global, read_header
 from coordinator.optimizer_state import copy_state
 from shared import keys
 from shared.machine import Decision, exclude_input, resolve, tick
@@ -30,6 +30,7 @@ from shared.state import (
 )
 from shared.wire import Manifest, WireError
 from store.blobs import NotFound, Tampered
+from store.ranges import CorruptInput
 from store.records import state_to_body
 from store.table import Conflict
 

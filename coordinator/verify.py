@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from coordinator.aggregation import base_source, state_source, weighted_inputs
 from coordinator.deps import Deps
-from coordinator.model_files import CorruptInput, read_global
+from coordinator.model_files import read_global
 from coordinator.optimizer_state import state_files
 from shared import keys
 from shared.aggregate import aggregate_digest, round_plan
@@ -22,6 +22,7 @@ from shared.server_opt import ServerStep
 from shared.sizing import fedavg_weights
 from shared.state import Aggregate, AggregateInput
 from store.blobs import NotFound
+from store.ranges import CorruptInput
 
 
 @dataclass(frozen=True)
