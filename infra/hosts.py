@@ -28,6 +28,7 @@ from constructs import Construct
 
 from infra.lambdas import FunctionSpec, coordinator_function
 from infra.nag import FED_PACK, URL_AUTH, acknowledge
+from infra.participants import run_items
 from infra.settings import DeploySettings
 from infra.storage import removal_policy
 from shared.config import RunConfig
@@ -43,7 +44,6 @@ from shared.naming import (
     ENV_TABLE,
     METRICS_NAMESPACE,
 )
-from shared.table_keys import run_pk
 
 NAME = "credentials"  # functions.credentials.handler; the access check knows the role as function:credentials
 # The host records (host, nonce, rate-counter and refusal items): read one, create one conditionally, update one
@@ -60,7 +60,7 @@ def host_record_statement(table: dynamodb.ITable, run_id: str) -> iam.PolicyStat
         sid="HostRecords",
         actions=list(HOST_RECORD_ACTIONS),
         resources=[table.table_arn],
-        conditions={"ForAllValues:StringEquals": {"dynamodb:LeadingKeys": [run_pk(run_id)]}},
+        conditions=run_items(run_id),
     )
 
 

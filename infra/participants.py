@@ -68,6 +68,11 @@ def own_queue_arn(scope: IConstruct, run_id: str) -> str:
                                       arn_format=ArnFormat.NO_RESOURCE_NAME)
 
 
+def run_items(run_id: str) -> dict[str, dict[str, object]]:
+    """The condition that keeps table requests to the run's own items: every key in the run's partition."""
+    return {"ForAllValues:StringEquals": {"dynamodb:LeadingKeys": [run_pk(run_id)]}}
+
+
 def _reserved() -> list[str]:
     return sorted(RESERVED_IDS)
 
@@ -250,6 +255,6 @@ class ParticipantAccess(Construct):
                 sid="ReadRunState",
                 actions=["dynamodb:GetItem"],
                 resources=[table.table_arn],
-                conditions={"ForAllValues:StringEquals": {"dynamodb:LeadingKeys": [run_pk(run_id)]}},
+                conditions=run_items(run_id),
             ),
         ]

@@ -122,34 +122,35 @@ class HostSession:
         return bool(marker == {"endpoint": self.invite.endpoint, "host": self.invite.host})
 
     def _ask(self) -> CredentialAnswer:
-        base = self.invite.endpoint.rstrip("/")
+        """Redeem the invite the first time, renew after (and where a redemption is refused because the key was bound
+        by one whose note was never written: a renewal tells)."""
         if not self._redeemed():
             redeem = RedeemRequest(host=self.invite.host, secret=self.invite.secret, public_key=public_key_of(self.key))
             try:
-                answer = post(base + REDEEM_PATH, redeem.model_dump(mode="json"))
-            except HostRefused:
-                if not self._renews():  # redeemed before, but the marker was not written: the key is bound
-                    raise
-            else:
-                (self.host_dir / REDEEMED_FILE).write_text(json.dumps({"endpoint": self.invite.endpoint,
-                                                                       "host": self.invite.host}))
-                return answer
+                answer = post(self._url(REDEEM_PATH), redeem.model_dump(mode="json"))
+            except HostRefused as refused:
+                try:
+                    answer = self._renew()
+                except HostRefused:
+                    raise refused from None  # the key is not bound either: the redemption's reason is the one
+            self._note_redeemed()
+            return answer
+        return self._renew()
+
+    def _renew(self) -> CredentialAnswer:
         renewal = sign_renewal(self.key, self.invite.host, self.clock())
-        answer = post(base + RENEW_PATH, renewal.model_dump(mode="json"))
+        answer = post(self._url(RENEW_PATH), renewal.model_dump(mode="json"))
         self.renewals += 1
         log.info("credentials renewed at the endpoint (renewal %d; valid until %s)", self.renewals,
                  answer.credentials.Expiration)
         return answer
 
-    def _renews(self) -> bool:
-        try:
-            post(self.invite.endpoint.rstrip("/") + RENEW_PATH,
-                 sign_renewal(self.key, self.invite.host, self.clock()).model_dump(mode="json"))
-        except HostRefused:
-            return False
+    def _url(self, path: str) -> str:
+        return self.invite.endpoint.rstrip("/") + path
+
+    def _note_redeemed(self) -> None:
         (self.host_dir / REDEEMED_FILE).write_text(json.dumps({"endpoint": self.invite.endpoint,
                                                                "host": self.invite.host}))
-        return True
 
     def answer(self) -> CredentialAnswer:
         """The current session, renewed first when a third of its lifetime or less is left. HostRefused once the

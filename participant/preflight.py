@@ -67,6 +67,7 @@ class Preflight:
         self.config: RunConfig | None = None
         self.model_bytes = 0
         self.skew: float | None = None
+        self._global: str | None = None  # the latest global model's key, once read
 
     def run(self) -> list[Item]:
         items = [self.credentials(), self.run_config(), self.own_missing_key(), self.push_queue(), self.clock_skew(),
@@ -146,12 +147,15 @@ class Preflight:
         return Item(True, "clock", f"within {max(1.0, abs(self.skew)):.0f} s of S3's")
 
     def _latest_global(self) -> str:
-        state = StateStore.of(self.conn).read_state()
-        if not state.global_digest:
-            return ""
-        key = keys.global_key(self.conn.run_id, state.round, state.global_digest)
-        self.model_bytes = int(self.s3.head_object(Bucket=self.conn.bucket, Key=key)["ContentLength"])
-        return key
+        """The latest global model's key ("": none yet), its size in `model_bytes`; read once for every item."""
+        if self._global is None:
+            state = StateStore.of(self.conn).read_state()
+            self._global = ""
+            if state.global_digest:
+                key = keys.global_key(self.conn.run_id, state.round, state.global_digest)
+                self.model_bytes = int(self.s3.head_object(Bucket=self.conn.bucket, Key=key)["ContentLength"])
+                self._global = key
+        return self._global
 
     def disk(self) -> Item:
         try:
