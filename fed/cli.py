@@ -140,9 +140,10 @@ DEMO_TASK_HELP = (
     "The built-in task to train, with settings that finish in minutes on a 2-core CPU: `digits` (the "
     "default; an MLP on scikit-learn's 8x8 digits, 20 rounds, each round's test accuracy), `lm` (a "
     "~1M-parameter byte-level transformer on Python's help text, 4 rounds, each round's held-out loss and "
-    "perplexity) or `flower` (the Flower anchor's digits work: participant i trains its own shard i, 15 rounds; "
-    "`make bench-rounds`). With --config, the file's task runs (a participant.tasks.lm task is reported by its "
-    "held-out loss)."
+    "perplexity), `hf` (a Hugging Face causal LM, by default a tiny Llama built offline, fine-tuned on Python's "
+    "help text, 6 rounds, each round's held-out loss and perplexity; see --model and --adapter) or `flower` (the "
+    "Flower anchor's digits work: participant i trains its own shard i, 15 rounds; `make bench-rounds`). With "
+    "--config, the file's task runs (an lm or hf task is reported by its held-out loss)."
 )
 DEMO_SPLIT_HELP = (
     "Train on private data (data_mode = local): the training set is split among the participants, "
@@ -172,7 +173,8 @@ def demo(
     task: str | None = typer.Option(None, "--task", "-t", help=DEMO_TASK_HELP),
     rounds: int | None = typer.Option(
         None, "--rounds", "-r", min=1,
-        help="Rounds to aggregate. Default: 20 (digits), 4 (lm), 15 (flower), or the --config file's total_rounds.",
+        help="Rounds to aggregate. Default: 20 (digits), 4 (lm), 6 (hf), 15 (flower), or the --config file's "
+        "total_rounds.",
     ),
     report: Path | None = typer.Option(
         None, "--report", help="Write the report JSON here: config, per-round rows, final accuracy (lm: also the "
@@ -199,6 +201,14 @@ def demo(
         False, "--invites", help="Each participant joins with an invite line alone (`fed hosts invite`), redeemed "
         "at the local credential endpoint, as a host outside AWS would: no credential in its environment.",
     ),
+    model: str | None = typer.Option(
+        None, "--model", metavar="DIR", help="--task hf: a Hugging Face causal LM directory (config, tokenizer, "
+        "safetensors weights) to fine-tune. Default: a tiny Llama (2 layers, width 64) built here once, offline.",
+    ),
+    adapter: str | None = typer.Option(
+        None, "--adapter", metavar="none|lora", help="--task hf: lora trains low-rank adapters on q_proj and v_proj "
+        "of the frozen model (PEFT), so that each update is the adapters alone; none (the default) the whole model.",
+    ),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Give up (exit 1) if the run has not finished."),
     tick_interval: float = typer.Option(1.0, "--tick-interval", min=0.05, help="Seconds between scheduled ticks."),
     workdir: Path | None = typer.Option(
@@ -221,7 +231,7 @@ def demo(
     options = DemoOptions(participants=participants, rounds=rounds, report=report, plot=plot, config=_load(config),
                           kill_one=kill_one, timeout=timeout, tick_interval=tick_interval, workdir=workdir, task=task,
                           split=split, updates=updates, downloads=downloads, mixed_speeds=mixed_speeds,
-                          invites=invites)
+                          invites=invites, model=model, adapter=adapter)
     try:
         run_demo(options, console)
     except DemoFailed as exc:

@@ -68,8 +68,8 @@ class Evaluator:
         self._listener.listen(1)
         self._lock = threading.Lock()
         self._channel: Any = None  # the connection's file (reads and writes)
-        self.process = start(["--socket", str(path), "--connection", str(connection_file), "--task", config.task,
-                              "--seed", str(config.seed)], log)
+        self.process = start(["--socket", str(path), "--connection", str(connection_file),
+                              "--config-json", config.model_dump_json()], log)
 
     def evaluate(self, round_no: int, model_digest: str) -> dict[str, float]:
         """The task's evaluation of the global model of round `round_no` (the one with this digest)."""
@@ -118,7 +118,7 @@ class Evaluator:
 class _Model:
     """The task's model and held-out set, loaded once; `error` if they could not be."""
 
-    def __init__(self, task: str, seed: int) -> None:
+    def __init__(self, config: RunConfig) -> None:
         self.error: BaseException | None = None
         try:
             import torch
@@ -127,8 +127,8 @@ class _Model:
 
             torch.set_num_threads(1)  # the participants need the cores more than the evaluator
             self.torch = torch
-            self.task = load_task(task)
-            self.model = self.task.build_model(seed)
+            self.task = load_task(config.task, config)
+            self.model = self.task.build_model(config.seed)
             self.task.evaluate(self.model, torch.device("cpu"))  # load the held-out set now, not at the first round
         except BaseException as exc:  # reported with every request
             self.error = exc
@@ -155,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
                                      description="fed demo's evaluator (started by the demo; see the module's doc)")
     parser.add_argument("--socket", required=True, help="the demo's Unix socket to connect to")
     parser.add_argument("--connection", type=Path, required=True, help="the run's connection file")
-    parser.add_argument("--task", required=True)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config-json", required=True, help="the run's configuration (JSON)")
     args = parser.parse_args(argv)
+    config = RunConfig.model_validate_json(args.config_json)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
     channel = sock.makefile("rwb")
-    model = _Model(args.task, args.seed)
+    model = _Model(config)
     run: tuple[str, Bucket] | None = None
     for line in channel:
         request = json.loads(line)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             if run is None:  # (the connection file is written once the stack is up: read at the first request)
                 conn = Connection.load(args.connection)
                 run = (conn.run_id, Bucket(conn.bucket, s3_client(conn.endpoint, conn.region)))
-            reply = _answer(request, model, *run, args.task)
+            reply = _answer(request, model, *run, config.task)
         except Exception as exc:  # the demo reports it and stops
             reply = {"error": f"evaluating round {request.get('round')}: {type(exc).__name__}: {exc}"}
         channel.write(json.dumps(reply).encode() + b"\n")

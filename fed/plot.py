@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shared.state import RoundSummary
 
@@ -56,6 +57,9 @@ def write_png(points: Sequence[RoundPoint], path: Path, title: str, metric: str 
     try:
         _curve(loss_ax, points, "loss", "training loss")
         _curve(acc_ax, points, metric, METRICS[metric])
+        if metric == "test_loss":  # the same curve read as perplexity (exp of the loss) on the right
+            perplexity = acc_ax.secondary_yaxis("right", functions=(_exp, _log))
+            perplexity.set_ylabel("perplexity")
         _curve(time_ax, points, "seconds", "seconds")
         skipped = [p.round for p in points if not p.aggregated]
         for ax in (loss_ax, acc_ax, time_ax):
@@ -71,6 +75,18 @@ def write_png(points: Sequence[RoundPoint], path: Path, title: str, metric: str 
     finally:
         plt.close(fig)
     return path
+
+
+def _exp(x: Any) -> Any:
+    import numpy as np
+
+    return np.exp(np.minimum(x, 700.0))
+
+
+def _log(x: Any) -> Any:
+    import numpy as np
+
+    return np.log(np.maximum(x, 1e-300))
 
 
 def _curve(ax: object, points: Sequence[RoundPoint], field: str, label: str) -> None:

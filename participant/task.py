@@ -44,6 +44,11 @@ class Task(Protocol):
     - optional, for runs in local data mode: `local_data(spec)`: load this participant's own data (`spec` is
       what `fed-participant start --data` was given: a path, or a spec the task defines) and return the
       indices `train` is called with each round; their number is the sample count registered at join.
+    - optional: `for_run(config)`: the task as the run configures it (e.g. `participant.tasks.hf` reads `[run.hf]`);
+      `load_task` calls it with the run's config. It may raise TaskError, e.g. for a model that is not the run's.
+    - optional: `identity`: names to digests of what the model is built from (a Hugging Face run: config,
+      tokenizer, base); every update names them, and ingest refuses one that differs from the run's record.
+    - optional: `train` may take a keyword `round_no` (the round being trained), for schedules that span rounds.
     """
 
     train_size: int
@@ -88,10 +93,11 @@ def local_batches(count: int, config: RunConfig, generator: torch.Generator) -> 
     return total, batches()
 
 
-def load_task(spec: str) -> Task:
+def load_task(spec: str, config: RunConfig | None = None) -> Task:
     """Import `module:object` (object may be dotted, e.g. `pkg.mod:Factory.task`) and check its shape.
 
-    A class or a zero-argument factory function is called to obtain the task.
+    A class or a zero-argument factory function is called to obtain the task; with a run `config`, a task that has
+    `for_run` is configured by it.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -113,6 +119,8 @@ def load_task(spec: str) -> Task:
             obj = obj()
         except Exception as exc:
             raise TaskError(f"task {spec!r}: calling {attr} failed: {type(exc).__name__}: {exc}") from exc
+    if config is not None and callable(getattr(obj, "for_run", None)):
+        obj = obj.for_run(config)
     missing = [name for name in REQUIRED if not hasattr(obj, name)]
     if missing:
         raise TaskError(f"task {spec!r}: {type(obj).__name__} lacks {', '.join(missing)} (see participant.task.Task)")

@@ -12,6 +12,7 @@ torch is imported where it is used, so that the daemon starts (and answers --hel
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import math
 import os
@@ -111,6 +112,17 @@ class Workload:
     def dataset_size(self) -> int:
         return self.config.dataset_size or int(self.task.train_size)
 
+    @property
+    def identity(self) -> dict[str, str]:
+        """What the task's model is built from, named in every update (`participant.task.Task.identity`)."""
+        return dict(getattr(self.task, "identity", None) or {})
+
+    def train(self, model: Any, indices: Any, config: RunConfig, progress: Any, seed: int,
+              round_no: int) -> dict[str, float]:
+        """The task's training of one round; `round_no` goes to a task whose `train` takes it."""
+        extra = {"round_no": round_no} if "round_no" in inspect.signature(self.task.train).parameters else {}
+        return dict(self.task.train(model, indices, config, self.device, progress, seed=seed, **extra))
+
 
 def load_workload(spec: str, config: RunConfig, device: str, threads: int, data: str | None = None) -> Workload:
     """Load the task, check it fits the run, pick the device and load the data (so the first round does not);
@@ -118,7 +130,7 @@ def load_workload(spec: str, config: RunConfig, device: str, threads: int, data:
     from participant.task import TaskError, load_task
 
     try:
-        task = load_task(spec)
+        task = load_task(spec, config)
     except TaskError as exc:
         raise ParticipantError(str(exc)) from None
     size = int(task.train_size)
@@ -422,7 +434,7 @@ class Training:
         steps = f"{mine.steps} step(s)" if mine.steps else f"{config.local_epochs} local epoch(s)"
         log.info("round %d: training %d samples for %s", a.round, len(indices), steps)
         with self.ui.track(f"train round {a.round}", 0) as bar, mixed_precision(work.device):
-            metrics = dict(task.train(model, indices, config, work.device, progress_cb, seed=seed))
+            metrics = work.train(model, indices, config, progress_cb, seed, a.round)
         seconds = time.perf_counter() - started
         self.rate = mine.units / seconds if seconds > 0 else None
         local_eval = task.evaluate(model, work.device)
@@ -434,7 +446,7 @@ class Training:
             train_seconds=seconds,  # with the samples (or steps) of its share: the coordinator's rate measurement
         )
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
-        meta = UpdateMeta(self.run_id, a.round, self.pid, mine.claim, metrics)
+        meta = UpdateMeta(self.run_id, a.round, self.pid, mine.claim, metrics, work.identity)
         path = self.outbox / f"update-{a.round:06d}{MODEL_SUFFIX}"
         if config.encoding.is_delta:  # the delta from the global model, compressed (`shared.compress`)
             write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(),

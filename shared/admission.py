@@ -48,6 +48,8 @@ def check_update_meta(
         raise WireError("metadata names another run, round or participant than the key")
     if meta.samples <= 0:
         raise WireError(f"sample count must be positive, got {meta.samples}")
+    if reason := model_mismatch(meta.model, config.hf.identity()):
+        raise WireError(reason)
     if config.data_mode is DataMode.LOCAL:
         if meta.samples > registered:
             raise WireError(f"claims {meta.samples} samples, more than the {registered} its join registered")
@@ -55,6 +57,16 @@ def check_update_meta(
         assigned = assigned_count(config.dataset_size, state.plan or state.selected, pid)
         if meta.samples > assigned:
             raise WireError(f"claims {meta.samples} samples, more than the {assigned} it was assigned")
+
+
+def model_mismatch(named: Mapping[str, str], recorded: Mapping[str, str]) -> str:
+    """Why an update was not trained from the run's model (a recorded digest it does not name, or names otherwise:
+    another tokenizer, config or adapters' base), or ""."""
+    for part, digest in recorded.items():
+        if named.get(part) != digest:
+            theirs = named.get(part, "")[:12] or "none"
+            return f"trained from another model: its {part} digest is {theirs}, the run's is {digest[:12]}"
+    return ""
 
 
 def bounded_info(info: Mapping[str, object]) -> dict[str, str | int | float]:

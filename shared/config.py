@@ -63,6 +63,56 @@ class DownloadEncoding(StrEnum):
     INT8 = "int8"
 
 
+class Adapter(StrEnum):
+    """What a Hugging Face run trains (`participant.tasks.hf`)."""
+
+    NONE = "none"  # every weight: an update is the whole model
+    LORA = "lora"  # low-rank adapters on a frozen base (PEFT): an update is the adapters only
+
+
+DIGEST_PATTERN = r"^([0-9a-f]{64})?$"
+
+
+class HfOptions(BaseModel):
+    """`[run.hf]`: the Hugging Face model a run of `participant.tasks.hf` trains, and how. The model's config and
+    tokenizer (and, for adapters, the frozen base's weights) are recorded by digest: every participant checks that it
+    holds the same ones before it joins, and every update names them (`fed.model`), so ingest refuses one trained
+    from anything else."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("", description="The model every participant loads: a local directory (config.json, the "
+                       "tokenizer, safetensors weights) or a hub id already in the host's cache (nothing is "
+                       "downloaded). A host whose copy lives elsewhere sets FED_HF_MODEL.")
+    config_digest: str = Field("", pattern=DIGEST_PATTERN, description="SHA-256 of the model's config (canonical "
+                               "JSON, `participant.tasks.hf.model_digests`); '': not checked.")
+    tokenizer_digest: str = Field("", pattern=DIGEST_PATTERN, description="SHA-256 of the tokenizer's canonical "
+                                  "JSON; '': not checked.")
+    base_digest: str = Field("", pattern=DIGEST_PATTERN, description="With adapters: SHA-256 of the frozen base "
+                             "model's weights (never uploaded); '': not checked.")
+    text: tuple[str, ...] = Field((), description="Training text in assigned mode, the same files on every host "
+                                  "(plain text, or JSON lines with text_field); (): Python's own help text.")
+    text_field: str = Field("text", description="The field of a JSON-lines record that holds its text.")
+    sequence_length: int = Field(128, ge=8, le=1 << 20, description="Tokens per packed training sequence.")
+    tokens_per_step: int = Field(0, ge=0, description="Tokens an optimizer step sees: gradients of that many "
+                                 "tokens' micro-batches (batch_size sequences each) are accumulated; 0: one batch.")
+    warmup_rounds: int = Field(0, ge=0, description="Rounds over which the learning rate rises linearly from a "
+                               "tenth to learning_rate, before a cosine decay to a tenth at total_rounds.")
+    eval_sequences: int = Field(64, ge=0, description="Held-out sequences evaluated (evenly spaced); 0: all.")
+    adapter: Adapter = Field(Adapter.NONE, description="none: full fine-tuning; lora: low-rank adapters only.")
+    lora_rank: int = Field(8, ge=1, le=1024, description="LoRA rank r.")
+    lora_alpha: int = Field(16, ge=1, description="LoRA scale numerator (the update is scaled by alpha / r).")
+    lora_targets: tuple[str, ...] = Field(("q_proj", "v_proj"), min_length=1, description="Module names the "
+                                          "adapters wrap (PEFT's target_modules).")
+
+    def identity(self) -> dict[str, str]:
+        """What every update must name (its `fed.model` metadata): the recorded digests of the config, the
+        tokenizer and, with adapters, the base; empty ones are not checked."""
+        named = {"config": self.config_digest, "tokenizer": self.tokenizer_digest,
+                 "base": self.base_digest if self.adapter is Adapter.LORA else ""}
+        return {part: value for part, value in named.items() if value}
+
+
 class RunConfig(BaseModel):
     """What a run is: who may join, how rounds are paced, how updates are combined and checked."""
 
@@ -159,16 +209,18 @@ class RunConfig(BaseModel):
     server_tau: float = Field(1e-3, gt=0, description="fedadam and fedyogi adaptivity (added to sqrt(v)).")
     task: str = Field("participant.tasks.digits:task", description="module:object of the training task.")
     initial_model_schema: str = Field(
-        "", pattern=r"^([0-9a-f]{64})?$", description="The tensors (names, dtypes, shapes) an initial-model offer "
+        "", pattern=DIGEST_PATTERN, description="The tensors (names, dtypes, shapes) an initial-model offer "
         "must hold, named by the content digest (shared.digest) of their canonical safetensors header without "
         "metadata (shared.wire.encode_header); a built-in task's meta module gives its own (e.g. participant.tasks."
         "digits_meta.MODEL_SCHEMA), and a refused offer's reason names the schema it had. Ingest refuses any other "
         "offer, so no participant can make round 0's global a model the task cannot load; '': any well-formed "
         "model.")
     initial_model_digest: str = Field(
-        "", pattern=r"^([0-9a-f]{64})?$", description="The content digest (shared.digest) of the one initial model "
+        "", pattern=DIGEST_PATTERN, description="The content digest (shared.digest) of the one initial model "
         "the run may start from; ingest refuses every other offer. Pins the initial weights, not only their shapes "
         "(initial_model_schema); '': any offer that fits initial_model_schema.")
+    hf: HfOptions = Field(default_factory=HfOptions, description="[run.hf]: the Hugging Face task's model, "
+                          "text and adapters (participant.tasks.hf).")
     data_mode: DataMode = Field(
         DataMode.ASSIGNED, description="assigned: every host holds the same training set and trains the slices "
         "each round assigns it; local: each trains on its own data (`fed-participant start --data`), registering "

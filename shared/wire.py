@@ -271,8 +271,11 @@ class UpdateMeta:
     participant: str
     samples: int
     metrics: dict[str, float]
+    # what the update was trained from (a Hugging Face run: its config, tokenizer and base digests); {}: not named
+    model: dict[str, str] = field(default_factory=dict)
 
     def to_metadata(self) -> dict[str, str]:
+        named = {"fed.model": json.dumps(self.model, sort_keys=True)} if self.model else {}
         return {
             "fed.schema": SCHEMA_VERSION,
             "fed.run": self.run_id,
@@ -280,7 +283,7 @@ class UpdateMeta:
             "fed.participant": self.participant,
             "fed.samples": str(self.samples),
             "fed.metrics": json.dumps(self.metrics, sort_keys=True),
-        }
+        } | named
 
     @classmethod
     def from_metadata(cls, md: dict[str, str]) -> UpdateMeta:
@@ -305,4 +308,18 @@ class UpdateMeta:
             isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v) for k, v in metrics.items()
         ):
             raise WireError("malformed metadata: fed.metrics must map names to finite numbers")
-        return cls(md["fed.run"], round_no, md["fed.participant"], samples, {k: float(v) for k, v in metrics.items()})
+        return cls(md["fed.run"], round_no, md["fed.participant"], samples, {k: float(v) for k, v in metrics.items()},
+                   _model_named(md.get("fed.model", "{}")))
+
+
+def _model_named(raw: str) -> dict[str, str]:
+    """`fed.model`: a small JSON object of names to digests; WireError otherwise."""
+    if len(raw) > MAX_METRICS_BYTES:
+        raise WireError(f"malformed metadata: fed.model exceeds {MAX_METRICS_BYTES} bytes")
+    try:
+        named: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        raise WireError("malformed metadata: fed.model is not JSON") from None
+    if not isinstance(named, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
+        raise WireError("malformed metadata: fed.model must map names to digests")
+    return dict(named)

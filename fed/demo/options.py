@@ -35,6 +35,8 @@ class DemoOptions:
     mixed_speeds: bool = False  # the last participant trains at a quarter of the host's speed (--throttle 0.25)
     invites: bool = False  # each participant joins with an invite line alone, as a host outside AWS would
     count_requests: bool = False  # the local server counts requests by service and operation: the report's requests
+    model: str | None = None  # --task hf: the Hugging Face model (a directory); None: the tiny Llama built here
+    adapter: str | None = None  # --task hf: none (full fine-tuning) or lora; None: none
 
 
 SLOW_THROTTLE = 0.25  # --mixed-speeds: the last participant is four times slower than the others
@@ -76,13 +78,16 @@ def resolve_config(opts: DemoOptions) -> RunConfig:
         raise DemoFailed(f"--downloads {opts.downloads}: give one of {', '.join(e.value for e in DownloadEncoding)}")
     encoding: dict[str, Any] = ({"update_encoding": opts.updates} if opts.updates else {}) | (
         {"download_encoding": opts.downloads} if opts.downloads else {})
+    hf = {name: value for name, value in (("model", opts.model), ("adapter", opts.adapter)) if value is not None}
+    if hf and (opts.config is not None or opts.task != "hf"):
+        raise DemoFailed(f"--{' and --'.join(hf)} belong to --task hf (a --config file sets [run.hf] itself)")
     if opts.config is None:
         local: dict[str, Any] = {"data_mode": DataMode.LOCAL, "dataset_size": 0} if opts.split else {}
         # mixed speeds on digits: more local epochs, so that training (what the shares divide) is a good part of a
         # round and the sizing shows in its seconds
         heavier = MIXED_SPEEDS_DIGITS if opts.mixed_speeds and (opts.task or DEFAULT_TASK) == "digits" else {}
         return demo_config(opts.participants, opts.rounds, opts.kill_one, task=opts.task or DEFAULT_TASK, **local,
-                           **encoding, **heavier)
+                           **encoding, **heavier, **hf)
     if opts.split and opts.config.data_mode is not DataMode.LOCAL:
         raise DemoFailed("--split gives each participant its own data, but the --config file's data_mode is "
                          f"{opts.config.data_mode}: set data_mode = \"local\" there")

@@ -41,6 +41,7 @@ class RoundRow:
     elected: int = 0  # witnesses elected
     test_loss: float | None = None  # held-out loss and perplexity: reported for the LM task only
     perplexity: float | None = None
+    upload_bytes: int = 0  # the round's accepted update objects, summed (what its participants sent up)
     download_bytes: int = 0  # what a participant holding the previous global downloads for this round's
     # throughput sizing: each participant's share of the round (fraction of the plan's weight), its training seconds
     # (as its update says) and its seconds from the round's start to its upload
@@ -54,7 +55,8 @@ class RoundRow:
         row = {"round": self.round, "participants": self.participants, "accepted": self.accepted,
                "refused": self.refused, "loss": self.loss, "accuracy": self.accuracy,
                "seconds": round(self.seconds, 3), "aggregated": self.aggregated, "dropped": self.dropped,
-               "witnesses": self.witnesses, "download_bytes": self.download_bytes, "shares": self.shares,
+               "witnesses": self.witnesses, "download_bytes": self.download_bytes,
+               "upload_bytes": self.upload_bytes, "shares": self.shares,
                "train_seconds": self.train_seconds, "participant_seconds": self.finished,
                "started": self.started, "ended": self.ended}
         if self.test_loss is not None:
@@ -128,8 +130,10 @@ def round_row(summary: RoundSummary, evaluator: Evaluator, by_loss: bool = False
     if store is not None:
         for pid in summary.shares:
             rec = store.update_record(summary.round, pid)
-            if rec is not None and rec.accepted and "train_seconds" in rec.metrics:
-                row.train_seconds[pid] = round(rec.metrics["train_seconds"], 3)
+            if rec is not None and rec.accepted:
+                row.upload_bytes += rec.size
+                if "train_seconds" in rec.metrics:
+                    row.train_seconds[pid] = round(rec.metrics["train_seconds"], 3)
     if by_loss:
         row.test_loss = evaluation[lm_meta.METRIC]
         row.perplexity = evaluation.get("test_perplexity", math.exp(min(row.test_loss, 700.0)))
@@ -230,5 +234,5 @@ def headline(final_eval: dict[str, float], by_loss: bool) -> str:
     """The final model's figures as the closing line says them."""
     if by_loss:
         return (f"final held-out loss {final_eval['test_loss']:.4f} (perplexity "
-                f"{final_eval['test_perplexity']:.2f}, next-byte accuracy {final_eval['test_accuracy']:.4f})")
+                f"{final_eval['test_perplexity']:.2f}, next-token accuracy {final_eval['test_accuracy']:.4f})")
     return f"final test accuracy {final_eval['test_accuracy']:.4f}"

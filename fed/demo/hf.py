@@ -1,0 +1,48 @@
+"""`fed demo --task hf`: the Hugging Face task's run settings, found by asking the model itself.
+
+The model is the user's (`--model DIR`) or the tiny Llama this machine builds once (`participant.tasks.hf_tiny`,
+cached under `$FED_CACHE`, default `~/.cache/fed`). Its digests, training set size and initial model schema come
+from `python -m participant.tasks.hf describe` in a process of its own, so that the demo's process (the local
+stack's functions) never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from fed.demo.errors import DemoFailed
+from shared.config import Adapter, HfOptions
+
+TINY_MODEL = "tiny-llama-v1"  # (a new name when hf_tiny's recipe changes: an old cached build is not reused)
+DESCRIBE_TIMEOUT = 600.0
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FED_CACHE") or Path.home() / ".cache" / "fed")
+
+
+def _run(args: list[str], what: str) -> str:
+    done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=DESCRIBE_TIMEOUT,
+                          check=False)
+    if done.returncode != 0:
+        raise DemoFailed(f"{what} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
+    return done.stdout
+
+
+def hf_settings(model: str | None, adapter: str | None) -> dict[str, Any]:
+    """`[run.hf]` (with the model's digests), `dataset_size` and `initial_model_schema` of a demo run."""
+    source = model or _run(["participant.tasks.hf_tiny", str(cache_dir() / "models" / TINY_MODEL)],
+                           "building the tiny model").strip()
+    try:
+        options = HfOptions(adapter=Adapter(adapter or Adapter.NONE.value))
+    except ValueError:
+        raise DemoFailed(f"--adapter {adapter}: give one of {', '.join(a.value for a in Adapter)}") from None
+    described = json.loads(_run(["participant.tasks.hf", "describe", source, "--options",
+                                 options.model_dump_json()], f"reading the model {source}"))
+    return {"hf": options.model_copy(update=described["hf"]), "dataset_size": described["dataset_size"],
+            "initial_model_schema": described["initial_model_schema"]}
