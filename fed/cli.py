@@ -718,25 +718,44 @@ def hosts_revoke(
 @app.command("export")
 @as_operator
 def export(
-    out: Path = typer.Argument(..., metavar="FILE", help="Where to write the model (a safetensors file)."),
+    out: Path = typer.Argument(..., metavar="PATH", help="Where to write the model: a safetensors file, or with "
+                               "--format hf a new directory."),
     round_no: str = typer.Option("latest", "--round", metavar="R|latest",
                                  help="The round whose global model to export (latest: the run's newest)."),
+    fmt: str = typer.Option("safetensors", "--format", metavar="safetensors|hf", help="safetensors: the file the "
+                            "coordinator wrote. hf (a run of participant.tasks.hf): a Hugging Face model directory "
+                            "(config, tokenizer, sharded safetensors) that from_pretrained loads; a LoRA run's "
+                            "adapters merged into the base, or with --adapter-only the adapters for PEFT."),
+    adapter_only: bool = typer.Option(False, "--adapter-only", help="--format hf of a LoRA run: write the adapters "
+                                      "(adapter_config.json, adapter_model.safetensors) and the tokenizer, not the "
+                                      "merged model."),
+    model: str | None = typer.Option(None, "--model", metavar="DIR", help="--format hf: this machine's copy of "
+                                     "the run's model, where [run.hf] model names another path (checked by digest)."),
     connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
     stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
     region: str | None = typer.Option(None, "--region", help=REGION_HELP),
 ) -> None:
-    """Write a run's global model to FILE: the safetensors file the coordinator wrote (tensors and their metadata),
-    checked against its digest before it is written. `fed status` shows the latest's round and digest."""
-    from fed.export import ExportError, export_global
+    """Write a run's global model to PATH: the safetensors file the coordinator wrote (tensors and their metadata),
+    checked against its digest before it is written, or with `--format hf` a Hugging Face model directory. `fed
+    status` shows the latest's round and digest."""
+    from fed.export import ExportError, export_global, export_hf_dir
 
     if round_no != "latest" and not round_no.isdigit():
         err.print(f"[red]--round {round_no!r}: a round number, or latest[/]")
         raise typer.Exit(2)
+    if fmt not in {"safetensors", "hf"}:
+        err.print(f"[red]--format {fmt!r}: safetensors or hf[/]")
+        raise typer.Exit(2)
     conn = _connect(connection_file, stack, region)
+    wanted = None if round_no == "latest" else int(round_no)
     try:
-        done = export_global(conn, None if round_no == "latest" else int(round_no), out)
+        if fmt == "hf":
+            done, files = export_hf_dir(conn, wanted, out, merged=not adapter_only, model=model)
+        else:
+            done, files = export_global(conn, wanted, out), []
     except ExportError as exc:
         err.print(f"[red]cannot export: {exc}[/]")
         raise typer.Exit(1) from None
+    written = f"{out} ({', '.join(files)})" if files else str(done.path)
     console.print(f"round {done.round}'s global model of run {conn.run_id}: {done.size:,} bytes, sha256 "
-                  f"{done.digest}, written to {done.path}")
+                  f"{done.digest}, written to {written}")

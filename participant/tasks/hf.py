@@ -36,6 +36,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -129,7 +130,7 @@ class Adapters(nn.Module):
 
     def __init__(self, peft_model: nn.Module) -> None:
         super().__init__()
-        self.peft = peft_model
+        self.peft: Any = peft_model
 
     def forward(self, **inputs: Any) -> Any:
         return self.peft(**inputs)
@@ -301,6 +302,32 @@ def describe(source: str, options: HfOptions | None = None) -> dict[str, Any]:
                    "base_digest": named.get("base", "")},
             "dataset_size": hf_task.train_size, "initial_model_schema": digest(encode_header(header)),
             "parameters": sum(math.prod(shape) for shape, _ in specs.values())}
+
+
+EXPORT_SHARD = "2GB"  # save_pretrained's max_shard_size: a model over it is written in several safetensors files
+
+
+def export_hf(config: RunConfig, global_file: Path, out: Path, merged: bool = True,
+              source: str | None = None) -> list[str]:
+    """Write the run's global model (a file the coordinator wrote) as a Hugging Face model directory that
+    `from_pretrained` loads: config, tokenizer, sharded safetensors. With adapters, the base with the adapters merged
+    in (`merged`), or the adapters alone (adapter_config.json, adapter_model.safetensors) for PEFT to load on the
+    base. `source` (default: the run's `hf.model`, or FED_HF_MODEL) must be the run's model by digest. Returns the
+    files written."""
+    from participant.tensors import load_into
+
+    if source:
+        config = config.model_copy(update={"hf": config.hf.model_copy(update={"model": source})})
+    hf_task = HfFactory().for_run(config)
+    model: Any = load_into(hf_task.build_model(config.seed), global_file)
+    if isinstance(model, Adapters) and not merged:
+        model.peft.save_pretrained(out)
+    else:
+        if isinstance(model, Adapters):
+            model = model.peft.merge_and_unload()
+        model.save_pretrained(out, max_shard_size=EXPORT_SHARD)
+    hf_task.tokenizer.save_pretrained(out)
+    return sorted(p.name for p in out.iterdir())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
