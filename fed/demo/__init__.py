@@ -4,9 +4,10 @@ The demo is an observer: it starts the stack and the participants, then only rea
 records (round summaries, the run state) and the global models in the bucket, which it evaluates with
 the task on its held-out test set. It never drives the run itself.
 
-Three built-in tasks (`--task`): `digits` (the default: an MLP on scikit-learn's digits; each round's test
+Four built-in tasks (`--task`): `digits` (the default: an MLP on scikit-learn's digits; each round's test
 accuracy), `lm` (a ~1M-parameter byte-level transformer on Python's help text, participant.tasks.lm; each
-round's held-out loss and perplexity) and `flower` (the Flower anchor's digits work, each participant its own
+round's held-out loss and perplexity), `hf` (a Hugging Face causal LM, by default a tiny Llama built offline,
+participant.tasks.hf; also with LoRA adapters) and `flower` (the Flower anchor's digits work, each participant its own
 shard).
 
 The modules, each importing only those before it: `errors` (DemoFailed), `tasks` (which task, its settings),
