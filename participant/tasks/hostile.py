@@ -36,8 +36,10 @@ def _offer_a_model_of_its_own(self: training.Training, work: training.Workload) 
         path.unlink(missing_ok=True)
 
 
-def _claiming(run_id: str, round_no: int, participant: str, samples: int, metrics: dict[str, float]) -> UpdateMeta:
-    return UpdateMeta(run_id, round_no, participant, samples, {**metrics, "train_seconds": CLAIMED_SECONDS})
+def _claiming(run_id: str, round_no: int, participant: str, samples: int, metrics: dict[str, float],
+              model: dict[str, str] | None = None) -> UpdateMeta:
+    return UpdateMeta(run_id, round_no, participant, samples, {**metrics, "train_seconds": CLAIMED_SECONDS},
+                      model or {})
 
 
 training.Training.offer_model = _offer_a_model_of_its_own  # type: ignore[method-assign]
