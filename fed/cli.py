@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
@@ -429,6 +430,42 @@ def _set_paused(run: str | None, connection_file: Path | None, stack: str | None
         console.print(f"run {conn.run_id} resumed: phase {s.phase}, epoch {s.epoch}, round {s.round}. A new epoch "
                       f"starts as soon as {deps.config.min_clients} participants are live (up to start_grace, "
                       f"{deps.config.start_grace:g} s, later while one that just joined has not been heard from).")
+
+
+@run_app.command("init")
+def run_init(
+    source: str = typer.Option(..., "--from", metavar="DIR", help="A Hugging Face causal LM: a directory "
+                               "(config.json, tokenizer, safetensors weights) or a hub id in this machine's cache."),
+    run_id: str = typer.Option("my-run", "--run-id", help="The new run's id (3-40 characters of a-z, 0-9, '-')."),
+    adapter: str = typer.Option("none", "--adapter", metavar="none|lora", help="lora: train low-rank adapters "
+                                "on the frozen model (the base is then recorded by digest too)."),
+    out: Path | None = typer.Option(None, "--out", "-o", dir_okay=False, help="Write the run file here "
+                                    "(refused if it exists). Default: print it."),
+) -> None:
+    """Start a run from a Hugging Face model: print a run file naming it, with its config's, tokenizer's (and with
+    --adapter lora its weights') digests, its training set size and initial model schema, read from the model
+    itself. Run it with `fed local --config FILE` or deploy it; every participant checks it holds the same model."""
+    from fed.demo.errors import DemoFailed
+    from fed.demo.hf import described_settings, run_toml
+    from shared.config import Adapter, ConfigError, HfOptions, parse_config
+
+    if adapter not in {a.value for a in Adapter}:
+        err.print(f"[red]--adapter {adapter!r}: none or lora[/]")
+        raise typer.Exit(2)
+    if out is not None and out.exists():
+        err.print(f"[red]{out} exists: choose a new file[/]")
+        raise typer.Exit(2)
+    try:
+        text = run_toml(run_id, described_settings(source, HfOptions(adapter=Adapter(adapter))))
+        parse_config(tomllib.loads(text), "the run file")  # (a run id the config refuses says so here)
+    except (DemoFailed, ConfigError) as exc:
+        err.print(f"[red]cannot start a run from {source}: {exc}[/]")
+        raise typer.Exit(1) from None
+    if out is None:
+        print(text, end="")
+    else:
+        out.write_text(text)
+        console.print(f"run file written to {out}: `fed local --config {out}`")
 
 
 @run_app.command("pause")

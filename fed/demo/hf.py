@@ -42,7 +42,27 @@ def hf_settings(model: str | None, adapter: str | None) -> dict[str, Any]:
         options = HfOptions(adapter=Adapter(adapter or Adapter.NONE.value))
     except ValueError:
         raise DemoFailed(f"--adapter {adapter}: give one of {', '.join(a.value for a in Adapter)}") from None
+    return described_settings(source, options)
+
+
+def described_settings(source: str, options: HfOptions) -> dict[str, Any]:
+    """A run's settings for the model at `source` under `options`: `hf` (options with the model's digests),
+    `dataset_size` and `initial_model_schema`, as the model itself gives them; DemoFailed if it cannot be read."""
     described = json.loads(_run(["participant.tasks.hf", "describe", source, "--options",
                                  options.model_dump_json()], f"reading the model {source}"))
     return {"hf": options.model_copy(update=described["hf"]), "dataset_size": described["dataset_size"],
             "initial_model_schema": described["initial_model_schema"]}
+
+
+def run_toml(run_id: str, settings: dict[str, Any]) -> str:
+    """A run file (`[run]` and `[run.hf]`) starting a run from the described model; every other key at its
+    default (shared/config.py: RunConfig)."""
+    hf: HfOptions = settings["hf"]
+    lines = ["# A run of a Hugging Face model: `fed local --config FILE`, or `cdk deploy -c config=FILE`.",
+             "# Every other [run] key keeps its default (shared/config.py: RunConfig); learning_rate and batch_size",
+             "# are the first to tune.", "", "[run]", f"run_id = {json.dumps(run_id)}",
+             'task = "participant.tasks.hf:task"', f"dataset_size = {settings['dataset_size']}",
+             f"initial_model_schema = {json.dumps(settings['initial_model_schema'])}", "", "[run.hf]"]
+    for name, value in hf.model_dump(mode="json", exclude_defaults=True).items():
+        lines.append(f"{name} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
