@@ -167,6 +167,9 @@ def start(
         0, "--threads", min=0, metavar="N", show_default="torch's default",
         help="CPU threads torch may use. With several participants on one machine, 1 each avoids contention.",
     ),
+    gpus: int = typer.Option(1, "--gpus", min=1, metavar="N", help="Train as a node of N ranks with DDP, one per "
+                             "device (cuda:0..N-1; on a CPU, N processes over gloo), one update a round. A rank that "
+                             "dies restarts the node's ranks."),
     max_rounds: int = typer.Option(
         0, "--max-rounds", min=0, metavar="N", rich_help_panel="Testing",
         help="Leave after uploading N updates (0: stay until the run is finished). The coordinator drops the "
@@ -193,9 +196,8 @@ def start(
     ),
 ) -> None:
     """Join a run and train until it is finished (see START_HELP)."""
-    credentials: CredentialServer | None = None
-    if invite:
-        participant_id, credentials = _redeem(invite, participant_id, state_dir)
+    credentials: CredentialServer | None
+    participant_id, credentials = _redeem(invite, participant_id, state_dir) if invite else (participant_id, None)
     pid, reporter = _setup(participant_id, log_level)
     if credentials is not None:
         conn = credentials.session.connection()
@@ -207,7 +209,7 @@ def start(
     from participant.daemon import Options, default_state_dir  # loaded only to run: --help stays quick
     options = Options(pid=pid, state_dir=state_dir or default_state_dir(conn.run_id, pid), task=task, device=device,
                       threads=threads, max_rounds=max_rounds, poll_max=poll_max, data=data, throttle=throttle,
-                      push=push)
+                      push=push, gpus=gpus)
     try:
         raise typer.Exit(_run(conn, options, reporter, credentials))
     finally:

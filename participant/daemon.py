@@ -67,6 +67,7 @@ class Options:
     data: str | None = None  # local data mode: what the task's local_data loads (a path or a split spec)
     throttle: float = 1.0  # testing aid: train at this fraction of the host's speed (--throttle)
     push: bool = True  # listen on a push queue of our own where the run has a state topic (--push/--poll)
+    gpus: int = 1  # ranks of this node (participant.node); 1: this process alone
 
 
 def default_state_dir(run_id: str, pid: str) -> Path:
@@ -139,6 +140,7 @@ class Daemon(Participant):
         self.specs: Any = None  # the task model's tensor specs (participant.tensors.specs_of)
         self.device: Any = None
         self.own: Any = None  # local data mode: the indices of this participant's own data
+        self.node: Any = None  # --gpus N: the node's other ranks (participant.node.Node)
         self.training = Training(self.remote, self.kept, reporter, stop, self._doing, state_dir / "cache", run_id,
                                  pid, throttle=options.throttle)
         self.witnessing = Witnessing(self.remote, self.kept, self.training, stop, self._doing, state_dir, run_id, pid)
@@ -180,6 +182,8 @@ class Daemon(Participant):
             self._beats_stop.set()
             if heart is not None:
                 heart.join(timeout=5)
+            if self.node is not None:
+                self.node.stop()
 
     def _open_feed(self) -> StateQueue | None:
         """Our push queue, subscribed to the run's state topic; None (we poll) where there is none or it cannot
@@ -211,15 +215,20 @@ class Daemon(Participant):
             return None
 
     def _load_workload(self, config: RunConfig) -> Workload:
-        work = load_workload(self.opt.task or config.task, config, self.opt.device, self.opt.threads, self.opt.data)
+        work = load_workload(self.opt.task or config.task, config, self.opt.device, self.opt.threads, self.opt.data,
+                             self.opt.gpus)
         self.task, self.device, self.specs, self.own = work.task, work.device, work.specs, work.own
+        self.node = work.node
+        if self.node is not None:
+            self.node.log_dir = Path(self.opt.state_dir)
         return work
 
     def _work(self) -> Workload:
         """The run's task on this host (loaded by `run`)."""
         if self.config is None or self.task is None:
             raise RuntimeError("the run's task is not loaded yet")
-        return Workload(self.opt.task or self.config.task, self.config, self.task, self.device, self.specs, self.own)
+        return Workload(self.opt.task or self.config.task, self.config, self.task, self.device, self.specs, self.own,
+                        self.node)
 
     def _doing(self, activity: str) -> None:
         self.activity = activity

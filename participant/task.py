@@ -87,10 +87,22 @@ def local_batches(count: int, config: RunConfig, generator: torch.Generator) -> 
             for start in range(0, count, config.batch_size):
                 if done == total:
                     return
-                yield order[start : start + config.batch_size]
+                yield this_rank(order[start : start + config.batch_size])
                 done += 1
 
     return total, batches()
+
+
+def this_rank(batch: torch.Tensor) -> torch.Tensor:
+    """On a node of N ranks (`participant.node`), rank r's slice `batch[r::N]` of a batch: the ranks' gradients,
+    averaged by DDP, are then the whole batch's. A batch of fewer than N samples gives the ranks past its end its
+    last sample again. Elsewhere, the whole batch."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return batch
+    rank, size = dist.get_rank(), dist.get_world_size()
+    return batch[rank::size] if rank < len(batch) else batch[-1:]
 
 
 def load_task(spec: str, config: RunConfig | None = None) -> Task:

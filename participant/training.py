@@ -107,6 +107,7 @@ class Workload:
     device: Any  # a torch.device
     specs: Any = None  # the task model's tensor names, shapes and dtypes (participant.tensors.Specs)
     own: Any = None  # local data mode: the indices of this participant's own data (np.ndarray); None: assigned
+    node: Any = None  # a node of several ranks (participant.node.Node, --gpus N); None: this process alone
 
     @property
     def dataset_size(self) -> int:
@@ -117,16 +118,22 @@ class Workload:
         """What the task's model is built from, named in every update (`participant.task.Task.identity`)."""
         return dict(getattr(self.task, "identity", None) or {})
 
+    @property
+    def takes_round(self) -> bool:
+        return "round_no" in inspect.signature(self.task.train).parameters
+
     def train(self, model: Any, indices: Any, config: RunConfig, progress: Any, seed: int,
               round_no: int) -> dict[str, float]:
         """The task's training of one round; `round_no` goes to a task whose `train` takes it."""
-        extra = {"round_no": round_no} if "round_no" in inspect.signature(self.task.train).parameters else {}
+        extra = {"round_no": round_no} if self.takes_round else {}
         return dict(self.task.train(model, indices, config, self.device, progress, seed=seed, **extra))
 
 
-def load_workload(spec: str, config: RunConfig, device: str, threads: int, data: str | None = None) -> Workload:
+def load_workload(spec: str, config: RunConfig, device: str, threads: int, data: str | None = None,
+                  gpus: int = 1) -> Workload:
     """Load the task, check it fits the run, pick the device and load the data (so the first round does not);
-    in local data mode, this participant's own data as `data` names it."""
+    in local data mode, this participant's own data as `data` names it. With `gpus` > 1, a node of that many ranks
+    (participant.node: started at the first round)."""
     from participant.task import TaskError, load_task
 
     try:
@@ -148,7 +155,12 @@ def load_workload(spec: str, config: RunConfig, device: str, threads: int, data:
 
     started = time.perf_counter()
     model = task.build_model(config.seed)
-    work = Workload(spec, config, task, resolve_device(device), specs_of(model), own)
+    node = None
+    if gpus > 1:
+        from participant.node import Node
+
+        node = Node(gpus, spec, config.model_dump_json(), resolve_device(device), threads, data)
+    work = Workload(spec, config, task, resolve_device(device), specs_of(model), own, node)
     fresh = task.evaluate(model, work.device)  # loads the data now
     del model
     warm_up_autograd(work.device)
@@ -181,6 +193,24 @@ def own_data(task: Any, spec: str, config: RunConfig, data: str | None) -> np.nd
     if int(own.min()) < 0 or int(own.max()) >= int(task.train_size):
         raise ParticipantError(f"--data {data}: task {spec} returned indices outside [0, {task.train_size})")
     return own
+
+
+def train_share(work: Workload, model: Any, held_model: ModelSource, mine: Work, config: RunConfig,
+                progress: Callable[[int, int], None], seed: int, round_no: int, outbox: Path) -> dict[str, float]:
+    """The task's training of our share: in this process, or on every rank of the node (`participant.node`), each
+    loading the global model from its file."""
+    if work.node is None:
+        return work.train(model, mine.indices, config, progress, seed, round_no)
+    from participant.tensors import load_into
+
+    if not isinstance(held_model, Path):  # (bytes: tests) the followers read the model from a file
+        path = outbox / f"global-{round_no:06d}{MODEL_SUFFIX}"
+        path.write_bytes(held_model)
+        held_model = path
+    job = {"model": str(held_model), "indices": [int(i) for i in mine.indices], "seed": seed, "round": round_no,
+           "config": config.model_dump_json(), "takes_round": work.takes_round}
+    return dict(work.node.train(job, model, lambda: load_into(model, held_model),
+                                lambda ddp: work.train(ddp, mine.indices, config, progress, seed, round_no)))
 
 
 class RoundClosed(Exception):
@@ -434,7 +464,7 @@ class Training:
         steps = f"{mine.steps} step(s)" if mine.steps else f"{config.local_epochs} local epoch(s)"
         log.info("round %d: training %d samples for %s", a.round, len(indices), steps)
         with self.ui.track(f"train round {a.round}", 0) as bar, mixed_precision(work.device):
-            metrics = work.train(model, indices, config, progress_cb, seed, a.round)
+            metrics = train_share(work, model, held_model, mine, config, progress_cb, seed, a.round, self.outbox)
         seconds = time.perf_counter() - started
         self.rate = mine.units / seconds if seconds > 0 else None
         local_eval = task.evaluate(model, work.device)

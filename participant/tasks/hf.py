@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -209,7 +210,8 @@ class HfTask:
         opts = self.options
         lora = LoraConfig(r=opts.lora_rank, lora_alpha=opts.lora_alpha, target_modules=list(opts.lora_targets),
                           lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (peft asks transformers a deprecated question)
             torch.manual_seed(seed)
             try:
                 return Adapters(get_peft_model(model, lora))

@@ -1,0 +1,121 @@
+"""A participant that is a node of two ranks (`participant.node`, gloo on this CPU): its update is the one a single
+process makes from the same batches, and a rank that dies mid-round is restarted without losing the round."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from participant.node import Node
+from participant.task import load_task
+from participant.tasks import digits_meta
+from participant.tensors import load_into, save_model
+from shared.config import RunConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+SEED = 1234
+
+
+@pytest.fixture()
+def config() -> RunConfig:
+    return RunConfig(run_id="node", task=digits_meta.TASK, batch_size=32, local_epochs=2, learning_rate=0.1)
+
+
+@pytest.fixture()
+def node(config: RunConfig, tmp_path: Path) -> Iterator[Node]:
+    node = Node(2, config.task, config.model_dump_json(), torch.device("cpu"), threads=1)
+    node.log_dir = tmp_path
+    yield node
+    node.stop(kill=True)
+
+
+def _start(config: RunConfig, tmp_path: Path) -> tuple[Any, Any, Path]:
+    task = load_task(config.task, config)
+    model = task.build_model(config.seed)
+    return task, model, save_model(model, tmp_path / "global.safetensors")
+
+
+def _on_node(node: Node, config: RunConfig, tmp_path: Path, indices: list[int], kill_at: int = 0) -> dict[str, Any]:
+    task, model, global_file = _start(config, tmp_path)
+    killed: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        if kill_at and done == kill_at and not killed:  # the first attempt only: SIGKILL rank 1 mid-round
+            killed.append(node.followers[0].pid)
+            node.followers[0].kill()
+            node.followers[0].wait()
+
+    job = {"model": str(global_file), "indices": indices, "seed": SEED, "round": 0, "config": config.model_dump_json()}
+    metrics = node.train(job, model, lambda: load_into(model, global_file),
+                         lambda ddp: task.train(ddp, indices, config, torch.device("cpu"), progress, seed=SEED))
+    assert metrics["loss"] > 0
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+def _alone(config: RunConfig, tmp_path: Path, indices: list[int]) -> dict[str, Any]:
+    task, model, _ = _start(config, tmp_path)
+    torch.manual_seed(SEED)
+    task.train(model, indices, config, torch.device("cpu"), None, seed=SEED)
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+def test_a_node_of_two_ranks_makes_the_update_one_process_makes(node: Node, config: RunConfig, tmp_path: Path) -> None:
+    # Given 256 samples, 2 local epochs in batches of 32: 16 steps
+    indices = list(range(256))
+
+    # When one process trains them, and a node of two ranks trains them (each rank half of every batch)
+    alone = _alone(config, tmp_path, indices)
+    on_node = _on_node(node, config, tmp_path, indices)
+
+    # Then the weights are the same, up to float rounding (DDP averages the halves' gradients), and training moved them
+    initial = _start(config, tmp_path)[1].state_dict()
+    for name, tensor in alone.items():
+        torch.testing.assert_close(on_node[name], tensor, atol=1e-5, rtol=1e-4)
+        assert not torch.equal(tensor, initial[name]) or name.endswith("bias")
+
+
+def test_a_rank_killed_mid_round_restarts_the_node_and_the_round_is_trained_again(
+        node: Node, config: RunConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Given a node training a round
+    indices = list(range(256))
+    undisturbed = _alone(config, tmp_path, indices)
+
+    # When rank 1 is killed after the round's third step
+    trained = _on_node(node, config, tmp_path, indices, kill_at=3)
+
+    # Then the node noticed, started its ranks again and trained the whole round again from the global model: the
+    # same update
+    assert "the node lost a rank" in caplog.text
+    assert len(node.followers) == 1 and node.followers[0].poll() is None
+    for name, tensor in undisturbed.items():
+        torch.testing.assert_close(trained[name], tensor, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("adapter", ["none", "lora"])
+def test_a_hugging_face_model_trains_on_a_node_as_in_one_process(tmp_path: Path, adapter: str) -> None:
+    from participant.tasks import hf_tiny
+    from shared.config import HfOptions
+
+    # Given the tiny Llama (whole, or LoRA adapters) and a node of two ranks
+    model_dir = hf_tiny.build(tmp_path / "tiny", pretrain_steps=0)
+    config = RunConfig(run_id="node", task="participant.tasks.hf:task", batch_size=8, learning_rate=3e-3,
+                       hf=HfOptions(model=str(model_dir), adapter=adapter))
+    node = Node(2, config.task, config.model_dump_json(), torch.device("cpu"), threads=1)
+    node.log_dir = tmp_path
+    try:
+        # When both train the same 32 sequences
+        indices = list(range(32))
+        alone = _alone(config, tmp_path, indices)
+        on_node = _on_node(node, config, tmp_path, indices)
+    finally:
+        node.stop()
+
+    # Then the updates agree
+    assert set(on_node) == set(alone)
+    for name, tensor in alone.items():
+        torch.testing.assert_close(on_node[name], tensor, atol=1e-4, rtol=1e-3)
