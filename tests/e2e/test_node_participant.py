@@ -1,0 +1,56 @@
+"""`fed-participant start --gpus 2`: a participant that is a node of two ranks (gloo on this CPU) takes part in a run,
+uploads one update a round, and survives one of its ranks being killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from shared.state import Phase
+from tests.e2e.harness import Run, e2e_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def _followers(parent: int) -> list[int]:
+    """The pids of the node ranks `parent` started (`python -m participant.node ... --parent PID`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"participant.node" in argv and str(parent).encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_node_of_two_ranks_trains_every_round_and_survives_a_killed_rank(local_run: Callable[..., Run]) -> None:
+    # Given a run of three participants, p1 a node of two ranks training at half speed (its rounds last long enough
+    # for a kill to land mid-round)
+    config = e2e_config(total_rounds=5, max_round_train_time=60, liveness_timeout=20)
+    run = local_run(config)
+    run.start_participants(["p1", "p2", "p3"], extra={"p1": ["--gpus", "2", "--throttle", "0.5"]})
+    p1 = run.procs.procs["p1"].process.pid
+    run.wait_for(lambda: bool(_followers(p1)), 120, "p1's second rank to start")
+    first = _followers(p1)
+
+    # When its second rank is SIGKILLed once the run is in its second round
+    run.wait_for(lambda: run.store.read_state().aggregated >= 1, 120, "the first round")
+    os.kill(first[0], signal.SIGKILL)
+    run.wait_for(lambda: run.store.read_state().phase is Phase.FINISHED, 240, "the run to finish")
+
+    # Then every round counted p1's one update (the node restarted its rank and went on), and nothing was refused
+    rounds = sorted(run.store.rounds(), key=lambda r: r.round)
+    assert [r.round for r in rounds] == [0, 1, 2, 3, 4]
+    assert all(r.aggregated and "p1" in r.counted and not r.refused for r in rounds)
+    log = run.procs.procs["p1"].log.read_text()
+    assert log.count("node of 2 ranks (gloo) up") == 2 and "the node lost a rank" in log
+    assert run.procs.wait_exit(30)
+    assert [p.process.returncode for p in run.procs.procs.values()] == [0, 0, 0]
