@@ -5,7 +5,7 @@ NODE_STAMP := node_modules/.installed
 PARTICIPANTS ?= 4
 DEMO_ARGS ?=  # e.g. make demo DEMO_ARGS=--mixed-speeds
 
-.PHONY: venv demo test test-slow test-load bench bench-big bench-learning bench-lm-outer bench-rounds synth lint clean
+.PHONY: venv demo test test-slow test-load bench bench-big bench-hf bench-learning bench-lm-outer bench-rounds synth lint clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,10 @@ bench-learning: $(STAMP)
 	FED_ACCESS_CHECK=off $(PY) benchmarks/learning.py
 
 # The LM task's rounds simulated in process (no stack): FedAvg vs DiLoCo's outer rule over a grid of settings.
+# The Hugging Face task inside a participant against the same loop bare (tokens/s, transfers); --size 0.5b on a GPU.
+bench-hf: $(STAMP)
+	FED_ACCESS_CHECK=off $(PY) benchmarks/hf_participant.py
+
 bench-lm-outer: $(STAMP)
 	FED_ACCESS_CHECK=off $(PY) benchmarks/lm_outer.py
 

@@ -328,6 +328,7 @@ class Training:
         key = keys.global_key(self.run_id, action.round, action.digest)
         unverified = path.with_suffix(UNVERIFIED_SUFFIX)
         self.doing(f"downloading the global model of round {action.round}")
+        started = time.perf_counter()
         try:
             with self.ui.track(f"download round {action.round}", 0, "bytes") as progress:
                 fetched = None
@@ -351,6 +352,8 @@ class Training:
                         action.round, got[:12], action.digest[:12])
             return False
         os.replace(unverified, path)
+        log.info("round %d: global model downloaded (%d bytes, %.2fs)", action.round, fetched,
+                 time.perf_counter() - started)
         files = sorted(self.cache_dir.glob(f"*{MODEL_SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in files[CACHE_KEEP:]:
             old.unlink(missing_ok=True)
