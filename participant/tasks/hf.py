@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from participant.splits import parse_split, partition
 from participant.task import Progress, TaskError, local_batches
 from participant.tasks import hf_data
 from shared.config import Adapter, HfOptions, RunConfig
@@ -194,8 +195,16 @@ class HfTask:
         return train, hf_data.evenly_spaced(test, opts.eval_sequences)
 
     def local_data(self, spec: str) -> np.ndarray:
-        """Local data mode: this host's files (comma-separated paths), all of them for training."""
-        self._own = self._sequences(hf_data.read_documents(spec.split(","), self.options.text_field))
+        """Local data mode: this host's files (comma-separated paths), all of them for training; or `iid:I/N`, part I
+        of N of the run's own training text (to try local mode without files: `fed demo --task hf --split iid`)."""
+        if spec.startswith(("iid:", "dirichlet:")):
+            split = parse_split(spec)
+            if split.alpha is not None:
+                raise ValueError(f"{spec}: text has no labels to skew by; give iid:I/N or files")
+            train = self._shared[0]
+            self._own = train[partition(np.zeros(len(train)), split.parts, None)[split.part]]
+        else:
+            self._own = self._sequences(hf_data.read_documents(spec.split(","), self.options.text_field))
         self.train_size = len(self._own)
         return np.arange(len(self._own))
 

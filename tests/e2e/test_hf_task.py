@@ -63,7 +63,7 @@ def test_demo_fine_tunes_and_lora_moves_twenty_times_fewer_bytes(tmp_path: Path,
 
 def _finished_run(local_run: Callable[[RunConfig], Run], tiny: Path, adapter: str) -> Run:
     settings = hf_settings(str(tiny), adapter)
-    config = e2e_config(task=TASK, min_clients=2, min_per_round=2, min_updates=2, total_rounds=2, batch_size=16,
+    config = e2e_config(task=TASK, min_clients=2, min_per_round=2, min_updates=2, total_rounds=1, batch_size=16,
                         learning_rate=2e-2 if adapter == "lora" else 3e-3, max_round_train_time=120,
                         liveness_timeout=30, **settings)
     run = local_run(config)
