@@ -10,10 +10,11 @@ batch. DDP averages the gradients, so the node takes the same steps as one proce
 float rounding), N times as fast. The node's throughput is what it reports, so throughput sizing sees the node.
 
 A rank that dies is a crash of the participant, handled the same way: rank 0 notices (the collective it waits in
-fails), stops the other ranks, starts them again and trains the round again from the global model, with the same
-seed; nothing that was uploaded is lost, and nothing half-trained is sent. After RESTARTS such restarts in one round
-it gives up (exit 1, the round's work still in the journal for the next start). A follower whose rank 0 is gone
-exits. Stopping rank 0 (SIGTERM, Ctrl-C) stops the followers.
+fails), kills the other ranks and exits 1. Started again, the participant resumes from its journal: nothing uploaded
+is lost, nothing half-trained was sent, and a round still open is trained again from its global model with the same
+seed. A follower whose rank 0 is gone exits. While training, the daemon's checks that the round is still open wait
+for the node's training to end (the ranks are in one collective after another); stopping rank 0 (SIGTERM, Ctrl-C)
+kills the followers.
 """
 
 from __future__ import annotations
@@ -31,15 +32,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from participant.protocol import ParticipantError
+
 log = logging.getLogger("participant")
 
-RESTARTS = 3  # node restarts (a rank lost) within one round before the participant gives up
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a collective waiting longer than this fails (a rank hung)
 PARENT_CHECK_SECONDS = 1.0
 
 
-class NodeFailed(RuntimeError):
-    """The node lost a rank more often than it restarts in one round."""
+class NodeFailed(ParticipantError):
+    """The node lost a rank: the participant stops as if it had crashed."""
 
 
 def _free_port() -> int:
@@ -90,55 +92,54 @@ class Node:
     def lost_rank(self) -> bool:
         return any(p.poll() is not None for p in self.followers)
 
-    def stop(self, kill: bool = False) -> None:
-        """End the followers (told to, or killed) and leave the process group."""
+    def stop(self) -> None:
+        """At the daemon's end: tell the followers to exit, wait for them and leave the process group (killed, and
+        the group left as it is, where a rank is already gone)."""
         import torch.distributed as dist
 
-        if not kill and dist.is_initialized() and not self.lost_rank():
-            try:
-                dist.broadcast_object_list([None], src=0)
-            except RuntimeError:
-                kill = True
-        for p in self.followers:
-            if kill:
-                p.kill()
-            try:
+        if not self.followers:
+            return
+        if self.lost_rank():
+            self.kill()
+            return
+        try:
+            dist.broadcast_object_list([None], src=0)
+            for p in self.followers:
                 p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        except (RuntimeError, subprocess.TimeoutExpired):
+            self.kill()
+            return
         self.followers = []
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
-    def train(self, job: dict[str, Any], model: Any, reload: Callable[[], None],
-              run: Callable[[Any], dict[str, float]]) -> dict[str, float]:
+    def kill(self) -> None:
+        """Kill the followers at once (the process group is left as it is: this process is about to exit)."""
+        for p in self.followers:
+            p.kill()
+            p.wait()
+        self.followers = []
+
+    def train(self, job: dict[str, Any], model: Any, run: Callable[[Any], dict[str, float]]) -> dict[str, float]:
         """Train one round on every rank: send `job` to the followers, wrap `model` in DDP and `run` the task's
-        training with it. A lost rank restarts the node, `reload()` puts the global model back into `model`, and
-        the round is trained again."""
+        training with it. A lost rank is a crash of the participant: the other ranks are killed and NodeFailed
+        raised (exit 1; started again, the participant resumes from its journal and trains the round again)."""
         import torch
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        for _ in range(RESTARTS + 1):
-            if not self.followers:
-                self.start()
-            try:
-                dist.broadcast_object_list([job], src=0)
-                torch.manual_seed(int(job["seed"]))
-                return run(DistributedDataParallel(model.to(rank_device(self.device, 0))))
-            except RuntimeError as exc:
-                if not self.lost_rank() and "gloo" not in str(exc).lower() and "nccl" not in str(exc).lower():
-                    self.stop(kill=True)  # a failure of training itself: the followers would wait forever
-                    raise
-                log.warning("round %s: the node lost a rank (%s); restarting it and training the round again",
-                            job.get("round"), str(exc).splitlines()[0][:200])
-                self.stop(kill=True)
-                reload()
-            except BaseException:  # stopped, or the round closed: the followers are mid-collective
-                self.stop(kill=True)
-                raise
-        raise NodeFailed(f"the node lost a rank {RESTARTS + 1} times in round {job.get('round')}")
+        if not self.followers:
+            self.start()
+        try:
+            dist.broadcast_object_list([job], src=0)
+            torch.manual_seed(int(job["seed"]))
+            return run(DistributedDataParallel(model.to(rank_device(self.device, 0))))
+        except BaseException as exc:  # the followers are mid-collective: none may outlive this
+            lost = self.lost_rank()
+            self.kill()
+            if lost:
+                raise NodeFailed(f"round {job.get('round')}: the node lost a rank ({str(exc).splitlines()[0][:160]}); "
+                                 "a crash of the participant: start it again to resume") from None
+            raise
 
 
 # --- a follower (ranks 1..N-1) ------------------------------------------------------------------------------

@@ -201,16 +201,25 @@ def train_share(work: Workload, model: Any, held_model: ModelSource, mine: Work,
     loading the global model from its file."""
     if work.node is None:
         return work.train(model, mine.indices, config, progress, seed, round_no)
-    from participant.tensors import load_into
-
     if not isinstance(held_model, Path):  # (bytes: tests) the followers read the model from a file
         path = outbox / f"global-{round_no:06d}{MODEL_SUFFIX}"
         path.write_bytes(held_model)
         held_model = path
     job = {"model": str(held_model), "indices": [int(i) for i in mine.indices], "seed": seed, "round": round_no,
            "config": config.model_dump_json(), "takes_round": work.takes_round}
-    return dict(work.node.train(job, model, lambda: load_into(model, held_model),
-                                lambda ddp: work.train(ddp, mine.indices, config, progress, seed, round_no)))
+    closed: list[RoundClosed] = []
+
+    def on_node(done: int, total: int) -> None:  # the round closing ends training only between rounds of the node
+        try:
+            progress(done, total)
+        except RoundClosed as exc:
+            closed.append(exc)
+
+    metrics = dict(work.node.train(job, model, lambda ddp: work.train(ddp, mine.indices, config, on_node, seed,
+                                                                      round_no)))
+    if closed:
+        raise closed[0]
+    return metrics
 
 
 class RoundClosed(Exception):
