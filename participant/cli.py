@@ -169,7 +169,7 @@ def start(
     ),
     gpus: int = typer.Option(1, "--gpus", min=1, metavar="N", help="Train as a node of N ranks with DDP, one per "
                              "device (cuda:0..N-1; on a CPU, N processes over gloo), one update a round. A rank that "
-                             "dies restarts the node's ranks."),
+                             "dies stops the participant (exit 1): start it again to resume."),
     max_rounds: int = typer.Option(
         0, "--max-rounds", min=0, metavar="N", rich_help_panel="Testing",
         help="Leave after uploading N updates (0: stay until the run is finished). The coordinator drops the "
