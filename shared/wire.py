@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,29 +298,23 @@ class UpdateMeta:
             round_no, samples = int(md["fed.round"]), int(md["fed.samples"])
         except ValueError:
             raise WireError("malformed metadata: fed.round and fed.samples must be integers") from None
-        raw = md.get("fed.metrics", "{}")
-        if len(raw) > MAX_METRICS_BYTES:
-            raise WireError(f"malformed metadata: fed.metrics exceeds {MAX_METRICS_BYTES} bytes")
-        try:
-            metrics: Any = json.loads(raw)
-        except json.JSONDecodeError:
-            raise WireError("malformed metadata: fed.metrics is not JSON") from None
-        if not isinstance(metrics, dict) or not all(
-            isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v) for k, v in metrics.items()
-        ):
-            raise WireError("malformed metadata: fed.metrics must map names to finite numbers")
+        metrics = _json_mapping(md, "fed.metrics", "finite numbers",
+                                lambda v: isinstance(v, int | float) and math.isfinite(v))
+        model = _json_mapping(md, "fed.model", "digests", lambda v: isinstance(v, str))
         return cls(md["fed.run"], round_no, md["fed.participant"], samples, {k: float(v) for k, v in metrics.items()},
-                   _model_named(md.get("fed.model", "{}")))
+                   {k: str(v) for k, v in model.items()})
 
 
-def _model_named(raw: str) -> dict[str, str]:
-    """`fed.model`: a small JSON object of names to digests; WireError otherwise."""
+def _json_mapping(md: dict[str, str], name: str, what: str, fits: Callable[[Any], bool]) -> dict[str, Any]:
+    """Metadata entry `name` (absent: {}) as a bounded JSON object of names to values that `fits`; WireError
+    naming the entry otherwise."""
+    raw = md.get(name, "{}")
     if len(raw) > MAX_METRICS_BYTES:
-        raise WireError(f"malformed metadata: fed.model exceeds {MAX_METRICS_BYTES} bytes")
+        raise WireError(f"malformed metadata: {name} exceeds {MAX_METRICS_BYTES} bytes")
     try:
-        named: Any = json.loads(raw)
+        value: Any = json.loads(raw)
     except json.JSONDecodeError:
-        raise WireError("malformed metadata: fed.model is not JSON") from None
-    if not isinstance(named, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
-        raise WireError("malformed metadata: fed.model must map names to digests")
-    return dict(named)
+        raise WireError(f"malformed metadata: {name} is not JSON") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and fits(v) for k, v in value.items()):
+        raise WireError(f"malformed metadata: {name} must map names to {what}")
+    return value
