@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[participant,local,infra,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[participant,datasets,local,infra,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP) $(NODE_STAMP)

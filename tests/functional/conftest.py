@@ -265,3 +265,21 @@ def harness_factory(aws: None, atomic_dynamodb: None, monkeypatch: pytest.Monkey
 @pytest.fixture
 def harness(harness_factory):  # type: ignore[no-untyped-def]
     return harness_factory()
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Hugging Face model (`participant.tasks.hf_tiny`, not pretrained), built once a session."""
+    from participant.tasks import hf_tiny
+
+    return hf_tiny.build(tmp_path_factory.mktemp("models") / "tiny", pretrain_steps=0)
+
+
+def hf_local_task(model: Path, **hf: Any) -> Any:
+    """The Hugging Face task of a local data mode run on `model`, sequences of 32 tokens, `hf` its other options."""
+    from participant.task import load_task
+    from shared.config import DataMode, HfOptions
+
+    config = RunConfig(run_id="local-hf", task="participant.tasks.hf:task", data_mode=DataMode.LOCAL,
+                       hf=HfOptions(model=str(model), sequence_length=32, **hf))
+    return load_task(config.task, config)
