@@ -91,8 +91,11 @@ class HfOptions(BaseModel):
     base_digest: str = Field("", pattern=DIGEST_PATTERN, description="With adapters: SHA-256 of the frozen base "
                              "model's weights (never uploaded); '': not checked.")
     text: tuple[str, ...] = Field((), description="Training text in assigned mode, the same files on every host "
-                                  "(plain text, or JSON lines with text_field); (): Python's own help text.")
-    text_field: str = Field("text", description="The field of a JSON-lines record that holds its text.")
+                                  "(plain text, or JSON lines with text_field; with the datasets extra also a "
+                                  "save_to_disk directory, DIR@SPLIT for a DatasetDict's split (default train), or "
+                                  "Parquet files, their text_field column); (): Python's own help text.")
+    text_field: str = Field("text", description="The field of a JSON-lines record, or the column of a dataset or "
+                            "Parquet file, that holds its text.")
     sequence_length: int = Field(128, ge=8, le=1 << 20, description="Tokens per packed training sequence.")
     tokens_per_step: int = Field(0, ge=0, description="Tokens an optimizer step sees: gradients of that many "
                                  "tokens' micro-batches (batch_size sequences each) are accumulated; 0: one batch.")
