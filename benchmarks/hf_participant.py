@@ -51,8 +51,8 @@ def bare(config: Any, rounds: int) -> tuple[float, int]:
     """Tokens per second of the task's training loop alone over `rounds` rounds' sequences, and the parameters."""
     import torch
 
-    from participant.task import load_task
-    from participant.training import mixed_precision, resolve_device
+    from participant.task import load_task, mixed_precision
+    from participant.training import resolve_device
 
     device = resolve_device("auto")
     if device.type == "cpu":

@@ -167,9 +167,14 @@ def start(
         0, "--threads", min=0, metavar="N", show_default="torch's default",
         help="CPU threads torch may use. With several participants on one machine, 1 each avoids contention.",
     ),
-    gpus: int = typer.Option(1, "--gpus", min=1, metavar="N", help="Train as a node of N ranks with DDP, one per "
-                             "device (cuda:0..N-1; on a CPU, N processes over gloo), one update a round. A rank that "
-                             "dies stops the participant (exit 1): start it again to resume."),
+    gpus: int = typer.Option(1, "--gpus", min=1, metavar="N", help="Train as a node of N ranks, one per device "
+                             "(cuda:0..N-1; on a CPU, N processes over gloo), one update a round. A rank that dies "
+                             "stops the participant (exit 1): start it again to resume. Under torchrun (`torchrun "
+                             "--nproc-per-node N --no-python fed-participant start ...`), torchrun's ranks."),
+    parallel: str = typer.Option("auto", "--parallel", metavar="auto|ddp|fsdp", help="How a node spreads the model: "
+                                 "ddp, a whole copy on each device; fsdp, weights, gradients and optimizer state "
+                                 "sharded across them (a model whose training does not fit one device); auto, fsdp "
+                                 "where training would crowd a device (participant/node.py)."),
     max_rounds: int = typer.Option(
         0, "--max-rounds", min=0, metavar="N", rich_help_panel="Testing",
         help="Leave after uploading N updates (0: stay until the run is finished). The coordinator drops the "
@@ -196,20 +201,13 @@ def start(
     ),
 ) -> None:
     """Join a run and train until it is finished (see START_HELP)."""
-    credentials: CredentialServer | None
-    participant_id, credentials = _redeem(invite, participant_id, state_dir) if invite else (participant_id, None)
-    pid, reporter = _setup(participant_id, log_level)
-    if credentials is not None:
-        conn = credentials.session.connection()
-        if run and run != conn.run_id:
-            _fail(f"--run {run}: the invite is for run {conn.run_id!r}")
-        install_from_env()
-    else:
-        conn = _connect(connection, stack, region, run, pid)
+    gpus = _node_size(gpus, parallel)
+    pid, reporter, conn, credentials = _join(invite, participant_id, state_dir, log_level, connection, stack, region,
+                                             run)
     from participant.daemon import Options, default_state_dir  # loaded only to run: --help stays quick
     options = Options(pid=pid, state_dir=state_dir or default_state_dir(conn.run_id, pid), task=task, device=device,
                       threads=threads, max_rounds=max_rounds, poll_max=poll_max, data=data, throttle=throttle,
-                      push=push, gpus=gpus)
+                      push=push, gpus=gpus, parallel=parallel)
     try:
         raise typer.Exit(_run(conn, options, reporter, credentials))
     finally:
@@ -261,6 +259,43 @@ def check(
     for item in items:
         typer.echo(item.line())
     raise typer.Exit(0 if all(item.ok for item in items) else 1)
+
+
+def _join(invite: str | None, participant_id: str | None, state_dir: Path | None, log_level: str, connection: Path,
+          stack: str | None, region: str | None, run: str | None) -> tuple[str, Reporter, Connection,
+                                                                           CredentialServer | None]:
+    """The participant id, its reporter, the run's connection and, with --invite, the host's credential server."""
+    credentials: CredentialServer | None
+    participant_id, credentials = _redeem(invite, participant_id, state_dir) if invite else (participant_id, None)
+    pid, reporter = _setup(participant_id, log_level)
+    if credentials is None:
+        return pid, reporter, _connect(connection, stack, region, run, pid), None
+    conn = credentials.session.connection()
+    if run and run != conn.run_id:
+        _fail(f"--run {run}: the invite is for run {conn.run_id!r}")
+    install_from_env()
+    return pid, reporter, conn, credentials
+
+
+def _node_size(gpus: int, parallel: str) -> int:
+    """The node's size: --gpus, or under torchrun its ranks. A rank > 0 that torchrun started follows rank 0 here and
+    exits: it never redeems an invite or speaks to the coordinator (`participant.node`)."""
+    from participant.node import PARALLEL, follow_launched, launched
+    from participant.protocol import ParticipantError
+
+    if parallel not in PARALLEL:
+        raise typer.BadParameter(f"{parallel!r}: use auto, ddp or fsdp", param_hint="--parallel")
+    try:
+        launch = launched()
+    except ParticipantError as exc:
+        _fail(str(exc))
+    if launch is None:
+        return gpus
+    if gpus not in (1, launch.size):
+        raise typer.BadParameter(f"{gpus}, but torchrun started {launch.size} ranks: leave it out", param_hint="--gpus")
+    if launch.rank > 0:
+        raise typer.Exit(follow_launched(launch))
+    return launch.size
 
 
 def _redeem(line: str, participant_id: str | None, state_dir: Path | None) -> tuple[str, CredentialServer]:

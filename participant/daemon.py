@@ -68,6 +68,7 @@ class Options:
     throttle: float = 1.0  # testing aid: train at this fraction of the host's speed (--throttle)
     push: bool = True  # listen on a push queue of our own where the run has a state topic (--push/--poll)
     gpus: int = 1  # ranks of this node (participant.node); 1: this process alone
+    parallel: str = "auto"  # how the node spreads the model: auto, ddp or fsdp (participant.node)
 
 
 def default_state_dir(run_id: str, pid: str) -> Path:
@@ -216,7 +217,7 @@ class Daemon(Participant):
 
     def _load_workload(self, config: RunConfig) -> Workload:
         work = load_workload(self.opt.task or config.task, config, self.opt.device, self.opt.threads, self.opt.data,
-                             self.opt.gpus)
+                             self.opt.gpus, self.opt.parallel)
         self.task, self.device, self.specs, self.own = work.task, work.device, work.specs, work.own
         self.node = work.node
         if self.node is not None:

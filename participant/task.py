@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -91,6 +92,15 @@ def local_batches(count: int, config: RunConfig, generator: torch.Generator) -> 
                 done += 1
 
     return total, batches()
+
+
+@contextmanager
+def mixed_precision(device: torch.device) -> Iterator[None]:
+    """Training's forward passes in bfloat16 on CUDA (`torch.autocast`), the weights staying float32 (the optimizer
+    steps them in float32, and updates are float32 files); nothing changes on a CPU. The participant trains every
+    task under it, on each rank of a node alike."""
+    with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext():
+        yield
 
 
 def this_rank(batch: torch.Tensor) -> torch.Tensor:

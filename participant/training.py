@@ -18,8 +18,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,21 +71,13 @@ def resolve_device(name: str) -> Any:
     return torch.device(name)
 
 
-@contextmanager
-def mixed_precision(device: Any) -> Iterator[None]:
-    """Training's forward passes in bfloat16 on CUDA (`torch.autocast`), the weights staying float32 (the optimizer
-    steps them in float32, and updates are float32 files); nothing changes on a CPU."""
-    import torch
-
-    with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext():
-        yield
-
-
 def warm_up_autograd(device: Any) -> None:
     """One backward pass and optimizer step on a throwaway layer: torch initialises autograd and the optimizers
     lazily, which costs about a second on a CPU (several on a busy one). Paid here, at start-up, it does not
     make the first round slower than the others (and miss a tight deadline)."""
     import torch
+
+    from participant.task import mixed_precision
 
     layer = torch.nn.Linear(4, 2).to(device)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
@@ -130,10 +121,10 @@ class Workload:
 
 
 def load_workload(spec: str, config: RunConfig, device: str, threads: int, data: str | None = None,
-                  gpus: int = 1) -> Workload:
+                  gpus: int = 1, parallel: str = "auto") -> Workload:
     """Load the task, check it fits the run, pick the device and load the data (so the first round does not);
     in local data mode, this participant's own data as `data` names it. With `gpus` > 1, a node of that many ranks
-    (participant.node: started at the first round)."""
+    (participant.node: started at the first round), spreading the model as `parallel` says."""
     from participant.task import TaskError, load_task
 
     try:
@@ -159,7 +150,7 @@ def load_workload(spec: str, config: RunConfig, device: str, threads: int, data:
     if gpus > 1:
         from participant.node import Node
 
-        node = Node(gpus, spec, config.model_dump_json(), resolve_device(device), threads, data)
+        node = Node(gpus, spec, config.model_dump_json(), resolve_device(device), threads, data, parallel)
     work = Workload(spec, config, task, resolve_device(device), specs_of(model), own, node)
     fresh = task.evaluate(model, work.device)  # loads the data now
     del model
@@ -437,6 +428,7 @@ class Training:
         metrics (among them its training seconds, from which the coordinator measures its throughput)."""
         import torch
 
+        from participant.task import mixed_precision
         from participant.tensors import load_into, save_model
 
         indices = mine.indices

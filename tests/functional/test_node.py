@@ -1,5 +1,6 @@
 """A participant that is a node of two ranks (`participant.node`, gloo on this CPU): its update is the one a single
-process makes from the same batches, and a rank that dies mid-round is a crash of the participant."""
+process makes from the same batches, whether the ranks hold whole copies (DDP) or shards (FSDP) of the model, and a
+rank that dies mid-round is a crash of the participant."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def config() -> RunConfig:
     return RunConfig(run_id="node", task=digits_meta.TASK, batch_size=32, local_epochs=2, learning_rate=0.1)
 
 
-@pytest.fixture()
-def node(config: RunConfig, tmp_path: Path) -> Iterator[Node]:
-    node = Node(2, config.task, config.model_dump_json(), torch.device("cpu"), threads=1)
+@pytest.fixture(params=["ddp", "fsdp"])
+def node(config: RunConfig, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
+    node = Node(2, config.task, config.model_dump_json(), torch.device("cpu"), threads=1, parallel=request.param)
     node.log_dir = tmp_path
     yield node
     node.stop()
@@ -94,16 +95,18 @@ def test_a_rank_killed_mid_round_is_a_crash_of_the_participant(node: Node, confi
     assert node.followers == []
 
 
-@pytest.mark.parametrize("adapter", ["none", "lora"])
-def test_a_hugging_face_model_trains_on_a_node_as_in_one_process(tmp_path: Path, adapter: str) -> None:
+@pytest.mark.parametrize(("adapter", "parallel"), [("none", "ddp"), ("lora", "ddp"), ("none", "fsdp"),
+                                                   ("lora", "fsdp")])
+def test_a_hugging_face_model_trains_on_a_node_as_in_one_process(tmp_path: Path, adapter: str, parallel: str) -> None:
     from participant.tasks import hf_tiny
     from shared.config import HfOptions
 
-    # Given the tiny Llama (whole, or LoRA adapters) and a node of two ranks
+    # Given the tiny Llama (whole, or LoRA adapters) and a node of two ranks, each holding the whole model (DDP) or
+    # half of it (FSDP, each decoder layer a unit)
     model_dir = hf_tiny.build(tmp_path / "tiny", pretrain_steps=0)
     config = RunConfig(run_id="node", task="participant.tasks.hf:task", batch_size=8, learning_rate=3e-3,
                        hf=HfOptions(model=str(model_dir), adapter=adapter))
-    node = Node(2, config.task, config.model_dump_json(), torch.device("cpu"), threads=1)
+    node = Node(2, config.task, config.model_dump_json(), torch.device("cpu"), threads=1, parallel=parallel)
     node.log_dir = tmp_path
     try:
         # When both train the same 32 sequences
