@@ -189,13 +189,25 @@ def train_rank(model: Any, job: dict[str, Any], device: Any, run: Callable[[Any]
 
     torch.manual_seed(int(job["seed"]))
     if job["parallel"] != "fsdp":
-        return run(DistributedDataParallel(model.to(device)))
+        return node_mean(run(DistributedDataParallel(model.to(device))), device)
     sharded = shard(copy.deepcopy(model.cpu()) if keep else model, device)
-    metrics = run(sharded)
+    metrics = node_mean(run(sharded), device)
     weights = gathered(sharded, keep)
     if keep:
         model.load_state_dict(weights)
     return metrics
+
+
+def node_mean(metrics: dict[str, float], device: Any) -> dict[str, float]:
+    """The ranks' training metrics averaged (a collective): each rank saw its slice of every batch, so the node's
+    loss is their mean, not rank 0's alone."""
+    import torch
+    import torch.distributed as dist
+
+    names = sorted(metrics)
+    values = torch.tensor([float(metrics[name]) for name in names], dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    return dict(zip(names, (values / dist.get_world_size()).tolist(), strict=True))
 
 
 class Node:

@@ -56,15 +56,14 @@ def _on_node(node: Node, config: RunConfig, tmp_path: Path, indices: list[int], 
     job = {"model": str(global_file), "indices": indices, "seed": SEED, "round": 0, "config": config.model_dump_json()}
     metrics = node.train(job, model, lambda ddp: task.train(ddp, indices, config, torch.device("cpu"), progress,
                                                             seed=SEED))
-    assert metrics["loss"] > 0
-    return {name: t.clone() for name, t in model.state_dict().items()}
+    return {"loss": metrics["loss"]} | {name: t.clone() for name, t in model.state_dict().items()}
 
 
 def _alone(config: RunConfig, tmp_path: Path, indices: list[int]) -> dict[str, Any]:
     task, model, _ = _start(config, tmp_path)
     torch.manual_seed(SEED)
-    task.train(model, indices, config, torch.device("cpu"), None, seed=SEED)
-    return {name: t.clone() for name, t in model.state_dict().items()}
+    metrics = task.train(model, indices, config, torch.device("cpu"), None, seed=SEED)
+    return {"loss": metrics["loss"]} | {name: t.clone() for name, t in model.state_dict().items()}
 
 
 def test_a_node_of_two_ranks_makes_the_update_one_process_makes(node: Node, config: RunConfig, tmp_path: Path) -> None:
@@ -75,8 +74,10 @@ def test_a_node_of_two_ranks_makes_the_update_one_process_makes(node: Node, conf
     alone = _alone(config, tmp_path, indices)
     on_node = _on_node(node, config, tmp_path, indices)
 
-    # Then the weights are the same, up to float rounding (DDP averages the halves' gradients), and training moved them
+    # Then the weights are the same, up to float rounding (the ranks average the halves' gradients), training moved
+    # them, and the node reports the whole batches' loss (the ranks' mean), not rank 0's half
     initial = _start(config, tmp_path)[1].state_dict()
+    assert on_node.pop("loss") == pytest.approx(alone.pop("loss"), rel=1e-5)
     for name, tensor in alone.items():
         torch.testing.assert_close(on_node[name], tensor, atol=1e-5, rtol=1e-4)
         assert not torch.equal(tensor, initial[name]) or name.endswith("bias")
@@ -116,7 +117,8 @@ def test_a_hugging_face_model_trains_on_a_node_as_in_one_process(tmp_path: Path,
     finally:
         node.stop()
 
-    # Then the updates agree
+    # Then the updates agree, and so do the losses
+    assert on_node.pop("loss") == pytest.approx(alone.pop("loss"), rel=1e-4)
     assert set(on_node) == set(alone)
     for name, tensor in alone.items():
         torch.testing.assert_close(on_node[name], tensor, atol=1e-4, rtol=1e-3)
