@@ -1,8 +1,8 @@
 """A tiny Llama-architecture model directory, built offline: what `fed demo --task hf` and the tests train.
 
 The tokenizer is a byte-level BPE (`tokenizers`) trained on Python's help text (`hf_data.python_help`), so it
-covers any text; the model is `LlamaForCausalLM` from a config (2 layers, width 64, untied embeddings: ~0.2 M
-parameters at a vocabulary of 1,024), its weights drawn from a seed and pre-trained for a few seconds on
+covers any text; the model is `LlamaForCausalLM` from a config (2 layers, width 64, embeddings untied unless
+`tied`: ~0.2 M parameters at a vocabulary of 1,024), its weights drawn from a seed and pre-trained for a few seconds on
 standard-library source, so that the help text is new to it. The directory is what `save_pretrained` writes
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json): any Hugging Face model directory of a causal
 LM can take its place.
@@ -64,7 +64,7 @@ def _pretrain(model: Any, tokenizer: Any, steps: int) -> None:
 
 
 def build(directory: str | Path, seed: int = 0, vocab: int = VOCAB, width: int = WIDTH, layers: int = LAYERS,
-          heads: int = HEADS, pretrain_steps: int = PRETRAIN_STEPS) -> Path:
+          heads: int = HEADS, pretrain_steps: int = PRETRAIN_STEPS, tied: bool = False) -> Path:
     """Write the model directory (atomically: a crash leaves none or a whole one); an existing one is kept."""
     directory = Path(directory)
     if (directory / "config.json").is_file():
@@ -85,7 +85,7 @@ def build(directory: str | Path, seed: int = 0, vocab: int = VOCAB, width: int =
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, pad_token=EOS)  # type: ignore[no-untyped-call]
     config = LlamaConfig(vocab_size=bpe.get_vocab_size(), hidden_size=width, intermediate_size=2 * width,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=CONTEXT, tie_word_embeddings=False,
+                         max_position_embeddings=CONTEXT, tie_word_embeddings=tied,
                          bos_token_id=bpe.token_to_id(EOS), eos_token_id=bpe.token_to_id(EOS))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
