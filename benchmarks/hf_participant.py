@@ -35,7 +35,7 @@ from rich.console import Console  # noqa: E402
 
 from fed.demo import DemoOptions, demo_config, run_demo  # noqa: E402
 
-SIZES: dict[str, dict[str, int]] = {
+SIZES: dict[str, dict[str, Any]] = {
     "tiny": {},  # hf_tiny's defaults: vocab 1,024, width 64, 2 layers, 4 heads, pre-trained
     "0.5b": {"vocab": 8192, "width": 1536, "layers": 20, "heads": 12, "pretrain_steps": 0},  # ~0.5 B parameters
 }

@@ -108,8 +108,8 @@ def tied_once(model: nn.Module) -> nn.Module:
                 if prefix + name in state:
                     state.setdefault(prefix + alias, state[prefix + name])
 
-        model.register_state_dict_post_hook(drop)
-        model.register_load_state_dict_pre_hook(fill)
+        model.register_state_dict_post_hook(drop)  # type: ignore[no-untyped-call]  # (untyped in torch)
+        model.register_load_state_dict_pre_hook(fill)  # type: ignore[no-untyped-call]
     return model
 
 
