@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from participant.tasks import hf_meta
 from shared import keys
 from shared.config import RunConfig
 from shared.digest import digest_file
@@ -86,7 +87,7 @@ def export_hf_dir(conn: Connection, round_no: int | None, out: Path, merged: boo
     a directory beside it and moved into place whole, so a failure leaves nothing at `out`. `model`: this machine's
     copy of the run's model, when `[run.hf] model` names another path (its digests must be the run's)."""
     config = run_config(conn)
-    if config.task.partition(":")[0] != "participant.tasks.hf":
+    if not hf_meta.is_hf(config.task):
         raise ExportError(f"run {conn.run_id} trains {config.task}, not a Hugging Face model: export "
                           "--format safetensors")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fed.demo.errors import DemoFailed
+from participant.tasks import hf_meta
 from shared.config import Adapter, HfOptions
 
 TINY_MODEL = "tiny-llama-v1"  # (a new name when hf_tiny's recipe changes: an old cached build is not reused)
@@ -61,7 +62,7 @@ def run_toml(run_id: str, settings: dict[str, Any]) -> str:
     lines = ["# A run of a Hugging Face model: `fed local --config FILE`, or `cdk deploy -c config=FILE`.",
              "# Every other [run] key keeps its default (shared/config.py: RunConfig); learning_rate and batch_size",
              "# are the first to tune.", "", "[run]", f"run_id = {json.dumps(run_id)}",
-             'task = "participant.tasks.hf:task"', f"dataset_size = {settings['dataset_size']}",
+             f"task = {json.dumps(hf_meta.TASK)}", f"dataset_size = {settings['dataset_size']}",
              f"initial_model_schema = {json.dumps(settings['initial_model_schema'])}", "", "[run.hf]"]
     for name, value in hf.model_dump(mode="json", exclude_defaults=True).items():
         lines.append(f"{name} = {json.dumps(value)}")

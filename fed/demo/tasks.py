@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fed.demo.errors import DemoFailed
-from participant.tasks import digits_meta, flower_digits_meta, lm_meta
+from participant.tasks import digits_meta, flower_digits_meta, hf_meta, lm_meta
 from shared.config import RunConfig
 
 DEMO_RUN_ID = "demo"
@@ -31,7 +31,6 @@ class DemoTask:
     split: str | None = None  # a task that trains on local data: the --split its participants' data follows
 
 
-HF_TASK = "participant.tasks.hf:task"
 DEMO_TASKS: dict[str, DemoTask] = {
     "digits": DemoTask(
         "digits", digits_meta.TASK, digits_meta.TRAIN_SIZE, DEFAULT_ROUNDS,
@@ -62,7 +61,7 @@ DEMO_TASKS: dict[str, DemoTask] = {
     # 4 rounds of a quarter of the data (one process); LoRA on q/v (--adapter lora) at 2e-2: 5.55 -> 5.13.
     # dataset_size and the model's digests and schema: from the model itself (fed.demo.hf)
     "hf": DemoTask(
-        "hf", HF_TASK, 0, 6,
+        "hf", hf_meta.TASK, 0, 6,
         # equal shares: the same sequences to the same participant in every run, so the curve repeats exactly
         dict(local_epochs=1, batch_size=16, learning_rate=3e-3, max_round_train_time=300.0, liveness_timeout=30.0,
              work_sizing="equal"),
@@ -83,7 +82,7 @@ def demo_task(name: str) -> DemoTask:
 def reports_loss(task_spec: str) -> bool:
     """Whether the demo reports a run of this task by its held-out loss (the LM task, any size) rather than by
     its test accuracy."""
-    return task_spec.partition(":")[0] in {lm_meta.TASK.partition(":")[0], HF_TASK.partition(":")[0]}
+    return task_spec.partition(":")[0] in {lm_meta.TASK.partition(":")[0], hf_meta.TASK.partition(":")[0]}
 
 
 def demo_config(participants: int, rounds: int | None = None, kill_one: bool = False,
@@ -121,7 +120,7 @@ def demo_config(participants: int, rounds: int | None = None, kill_one: bool = F
         dataset_size=chosen.train_size,
     )
     values.update(chosen.settings)
-    if chosen.spec == HF_TASK:
+    if chosen.spec == hf_meta.TASK:
         from fed.demo.hf import hf_settings
 
         adapter = overrides.pop("adapter", None)

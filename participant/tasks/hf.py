@@ -47,10 +47,10 @@ from torch import nn
 
 from participant.splits import parse_split, partition
 from participant.task import Progress, TaskError, local_batches
-from participant.tasks import hf_data
+from participant.tasks import hf_data, hf_meta
 from shared.config import Adapter, HfOptions, RunConfig
 
-TASK = "participant.tasks.hf:task"
+TASK = hf_meta.TASK
 MODEL_ENV = "FED_HF_MODEL"  # a host whose copy of the run's model lives elsewhere than `hf.model` says
 # config.json entries that name where and by which library version a model was saved, not what it is
 VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset")
