@@ -106,3 +106,20 @@ def test_fsdp_units_are_the_blocks_of_the_outermost_module_lists() -> None:
         assert units == {"", "layers.0", "layers.1"}
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_under_torchrun_rank_0_ending_before_any_round_releases_the_waiting_followers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given torchrun's store (here served by the test) and rank 0's node, never started (no round was trained)
+    served = tcp_store("127.0.0.1", 0, serve=True)
+    for name, value in TORCHRUN.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_PORT", str(served.port))
+    node = Node(2, "m:t", "{}", torch.device("cpu"), threads=1)
+
+    # When the daemon ends
+    node.stop()
+
+    # Then a follower waiting for its setup (the first message of torchrun's attempt 3) is told to exit
+    assert Channel(tcp_store("127.0.0.1", served.port), "fed/3").receive() is None
