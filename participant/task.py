@@ -103,6 +103,17 @@ def mixed_precision(device: torch.device) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """A micro-batch's forward and backward pass under gradient accumulation: on a node of DDP ranks, the gradients
+    are averaged across the ranks only in the pass that ends an optimizer step (`no_sync` in the others), which moves
+    1/accumulation of the bytes and takes the same step. FSDP (which keeps its gradients sharded) and a model alone
+    are unchanged."""
+    no_sync = getattr(model, "no_sync", None)
+    with no_sync() if callable(no_sync) and not sync else nullcontext():
+        yield
+
+
 def this_rank(batch: torch.Tensor) -> torch.Tensor:
     """On a node of N ranks (`participant.node`), rank r's slice `batch[r::N]` of a batch: the ranks' gradients,
     averaged by DDP, are then the whole batch's. A batch of fewer than N samples gives the ranks past its end its

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from participant.splits import parse_split, partition
-from participant.task import Progress, TaskError, local_batches
+from participant.task import Progress, TaskError, gradient_sync, local_batches
 from participant.tasks import hf_data, hf_meta
 from shared.config import Adapter, HfOptions, RunConfig
 
@@ -272,9 +272,11 @@ class HfTask:
         seen = 0
         for done, positions in enumerate(batches, 1):
             batch = data[positions.to(device)]
-            loss = model(input_ids=batch, labels=batch).loss
-            torch.autograd.backward(loss / accumulate)
-            if done % accumulate == 0 or done == total:
+            step = done % accumulate == 0 or done == total
+            with gradient_sync(model, step):
+                loss = model(input_ids=batch, labels=batch).loss
+                torch.autograd.backward(loss / accumulate)
+            if step:
                 nn.utils.clip_grad_norm_(trainable, GRAD_CLIP)
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -102,11 +102,12 @@ def test_a_hugging_face_model_trains_on_a_node_as_in_one_process(tmp_path: Path,
     from participant.tasks import hf_tiny
     from shared.config import HfOptions
 
-    # Given the tiny Llama (whole, or LoRA adapters) and a node of two ranks, each holding the whole model (DDP) or
-    # half of it (FSDP, each decoder layer a unit)
+    # Given the tiny Llama (whole, or LoRA adapters), two batches a step (DDP ranks average gradients at the second
+    # only), and a node of two ranks, each holding the whole model (DDP) or half of it (FSDP, each decoder layer a
+    # unit)
     model_dir = hf_tiny.build(tmp_path / "tiny", pretrain_steps=0)
     config = RunConfig(run_id="node", task="participant.tasks.hf:task", batch_size=8, learning_rate=3e-3,
-                       hf=HfOptions(model=str(model_dir), adapter=adapter))
+                       hf=HfOptions(model=str(model_dir), adapter=adapter, tokens_per_step=2 * 8 * 128))
     node = Node(2, config.task, config.model_dump_json(), torch.device("cpu"), threads=1, parallel=parallel)
     node.log_dir = tmp_path
     try:
