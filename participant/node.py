@@ -291,7 +291,7 @@ class Node:
         self.followers = []
 
     def parallel_for(self, model: Any) -> str:
-        """ddp or fsdp for `model` (see the module's docstring)."""
+        """ddp or fsdp for `model` (see the module's docstring); auto decides once, at the first round."""
         import torch
 
         if self.parallel != "auto":
@@ -300,10 +300,10 @@ class Node:
             return "ddp"
         need = training_bytes(model)
         room = min(torch.cuda.get_device_properties(rank).total_memory for rank in range(self.size))
-        choice = "fsdp" if need > FIT_FRACTION * room else "ddp"
-        log.info("node: %s (training needs %.1f GB beyond activations; a device has %.1f GB)", choice, need / 1e9,
-                 room / 1e9)
-        return choice
+        self.parallel = "fsdp" if need > FIT_FRACTION * room else "ddp"
+        log.info("node: %s (training needs %.1f GB beyond activations; a device has %.1f GB)", self.parallel,
+                 need / 1e9, room / 1e9)
+        return self.parallel
 
     def train(self, job: dict[str, Any], model: Any, run: Callable[[Any], dict[str, float]]) -> dict[str, float]:
         """Train one round on every rank: send `job` to the followers and `run` the task's training with `model`,
