@@ -56,6 +56,10 @@ EXAMPLES = """
   [dim]# on AWS: read bucket, table and run id from the deployed stack's outputs[/dim]
   fed-participant start --stack FedRun-digits --run digits --id gpu-host-7 --device cuda
 
+  [dim]# a node of 8 GPUs as one participant (one update a round), or the same under torchrun[/dim]
+  fed-participant start --stack FedRun-llm --id node-1 --gpus 8
+  torchrun --nproc-per-node 8 --max-restarts 3 --no-python fed-participant start --stack FedRun-llm --id node-1
+
   [dim]# your own training code (build_model, train, evaluate, train_size)[/dim]
   fed-participant start --id alice --task mypkg.tasks:resnet_cifar
 
