@@ -40,7 +40,7 @@ test-slow: $(STAMP) $(NODE_STAMP)
 
 # The load test at its defaults: 1,000 simulated participants, 3 rounds (tests/e2e/test_load.py), about 11 minutes
 # on this 2-core machine with nothing else running (five minutes of joining, then rounds of ~100 s). Run on purpose:
-# it needs the whole machine, so CI (`.ci/run`, within its 35 minutes) runs the 200 of `make test-slow` instead.
+# it needs the whole machine, so CI (`.ci/run`, about 36 minutes in all) runs the 200 of `make test-slow` instead.
 test-load: $(STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q -s -m slow tests/e2e/test_load.py
 
