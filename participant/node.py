@@ -74,6 +74,10 @@ class Launch:
     port: int
     attempt: int
 
+    def channel(self) -> Channel:
+        """The node's messages in the agent's store, under this restart's keys."""
+        return Channel(tcp_store(self.host, self.port), f"fed/{self.attempt}")
+
 
 def launched() -> Launch | None:
     """The node torchrun started this process in (its environment); None outside torchrun or for a node of one."""
@@ -96,13 +100,17 @@ def tcp_store(host: str, port: int, serve: bool = False) -> Any:
     return TCPStore(host, port, is_master=serve, wait_for_workers=False, timeout=GROUP_TIMEOUT)
 
 
-def join_group(device: Any, store: Any, prefix: str, rank: int, size: int) -> None:
-    """Join the node's process group (NCCL on CUDA, gloo on a CPU), meeting the other ranks in `store`."""
+def join_group(device: Any, channel: Channel, rank: int, size: int) -> None:
+    """Join the node's process group from `device`, this rank's (NCCL on CUDA, gloo on a CPU), meeting the other
+    ranks in the channel's store."""
+    import torch
     import torch.distributed as dist
     from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=PrefixStore(f"{prefix}/group", store),
-                            rank=rank, world_size=size, timeout=GROUP_TIMEOUT)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=size,
+                            store=PrefixStore(f"{channel.prefix}/group", channel.store), timeout=GROUP_TIMEOUT)
 
 
 def rank_device(device: Any, rank: int) -> Any:
@@ -227,29 +235,21 @@ class Node:
         self.channel: Channel | None = None
         self.log_dir: Path | None = None
 
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
-
     def start(self) -> None:
         """Start ranks 1..N-1 (or reach those torchrun started), send them the setup and form the process group
         (blocks until every rank is in)."""
-        import torch
+        import torch.distributed as dist
 
         if self.launch is not None:
-            store = tcp_store(self.launch.host, self.launch.port)
-            prefix = f"fed/{self.launch.attempt}"
+            self.channel = self.launch.channel()
         else:
             store = tcp_store("127.0.0.1", 0, serve=True)
-            prefix = "fed"
             self._spawn(f"127.0.0.1:{store.port}")
-        self.channel = Channel(store, prefix)
+            self.channel = Channel(store, "fed")
         self.channel.send({"spec": self.spec, "config": self.config_json, "device": self.device.type,
                            "threads": self.threads, "data": self.data})
-        if self.device.type == "cuda":
-            torch.cuda.set_device(rank_device(self.device, 0))
-        join_group(self.device, store, prefix, 0, self.size)
-        log.info("node of %d ranks (%s%s) up", self.size, self.backend, ", torchrun" if self.launch else "")
+        join_group(rank_device(self.device, 0), self.channel, 0, self.size)
+        log.info("node of %d ranks (%s%s) up", self.size, dist.get_backend(), ", torchrun" if self.launch else "")
 
     def _spawn(self, store: str) -> None:
         for rank in range(1, self.size):
@@ -268,7 +268,7 @@ class Node:
 
         if self.channel is None:
             if self.launch is not None:  # torchrun's followers wait for their setup: none is coming
-                Channel(tcp_store(self.launch.host, self.launch.port), f"fed/{self.launch.attempt}").send(None)
+                self.launch.channel().send(None)
             return
         if self.lost_rank():
             self.kill()
@@ -347,7 +347,7 @@ def _watch_parent(parent: int) -> None:
         time.sleep(PARENT_CHECK_SECONDS)
 
 
-def follow(rank: int, size: int, store: Any, prefix: str) -> int:
+def follow(rank: int, size: int, channel: Channel) -> int:
     """Wait for rank 0's setup, join the process group, then train each job rank 0 sends until it sends None."""
     import torch
     import torch.distributed as dist
@@ -356,7 +356,6 @@ def follow(rank: int, size: int, store: Any, prefix: str) -> int:
     from participant.tensors import load_into
     from shared.config import RunConfig
 
-    channel = Channel(store, prefix)
     setup = channel.receive()
     if setup is None:  # rank 0 ended without training
         return 0
@@ -367,9 +366,7 @@ def follow(rank: int, size: int, store: Any, prefix: str) -> int:
     if setup["data"]:  # local data mode: this host's own data, as rank 0 loaded it
         task.local_data(setup["data"])
     device = rank_device(torch.device(setup["device"]), rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    join_group(device, store, prefix, rank, size)
+    join_group(device, channel, rank, size)
     while (job := channel.receive()) is not None:
         round_config = RunConfig.model_validate_json(job["config"])
         model = load_into(task.build_model(round_config.seed), Path(job["model"]))
@@ -389,7 +386,7 @@ def _train_task(task: Any, indices: list[int], config: Any, device: Any, seed: i
 def follow_launched(launch: Launch) -> int:
     """A follower torchrun started (`fed-participant start` on a rank > 0)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {launch.rank} %(levelname)s %(message)s")
-    return follow(launch.rank, launch.size, tcp_store(launch.host, launch.port), f"fed/{launch.attempt}")
+    return follow(launch.rank, launch.size, launch.channel())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
     host, port = args.store.rsplit(":", 1)
-    return follow(args.rank, args.size, tcp_store(host, int(port)), "fed")
+    return follow(args.rank, args.size, Channel(tcp_store(host, int(port)), "fed"))
 
 
 if __name__ == "__main__":
