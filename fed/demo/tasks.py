@@ -82,7 +82,7 @@ def demo_task(name: str) -> DemoTask:
 def reports_loss(task_spec: str) -> bool:
     """Whether the demo reports a run of this task by its held-out loss (the LM task, any size) rather than by
     its test accuracy."""
-    return task_spec.partition(":")[0] in {lm_meta.TASK.partition(":")[0], hf_meta.TASK.partition(":")[0]}
+    return task_spec.partition(":")[0] == lm_meta.TASK.partition(":")[0] or hf_meta.is_hf(task_spec)
 
 
 def demo_config(participants: int, rounds: int | None = None, kill_one: bool = False,
