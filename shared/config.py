@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.compress import Encoding
+from shared.initial_models import task_model_schema
 from shared.keys import RUN_ID_PATTERN
 from shared.naming import PARTICIPANT_QUEUE_MARK
 from shared.optimizers import OPTIMIZERS
@@ -71,6 +72,10 @@ class Adapter(StrEnum):
 
 
 DIGEST_PATTERN = r"^([0-9a-f]{64})?$"
+# The window `upload_budget` counts a participant's uploads in: a minute of the events' own time (set by S3, not by
+# the uploader), not the round an object names, since any round can be named and each named round would be a
+# budget of its own.
+UPLOAD_WINDOW_SECONDS = 60
 
 
 class HfOptions(BaseModel):
@@ -178,6 +183,12 @@ class RunConfig(BaseModel):
         "clocks, after) it arrives; older copies are refused as replays."
     )
     max_participants: int = Field(1000, ge=1, description="Participants that may join the run at most.")
+    upload_budget: int = Field(
+        1000, ge=1, description="Objects one participant may upload in a minute (UPLOAD_WINDOW_SECONDS, by the "
+        "time S3 stamps on the event), counted at ingest before anything reads the object; past it an object is "
+        "dropped and counted, not recorded nor ticked on. An honest participant's objects are its update per round "
+        "(and the retries of it), a witness proof and a health report per round, and a heartbeat every "
+        "heartbeat_interval: at the fastest rounds measured (about 0.2 s, `make bench-rounds`) about 300 a minute.")
     start_grace: float = Field(
         10.0, ge=0, description="Seconds the run, waiting for members, holds an epoch's start for live joiners not "
         "yet heard from since their join, counted from when the min_clients-th participant it would admit joined: "
@@ -216,8 +227,8 @@ class RunConfig(BaseModel):
         "must hold, named by the content digest (shared.digest) of their canonical safetensors header without "
         "metadata (shared.wire.encode_header); a built-in task's meta module gives its own (e.g. participant.tasks."
         "digits_meta.MODEL_SCHEMA), and a refused offer's reason names the schema it had. Ingest refuses any other "
-        "offer, so no participant can make round 0's global a model the task cannot load; '': any well-formed "
-        "model.")
+        "offer, so no participant can make round 0's global a model the task cannot load; '': the task's own "
+        "where it is a built-in one (shared.initial_models), any well-formed model otherwise.")
     initial_model_digest: str = Field(
         "", pattern=DIGEST_PATTERN, description="The content digest (shared.digest) of the one initial model "
         "the run may start from; ingest refuses every other offer. Pins the initial weights, not only their shapes "
@@ -290,6 +301,17 @@ class RunConfig(BaseModel):
                              "such a run's queues could be another run's participant queues (whose participants "
                              "may create and delete them)")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_schema(cls, data: Any) -> Any:
+        """A run file that pins no initial model gets its built-in task's schema (`shared.initial_models`): the
+        model round 0 starts from is then the task's, not whoever's offer was ingested first."""
+        if isinstance(data, dict) and not data.get("initial_model_schema") and not data.get("initial_model_digest"):
+            task = data.get("task", cls.model_fields["task"].default)
+            if isinstance(task, str) and (schema := task_model_schema(task)):
+                data = {**data, "initial_model_schema": schema}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

@@ -231,6 +231,9 @@ def make_config(**overrides: Any) -> RunConfig:
         run_id=RUN, min_clients=2, min_per_round=2, min_updates=1, total_rounds=3, warmup_time=0,
         max_round_train_time=60, round_witness_time=0, cooldown_time=0, liveness_timeout=600, dataset_size=100,
         max_update_bytes=4096,
+        # no built-in task's (whose initial model's schema the config would take, `shared.initial_models`): the
+        # harness offers and trains MODEL and models of its tests' own
+        task="tests.functional.conftest:MODEL",
     )
     base.update(overrides)
     return RunConfig(**base)

@@ -14,6 +14,7 @@ import pytest
 from coordinator.intake import model_schema
 from participant.tasks import digits_meta, flower_digits_meta, lm_meta
 from shared import keys, wire
+from shared.config import load_config
 from shared.signing import Signer
 from shared.state import Phase
 from tests.functional.conftest import MODEL, Harness
@@ -68,6 +69,37 @@ def test_an_offer_of_another_model_from_the_first_id_is_refused_and_the_run_star
     assert h.offer("alice")["accepted"] is True
     # Then the run starts from hers, and trains
     trains_round_0_from_alices_offer(h)
+
+
+def test_a_run_file_that_pins_nothing_takes_its_tasks_schema_and_refuses_another_shape_from_the_first_id(
+        harness_factory: Callable[..., Harness], tmp_path: Path) -> None:
+    # Given a hand-written run file of the digits task that names no initial model (neither schema nor digest)
+    written = tmp_path / "run.toml"
+    written.write_text('[run]\nrun_id = "by-hand"\nmin_clients = 3\nmin_per_round = 3\nmin_updates = 1\n'
+                       'task = "participant.tasks.digits:task"\n')
+    config = load_config(written)
+    # Then the run takes the schema from its task, not from the first offer ingested
+    assert config.initial_model_schema == digits_meta.MODEL_SCHEMA and config.initial_model_digest == ""
+    settings = {name: getattr(config, name) for name in ("run_id", "min_clients", "min_per_round", "task")}
+    h = harness_factory(**settings, max_update_bytes=1 << 20)
+    join_everyone(h)
+    # When the adversary, first by id, offers a 3x3 model
+    offer = h.offer(ATTACKER, HIJACK)
+    # Then it is refused, with the reason naming what it held and the task's schema
+    assert offer["accepted"] is False
+    assert "weight F32 [3, 3]" in offer["reason"] and digits_meta.MODEL_SCHEMA[:16] in offer["reason"]
+    assert h.state().phase is Phase.WAITING and not h.state().has_model
+    # And once alice offers the digits model, the run starts from hers and aggregates round 0
+    mlp = {name: np.full(spec.shape, 0.01, np.float32) for name, spec in digits_meta.mlp_tensors().items()}
+    assert h.offer("alice", mlp)["accepted"] is True
+    state = h.state()
+    assert state.phase is Phase.TRAIN and state.model_source == "alice"
+    for pid in state.selected:
+        trained = {name: arr + 0.5 for name, arr in mlp.items()}
+        assert h.upload(pid, trained)["accepted"] is True
+    h.scheduled_tick()
+    assert h.state().aggregated == 1
+    assert np.allclose(h.global_model(1)["0.weight"], 0.51)
 
 
 def test_an_offer_overtaking_its_join_is_checked_before_it_is_kept(harness_factory: Callable[..., Harness]) -> None:
