@@ -18,6 +18,7 @@ import os
 import random
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from pathlib import Path
@@ -60,6 +61,11 @@ MULTIPART_THRESHOLD = 2 * PART_BYTES  # smaller objects go in one PUT or GET
 TRANSFER_THREADS = 8  # parts in flight at once, per transfer
 IO_QUEUE_CHUNKS = 32  # downloaded chunks (256 KiB each) waiting to be written to disk, at most
 STOP_POLL = 0.2  # seconds between checks for a stop request while a transfer runs
+# How long an object that must exist (the published config once the run has started, a global model the state names)
+# may answer 403 before the participant takes it as a denial, not as "not there yet", and stops saying so. S3 reads
+# are consistent after a write, so an object the state names is there at once: the wait covers a clock step, a
+# restore in progress, a policy change being propagated.
+DENIED_PATIENCE = 60.0
 
 
 def transfer_config() -> TransferConfig:
@@ -76,6 +82,17 @@ class Stopped(Exception):
 
 class FatalRemoteError(RuntimeError):
     """An AWS error that retrying cannot fix (credentials, permissions)."""
+
+
+class DeniedRead(FatalRemoteError):
+    """A read of an object that must exist kept answering 403: this host's credentials may not read it."""
+
+
+def denied_message(what: str, key: str, seconds: float) -> str:
+    return (f"{what} ({key}) has been refused (403 AccessDenied) for {seconds:.0f} s although the run says it exists: "
+            "this host's credentials may not read the run's objects. Check them with `fed-participant check` (with "
+            "the same --invite, --stack or profile); on AWS, the participant role's policy, the bucket policy and the "
+            "session's tags (docs/deploy.md)")
 
 
 def _error_code(exc: BaseException) -> str:
@@ -143,10 +160,13 @@ def participant_s3_client(endpoint: str | None, region: str) -> Any:
 class Remote:
     """Reads and writes of one participant in one run."""
 
-    def __init__(self, conn: Connection, pid: str, retrier: Retrier, signer: Signer) -> None:
+    def __init__(self, conn: Connection, pid: str, retrier: Retrier, signer: Signer,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.conn, self.run_id, self.pid = conn, conn.run_id, pid
         self.retry = retrier
         self.signer = signer  # every upload carries its signature (shared/signing.py)
+        self.clock = clock
+        self._denied_since: dict[str, float] = {}  # key of an object that must exist -> its first 403 in a row
         self.client = participant_s3_client(conn.endpoint, conn.region)
         # A participant may not list the bucket: S3 answers its read of a missing key 403, which means "not there".
         self.bucket = Bucket(conn.bucket, self.client, unlisted=True)
@@ -163,12 +183,38 @@ class Remote:
                                pushed.roster)
 
     def read_config(self) -> RunConfig | None:
-        """The run's configuration as the coordinator published it; None until its first tick."""
+        """The run's configuration as the coordinator published it; None until its first tick. Once the run has
+        started (its state committed), the config is there: a 403 that lasts DENIED_PATIENCE is a denial
+        (`DeniedRead`), said plainly instead of waiting forever."""
+        key = keys.config_key(self.run_id)
         try:
-            blob = self.retry.call("reading the run config", self.bucket.get, keys.config_key(self.run_id))
-        except NotFound:
+            blob = self.retry.call("reading the run config", self.bucket.get, key)
+        except NotFound as exc:
+            seconds = self._denied_for(key, exc)
+            if seconds >= DENIED_PATIENCE and self.read_state().version > 0:
+                raise DeniedRead(denied_message("the run config", key, seconds)) from None
             return None
+        self._denied_since.pop(key, None)
         return RunConfig.model_validate_json(blob.data)
+
+    def must_exist(self, key: str, exc: NotFound, what: str) -> None:
+        """Note that `key`, which the run says exists, was not found: a 403 that lasts DENIED_PATIENCE raises
+        `DeniedRead`. A plain 404, or a 403 of a caller that may list the bucket, is "not there" (nothing noted)."""
+        seconds = self._denied_for(key, exc)
+        if seconds >= DENIED_PATIENCE:
+            raise DeniedRead(denied_message(what, key, seconds)) from None
+
+    def found(self, key: str) -> None:
+        """`key` was read: a 403 before it was not a denial."""
+        self._denied_since.pop(key, None)
+
+    def _denied_for(self, key: str, exc: NotFound) -> float:
+        """Seconds `key` has answered 403 in a row (0 for a NotFound that is no 403)."""
+        if not exc.denied:
+            self._denied_since.pop(key, None)
+            return 0.0
+        now = self.clock()
+        return now - self._denied_since.setdefault(key, now)
 
     def participant_record(self) -> ParticipantRecord | None:
         """Our participant record (joined_at, last_seen, ready_epoch), or None before the join is recorded."""
@@ -248,7 +294,7 @@ class Remote:
                 self.conn.bucket, key, out, extra_args=extra, subscribers=subscribers), progress, 0)
         except ClientError as exc:
             if _error_code(exc) in MISSING_CODES | UNLISTED_MISSING_CODES:  # (403: see Bucket's `unlisted`)
-                raise NotFound(key) from None
+                raise NotFound(key, denied=_error_code(exc) in UNLISTED_MISSING_CODES) from None
             raise
 
     # --- writes -----------------------------------------------------------------------------------

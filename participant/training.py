@@ -343,9 +343,11 @@ class Training:
                     log.info("round %d: rebuilt the global model from the previous one and its %s delta (%d bytes "
                              "downloaded)", action.round, config.download, fetched)
             self.downloaded += fetched
-        except NotFound:
+        except NotFound as exc:
+            self.remote.must_exist(key, exc, f"the global model of round {action.round}")
             log.warning("round %d: the global model %s is not in the bucket yet; retrying", action.round, key)
             return False
+        self.remote.found(key)
         if got != action.digest:
             unverified.unlink(missing_ok=True)
             log.warning("round %d: downloaded global model has digest %s, the run says %s; retrying",

@@ -21,7 +21,13 @@ COPY_CONFIG = TransferConfig(multipart_threshold=5 * 1000**3, multipart_chunksiz
 
 
 class NotFound(Exception):
-    pass
+    """A missing key, version or range. `denied`: the answer was S3's 403 to a caller that may not list the bucket,
+    which is all S3 says of a missing key to such a caller, and also what it says of a key the caller may not read:
+    the caller that knows the object must exist (`participant.remote.Remote.must_exist`) tells the two apart."""
+
+    def __init__(self, *args: object, denied: bool = False) -> None:
+        super().__init__(*args)
+        self.denied = denied
 
 
 class UploadGone(Exception):
@@ -142,7 +148,10 @@ class Bucket:
 
     def _missing(self, exc: ClientError) -> bool:
         code = exc.response["Error"]["Code"]
-        return code in MISSING_CODES or (self.unlisted and code in UNLISTED_MISSING_CODES)
+        return code in MISSING_CODES or self._denied(exc)
+
+    def _denied(self, exc: ClientError) -> bool:
+        return self.unlisted and exc.response["Error"]["Code"] in UNLISTED_MISSING_CODES
 
     # --- versions known to hold what the coordinator wrote ------------------------------------------------
 
@@ -176,7 +185,7 @@ class Bucket:
             code = exc.response["Error"]["Code"]
             # (a version id S3 cannot parse is answered InvalidArgument: no such version either)
             if self._missing(exc) or code == "InvalidRange" or (version_id and code == "InvalidArgument"):
-                raise NotFound(f"{key}: {exc}" if "Range" in extra else key) from None
+                raise NotFound(f"{key}: {exc}" if "Range" in extra else key, denied=self._denied(exc)) from None
             raise
 
     def get(self, key: str, max_bytes: int | None = None, version_id: str = "") -> Blob:
