@@ -98,6 +98,12 @@ class ParticipantError(RuntimeError):
     """A problem the participant cannot work around (wrong task, wrong run, bad device); exit 1."""
 
 
+class ForeignInitialModel(ParticipantError):
+    """Round 0's global model is not the initial model our task builds from the run's seed: the run adopted
+    another participant's weights. Training on them would lend our work to a model we never agreed to start from,
+    so the participant stops (exit 1) and says which model it was and which one it expected."""
+
+
 class UnfitModel(ParticipantError):
     """The run's global model does not fit our task (its tensors' names, shapes or dtypes). Not ours to train from,
     and no reason to leave the run: the participant says so and waits for another global model."""

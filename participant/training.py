@@ -29,7 +29,7 @@ from participant.compressed import Residual, write_update
 from participant.decide import Fetch, Train
 from participant.delta_fetch import rebuild_from_delta
 from participant.journal import JournalKeeper
-from participant.protocol import ParticipantError, UnfitModel, closed_while_training
+from participant.protocol import ForeignInitialModel, ParticipantError, UnfitModel, closed_while_training
 from participant.remote import Remote, Stopped
 from participant.ui import Reporter
 from shared import keys
@@ -279,13 +279,39 @@ class Training:
         self.global_evals: dict[str, dict[str, float]] = {}  # the held global model's evaluation, by digest
         self.downloaded = 0  # bytes of global models (or their deltas) downloaded by this process
         self.update_sent_at = -math.inf  # time.monotonic() of our last update upload (ingest takes it as a heartbeat)
+        self.initial_digest = ""  # the digest of the initial model our task builds from the run's seed, once known
 
-    def offer_model(self, work: Workload) -> None:
+    def _initial_file(self, work: Workload) -> Path:
+        """The initial model our task builds from the run's seed, written to the outbox (the caller removes it)."""
         from participant.tensors import save_model
 
         path = save_model(work.task.build_model(work.config.seed), self.outbox / f"init{MODEL_SUFFIX}")
+        self.initial_digest = digest_file(path)
+        return path
+
+    def own_initial_digest(self, work: Workload) -> str:
+        """The digest of the initial model our task builds (the bytes we offer, the same on every honest host)."""
+        if not self.initial_digest:
+            self._initial_file(work).unlink(missing_ok=True)
+        return self.initial_digest
+
+    def check_initial_model(self, work: Workload, action: Fetch) -> None:
+        """Refuse to train from a round 0 whose global model is not our own initial model (ForeignInitialModel).
+        Ingest already refuses offers that the run's pin (`initial_model_digest`, or the schema) rules out; this is
+        the check that holds where the run file pins nothing the coordinator can check weights against."""
+        if action.round != 0:
+            return
+        own = self.own_initial_digest(work)
+        if action.digest != own:
+            raise ForeignInitialModel(
+                f"round 0's global model {action.digest[:16]} is not the initial model task {work.spec} builds "
+                f"from the run's seed ({own[:16]}): the run adopted another participant's weights; not training "
+                "on them (pin the initial model with initial_model_digest, as `fed run init` writes it)")
+
+    def offer_model(self, work: Workload) -> None:
+        path = self._initial_file(work)
         try:
-            size, content_digest = path.stat().st_size, digest_file(path)
+            size, content_digest = path.stat().st_size, self.initial_digest
             with self.ui.track("offer the initial model", size, "bytes") as up:
                 self.remote.upload_file(keys.init_key(self.run_id, self.pid), path, "offering the initial model", up,
                                         content_digest)
@@ -301,6 +327,7 @@ class Training:
         not available yet (asked again at the next poll)."""
         from participant.tensors import TensorMismatch, check_fits
 
+        self.check_initial_model(work, action)
         path = self.cache_dir / f"{action.digest}{MODEL_SUFFIX}"
         source = "cache"
         if path.exists() and digest_file(path) != action.digest:

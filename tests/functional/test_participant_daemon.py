@@ -23,9 +23,9 @@ from coordinator import service
 from functions import ingest, tick
 from local.context import LocalContext
 from participant.daemon import Daemon, Options
-from participant.decide import Wait
 from participant.journal import JournalFile
-from participant.protocol import ParticipantError, ParticipantExit
+from participant.protocol import ForeignInitialModel, ParticipantError, ParticipantExit
+from participant.tasks import digits_meta
 from participant.tasks.digits import Digits
 from participant.tensors import from_bytes, load_into
 from participant.training import train_seed
@@ -303,36 +303,27 @@ def test_a_dataset_size_the_task_does_not_have_is_a_clear_error(run: Callable[..
         alice.wait()
 
 
-def test_a_global_model_that_does_not_fit_the_task_is_reported_and_waited_out(
+def test_a_round_0_model_other_than_the_one_its_task_builds_stops_the_participant_with_the_reason(
         run: Callable[..., Harness], tmp_path: Path) -> None:
-    # Given a run that names no initial model, whose first epoch starts from a 3x3 model offered by "adversary"
+    # Given a run whose file pins no initial model (its task is no built-in one: no schema either), whose first epoch
+    # starts from "adversary"'s offer, first by id: the digits model's tensors with weights of its own
     harness = run(min_clients=2, min_per_round=2)
     harness.join_alive("adversary")
-    assert harness.offer("adversary", {"weight": np.ones((3, 3), np.float32)})["accepted"] is True
-    reported = threading.Event()
-
-    def watch(daemon: Daemon) -> None:
-        waiting = daemon._waiting
-
-        def hooked(action: Wait, new_reason: bool) -> None:
-            waiting(action, new_reason)
-            if "does not fit" in action.reason:
-                reported.set()
-
-        daemon._waiting = hooked  # type: ignore[method-assign]
-
+    other = {name: np.full(spec.shape, 0.25, np.float32) for name, spec in digits_meta.mlp_tensors().items()}
+    assert harness.offer("adversary", other)["accepted"] is True
     # When alice, of the digits task, joins the run
-    alice = Participant(harness, "alice", tmp_path / "alice", prepare=watch)
-    deadline = time.monotonic() + DEADLINE
-    while not reported.wait(0.05):
-        assert alice.thread.is_alive(), f"alice exited: {alice.error or alice.outcome}"
-        assert time.monotonic() < deadline, "alice never reported the global model that does not fit"
-    # Then she reports it (her heartbeats carry it as her activity) and keeps waiting for another global model
+    alice = Participant(harness, "alice", tmp_path / "alice")
+    # Then she refuses to train on it: she stops, saying which model the run adopted and which one her task builds
+    with pytest.raises(ForeignInitialModel) as refused:
+        alice.wait()
     state = harness.state()
-    assert state.model_source == "adversary" and alice.thread.is_alive()
-    assert "does not fit our task" in alice.daemon.activity
-    alice.stop.set()
-    assert alice.wait().reason == "stopped"
+    assert state.model_source == "adversary"
+    own = alice.daemon.training.initial_digest
+    assert own and own != state.global_digest
+    assert f"round 0's global model {state.global_digest[:16]} is not the initial model" in str(refused.value)
+    assert own[:16] in str(refused.value)
+    # and she trained nothing on it
+    assert harness.deps.store.updates(0) == {}
 
 
 def test_the_final_model_is_the_one_evaluated(run: Callable[..., Harness], tmp_path: Path) -> None:
