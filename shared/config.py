@@ -76,6 +76,10 @@ DIGEST_PATTERN = r"^([0-9a-f]{64})?$"
 # the uploader), not the round an object names, since any round can be named and each named round would be a
 # budget of its own.
 UPLOAD_WINDOW_SECONDS = 60
+# The window `upload_budget` counts a participant's uploads in: a minute of the events' own time (set by S3, not by
+# the uploader), not the round an object names, since any round can be named and each named round would be a
+# budget of its own.
+UPLOAD_WINDOW_SECONDS = 60
 
 
 class HfOptions(BaseModel):
@@ -183,6 +187,12 @@ class RunConfig(BaseModel):
         "clocks, after) it arrives; older copies are refused as replays."
     )
     max_participants: int = Field(1000, ge=1, description="Participants that may join the run at most.")
+    upload_budget: int = Field(
+        1000, ge=1, description="Objects one participant may upload in a minute (UPLOAD_WINDOW_SECONDS, by the "
+        "time S3 stamps on the event), counted at ingest before anything reads the object; past it an object is "
+        "dropped and counted, not recorded nor ticked on. An honest participant's objects are its update per round "
+        "(and the retries of it), a witness proof and a health report per round, and a heartbeat every "
+        "heartbeat_interval: at the fastest rounds measured (about 0.2 s, `make bench-rounds`) about 300 a minute.")
     upload_budget: int = Field(
         1000, ge=1, description="Objects one participant may upload in a minute (UPLOAD_WINDOW_SECONDS, by the "
         "time S3 stamps on the event), counted at ingest before anything reads the object; past it an object is "

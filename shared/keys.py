@@ -29,6 +29,7 @@ part matched whole, and a key is accepted only if formatting what was parsed giv
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 from enum import StrEnum
@@ -232,6 +233,37 @@ def coordinator_key_patterns(run_id: str) -> tuple[str, ...]:
     any_round = f"{rounds_prefix(run_id)}*/"
     return (*(f"{any_round}{folder}/*" for folder in COORDINATOR_ROUND_FOLDERS),
             f"{roster_prefix(run_id)}*", f"{checkpoints_prefix(run_id)}*", manifest_key(run_id), config_key(run_id))
+
+
+# What the participant role's session tag (its id) may hold, as its trust and policy conditions admit it
+# (`infra.participants`): 1-63 characters, none of these, not a reserved name (in any case).
+_NOT_IN_TAG_IDS = frozenset("/.:=+@ ")
+_TAG_ID_MAX = 63
+
+
+def uploader(run_id: str, key: str) -> str | None:
+    """Whose upload a key can be, read from the key alone as the participant role grants writes
+    (`infra.layout.participant_writes`): join/<id>, init/<id>, heartbeat/<id>, and anything below rounds/ that ends
+    in /<id> (IAM's `*` spans '/', so at any depth), <id> being a value the session tag may hold. A key need not
+    parse (`parse_key`) to have an uploader: junk at depth under a participant's keys is that participant's. None
+    for a key no participant session can write: outside the run, or the coordinator's (`coordinator_key_patterns`).
+    """
+    prefix = run_prefix(run_id)
+    if not key.startswith(prefix):
+        return None
+    rest = key[len(prefix):]
+    folder, _, tail = rest.partition("/")
+    if folder in ("join", "init", "heartbeat"):
+        pid = tail
+    elif folder == "rounds" and "/" in tail:
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in coordinator_key_patterns(run_id)):
+            return None
+        pid = tail.rsplit("/", 1)[1]
+    else:
+        return None
+    if not 0 < len(pid) <= _TAG_ID_MAX or not _NOT_IN_TAG_IDS.isdisjoint(pid) or pid.lower() in RESERVED_IDS:
+        return None
+    return pid
 
 
 @dataclass(frozen=True)

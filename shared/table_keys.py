@@ -11,6 +11,8 @@ One table per run, keys `pk` / `sk`:
     RUN#<run>  COUNT#participants       how many participants have joined (bounded by max_participants)
     RUN#<run>  COUNT#U#<round>          how many update records the round has (ingest ticks on the last one)
     RUN#<run>  X#<hash of key, etag>    an object refused outside any round slot, with the reason
+    RUN#<run>  upload#<window>#<participant>  objects a participant uploaded in one budget window (expires)
+    RUN#<run>  dropped#<participant>    objects of a participant dropped over its upload budget, in all
     RUN#<run>  host#<host>              a host (a participant outside AWS): invited, active or revoked
     RUN#<run>  hostnonce#<host>#<nonce> a renewal's nonce, once used (expires)
     RUN#<run>  hostrate#<host or *>#<minute>  requests to the credential endpoint in one minute (expires)
@@ -68,6 +70,19 @@ def health_sk(round_no: int, pid: str = "") -> str:
 
 def refusal_sk(key: str, etag: str) -> str:
     return "X#" + hashlib.sha256(f"{key}\n{etag}".encode()).hexdigest()[:40]
+
+
+UPLOAD_COUNT_PREFIX = "upload#"
+DROPPED_PREFIX = "dropped#"
+
+
+def upload_count_sk(window: int, pid: str) -> str:
+    """The upload counter of participant `pid` in budget window `window` (epoch seconds // the window's length)."""
+    return f"{UPLOAD_COUNT_PREFIX}{window}#{pid}"
+
+
+def dropped_sk(pid: str) -> str:
+    return f"{DROPPED_PREFIX}{pid}"
 
 
 TTL_ATTRIBUTE = "expires_at"  # DynamoDB deletes an item some time after this epoch second (the table's TTL setting)

@@ -156,6 +156,21 @@ class HostRateItem(_Item):
     expires_at = NumberAttribute(attr_name=TTL_ATTRIBUTE)
 
 
+class UploadCountItem(_Item):
+    """Objects one participant uploaded in one budget window (`store.budget`): `n` within the budget."""
+
+    n = NumberAttribute(default=0)
+    expires_at = NumberAttribute(attr_name=TTL_ATTRIBUTE)
+
+
+class DroppedItem(_Item):
+    """Objects of one participant dropped over its upload budget, counted here rather than recorded one by one."""
+
+    pid = UnicodeAttribute(default="")
+    n = NumberAttribute(default=0)
+    last_at = NumberAttribute(default=0)
+
+
 class HostRefusalItem(_Item):
     pid = UnicodeAttribute()  # the host the request named; shared.hosts.UNKNOWN_HOST if none valid
     reason = UnicodeAttribute()
@@ -195,6 +210,8 @@ class Models:
         self.host_nonce = self._bind(HostNonceItem, table, host, region)
         self.host_rate = self._bind(HostRateItem, table, host, region)
         self.host_refusal = self._bind(HostRefusalItem, table, host, region)
+        self.upload_count = self._bind(UploadCountItem, table, host, region)
+        self.dropped = self._bind(DroppedItem, table, host, region)
 
     def _bind(self, cls: type[_Item], table: str, host: str | None, region: str) -> Any:
         meta = type("Meta", (), {"table_name": table, "host": host, "region": region,

@@ -32,6 +32,7 @@ from shared.table_keys import (
     run_pk,
 )
 from store.blobs import Bucket, s3_client
+from store.budget import UploadBudgets
 from store.connection import Connection as ConnectionInfo
 from store.records import (
     GLOBAL,
@@ -78,9 +79,10 @@ def named_objects(run_id: str, state: RunState, roster: str) -> dict[str, str]:
     return named
 
 
-class StateStore(RoundRecords):
+class StateStore(RoundRecords, UploadBudgets):
     """The run's table: its state item (read, committed with a version condition), the aggregation leases, the
-    participant records; the per-round records ingest keeps are `RoundRecords`'."""
+    participant records; the per-round records ingest keeps are `RoundRecords`', the upload budgets
+    `UploadBudgets`'."""
 
 
     def __init__(self, table: str, run_id: str, bucket: Bucket, endpoint: str | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from coordinator.deps import Deps
 from coordinator.intake import health, heartbeat, join, offer, proof, update
+from coordinator.intake.budget import over_budget
 from coordinator.intake.common import Ingested, ObjectCreated, refuse
 from coordinator.intake.common import signed_model as _signed_model  # (benchmarks/big_loop.py: one ingest alone)
 from coordinator.intake.offer import initial_model_problem, model_schema
@@ -22,6 +23,8 @@ __all__ = ["ObjectCreated", "Ingested", "ingest_object", "initial_model_problem"
 
 
 def ingest_object(deps: Deps, obj: ObjectCreated) -> Ingested:
+    if (dropped := over_budget(deps, obj)) is not None:  # first: a flood costs one write an object, whatever it is
+        return dropped
     try:
         parsed = keys.parse_key(obj.key)
     except KeyError_ as exc:

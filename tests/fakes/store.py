@@ -11,6 +11,7 @@ or already the holder's. Each write is atomic (one lock), as DynamoDB's are.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -19,15 +20,18 @@ from typing import Any
 from pynamodb.exceptions import DoesNotExist, UpdateError
 from pynamodb.expressions.condition import BeginsWith
 
+from shared.config import UPLOAD_WINDOW_SECONDS
 from shared.state import RoundSummary, RunState
 from shared.table_keys import (
     PARTICIPANT_COUNT_SK,
     STATE_SK,
+    dropped_sk,
     lease_sk,
     offer_sk,
     participant_sk,
     run_pk,
     update_count_sk,
+    upload_count_sk,
 )
 from store import records
 from store.blobs import Bucket
@@ -68,7 +72,8 @@ class FakeStateStore(StateStore):
             ("run", records.RunItem), ("participant", records.ParticipantItem), ("update", records.UpdateItem),
             ("offer", records.OfferItem), ("round", records.RoundItem), ("refusal", records.RefusalItem),
             ("counter", records.CounterItem), ("lease", records.LeaseItem), ("proof", records.ProofItem),
-            ("health", records.HealthItem), ("host", records.HostItem))})
+            ("health", records.HealthItem), ("host", records.HostItem), ("upload_count", records.UploadCountItem),
+            ("dropped", records.DroppedItem))})
         self.rosters = Rosters(bucket, run_id)
 
     # --- the table's items ----------------------------------------------------------------------------------
@@ -168,6 +173,18 @@ class FakeStateStore(StateStore):
             if item is None:
                 raise UpdateError(f"no participant {pid} to record an offer for")
             self._put(item, init_digest=digest, init_version=version_id)
+
+    def count_upload(self, pid: str, at: float, budget: int) -> bool:
+        window = int(at // UPLOAD_WINDOW_SECONDS)
+        with self._lock:
+            item = self._get(self.m.upload_count, upload_count_sk(window, pid))
+            item = item or self.m.upload_count(self.pk, upload_count_sk(window, pid))
+            if item.n < budget:
+                self._put(item, n=item.n + 1, expires_at=(window + 2) * UPLOAD_WINDOW_SECONDS)
+                return True
+            dropped = self._get(self.m.dropped, dropped_sk(pid)) or self.m.dropped(self.pk, dropped_sk(pid), pid=pid)
+            self._put(dropped, n=dropped.n + 1, last_at=math.ceil(at))
+            return False
 
     def count_update(self, round_no: int) -> int:
         with self._lock:

@@ -303,3 +303,14 @@ def test_copies_and_listing(stores: Stores) -> None:
         bucket.copy("runs/x/missing", "runs/x/dst2")
     resp, chunks = bucket.stream("runs/x/src", chunk=4)
     assert b"".join(chunks) == b"second" and resp["ContentLength"] == 6
+
+
+def test_uploads_are_counted_within_the_budget_and_dropped_past_it(stores: Stores) -> None:
+    s, at = stores.store, 1_000_000_030.0  # (a window is a minute: 1_000_000_020 to _080)
+    assert [s.count_upload("mallory", at + i, budget=3) for i in range(5)] == [True, True, True, False, False]
+    assert s.count_upload("alice", at, budget=3)  # another participant's budget
+    assert s.count_upload("mallory", at + 60, budget=3)  # the next window's
+    assert s.uploads_counted("mallory", at) == 3 and s.uploads_counted("mallory", at + 60) == 1
+    dropped = s.dropped_uploads()
+    assert set(dropped) == {"mallory"}
+    assert (dropped["mallory"].dropped, dropped["mallory"].last_at) == (2, at + 4)
