@@ -434,8 +434,12 @@ def _set_paused(run: str | None, connection_file: Path | None, stack: str | None
 
 @run_app.command("init")
 def run_init(
-    source: str = typer.Option(..., "--from", metavar="DIR", help="A Hugging Face causal LM: a directory "
-                               "(config.json, tokenizer, safetensors weights) or a hub id in this machine's cache."),
+    source: str | None = typer.Option(None, "--from", metavar="DIR", help="A Hugging Face causal LM: a directory "
+                                      "(config.json, tokenizer, safetensors weights) or a hub id in this machine's "
+                                      "cache."),
+    task: str | None = typer.Option(None, "--task", metavar="NAME", help="Instead of --from: a built-in task "
+                                    "(digits, lm, flower) or a module:object of your own."),
+    seed: int = typer.Option(0, "--seed", min=0, help="With --task: the run's seed, which builds the initial model."),
     run_id: str = typer.Option("my-run", "--run-id", help="The new run's id (3-40 characters of a-z, 0-9, '-')."),
     adapter: str = typer.Option("none", "--adapter", metavar="none|lora", help="lora: train low-rank adapters "
                                 "on the frozen model (the base is then recorded by digest too)."),
@@ -444,11 +448,16 @@ def run_init(
 ) -> None:
     """Start a run from a Hugging Face model: print a run file naming it, with its config's, tokenizer's (and with
     --adapter lora its weights') digests, its training set size and initial model schema, read from the model
-    itself. Run it with `fed local --config FILE` or deploy it; every participant checks it holds the same model."""
+    itself. Run it with `fed local --config FILE` or deploy it; every participant checks it holds the same model.
+    Either way (--from, or --task), the run file pins the initial model by its digest: ingest refuses any other
+    offer, and a participant refuses to train on any other round 0."""
     from fed.demo.errors import DemoFailed
     from fed.demo.hf import described_settings, run_toml
     from shared.config import Adapter, ConfigError, HfOptions, parse_config
 
+    if (source is None) == (task is None):
+        err.print("[red]give --from DIR (a Hugging Face model) or --task NAME[/]")
+        raise typer.Exit(2)
     if adapter not in {a.value for a in Adapter}:
         err.print(f"[red]--adapter {adapter!r}: none or lora[/]")
         raise typer.Exit(2)
@@ -456,10 +465,16 @@ def run_init(
         err.print(f"[red]{out} exists: choose a new file[/]")
         raise typer.Exit(2)
     try:
-        text = run_toml(run_id, described_settings(source, HfOptions(adapter=Adapter(adapter))))
+        if task is not None:
+            from fed.demo.pin import task_run_toml, task_spec
+
+            text = task_run_toml(run_id, task_spec(task), seed)
+        else:
+            assert source is not None
+            text = run_toml(run_id, described_settings(source, HfOptions(adapter=Adapter(adapter))))
         parse_config(tomllib.loads(text), "the run file")  # (a run id the config refuses says so here)
     except (DemoFailed, ConfigError) as exc:
-        err.print(f"[red]cannot start a run from {source}: {exc}[/]")
+        err.print(f"[red]cannot start a run from {source or task}: {exc}[/]")
         raise typer.Exit(1) from None
     if out is None:
         print(text, end="")

@@ -48,11 +48,13 @@ def hf_settings(model: str | None, adapter: str | None) -> dict[str, Any]:
 
 def described_settings(source: str, options: HfOptions) -> dict[str, Any]:
     """A run's settings for the model at `source` under `options`: `hf` (options with the model's digests),
-    `dataset_size` and `initial_model_schema`, as the model itself gives them; DemoFailed if it cannot be read."""
+    `dataset_size`, `initial_model_schema` and `initial_model_digest` (the model a participant builds from these
+    files and seed 0, which `seed` names), as the model itself gives them; DemoFailed if it cannot be read."""
     described = json.loads(_run(["participant.tasks.hf", "describe", source, "--options",
                                  options.model_dump_json()], f"reading the model {source}"))
     return {"hf": options.model_copy(update=described["hf"]), "dataset_size": described["dataset_size"],
-            "initial_model_schema": described["initial_model_schema"]}
+            "initial_model_schema": described["initial_model_schema"],
+            "initial_model_digest": described["initial_model_digest"], "seed": 0}
 
 
 def run_toml(run_id: str, settings: dict[str, Any]) -> str:
@@ -63,7 +65,17 @@ def run_toml(run_id: str, settings: dict[str, Any]) -> str:
              "# Every other [run] key keeps its default (shared/config.py: RunConfig); learning_rate and batch_size",
              "# are the first to tune.", "", "[run]", f"run_id = {json.dumps(run_id)}",
              f"task = {json.dumps(hf_meta.TASK)}", f"dataset_size = {settings['dataset_size']}",
-             f"initial_model_schema = {json.dumps(settings['initial_model_schema'])}", "", "[run.hf]"]
+             *pin_lines(settings), "", "[run.hf]"]
     for name, value in hf.model_dump(mode="json", exclude_defaults=True).items():
         lines.append(f"{name} = {json.dumps(value)}")
     return "\n".join(lines) + "\n"
+
+
+def pin_lines(settings: dict[str, Any]) -> list[str]:
+    """The run file's lines that pin its initial model: the seed it is built from, its schema and its digest (ingest
+    refuses every other offer, and a participant refuses to train on any other round 0)."""
+    return ["# The initial model every participant builds from the seed below: ingest refuses any other offer.",
+            "# Another seed builds another model: run `fed run init` again for it.",
+            f"seed = {settings['seed']}",
+            f"initial_model_schema = {json.dumps(settings['initial_model_schema'])}",
+            f"initial_model_digest = {json.dumps(settings['initial_model_digest'])}"]

@@ -326,19 +326,26 @@ task = HfFactory()
 
 def describe(source: str, options: HfOptions | None = None) -> dict[str, Any]:
     """What a run of this model records: `[run.hf]` digests (and the base's, with adapters), the training set's size
-    and the initial model's schema."""
-    from participant.tensors import specs_of
-    from shared.digest import digest
+    and the initial model's schema, and the digest of the initial model a participant builds from these files and
+    seed 0 (the bytes it offers: `initial_model_digest`)."""
+    import tempfile
+
+    from participant.tensors import save_model, specs_of
+    from shared.digest import digest, digest_file
     from shared.wire import TensorSpec, encode_header
 
     opts = (options or HfOptions()).model_copy(update={"model": source})
     hf_task = HfTask(opts, source)
-    specs = specs_of(hf_task.build_model(0))
+    model = hf_task.build_model(0)
+    specs = specs_of(model)
+    with tempfile.TemporaryDirectory() as scratch:
+        initial = digest_file(save_model(model, Path(scratch) / "init.safetensors"))
     header = {name: TensorSpec(_dtype_name(dtype), shape) for name, (shape, dtype) in specs.items()}
     named = hf_task.identity
     return {"hf": {"model": source, "config_digest": named["config"], "tokenizer_digest": named["tokenizer"],
                    "base_digest": named.get("base", "")},
             "dataset_size": hf_task.train_size, "initial_model_schema": digest(encode_header(header)),
+            "initial_model_digest": initial,
             "parameters": sum(math.prod(shape) for shape, _ in specs.values())}
 
 
