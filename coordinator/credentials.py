@@ -1,9 +1,16 @@
 """The credential endpoint's service: a host redeems its invite once, then renews by signed requests; each accepted
 request is answered with STS credentials for the participant role, tagged with the host's id.
 
-Every request is first counted against the limit over all hosts, so that whatever arrives, at most that many a
-minute cost more than one counter write; each one past it records its refusal (`store.hosts`). The rules are
-`shared.hosts`'; the answers are (HTTP status, JSON body), the body `{"error": reason}` for a refusal.
+A request is verified first, then counted. One that proves its sender (the invite's secret, or a renewal signed by
+the host's bound key, in time and with a fresh nonce) spends its host's budget and the one of all hosts
+(`HostLimits`); every other one (malformed, no invite, a wrong secret or signature, stale or replayed) spends only
+the unverified budget, so that no flood of them, at any rate, refuses a host that proves itself. Past its budget an
+unverified request is answered 429 and only counted; within it, its refusal is kept in the one record of its host
+and kind (`store.hosts`), under UNKNOWN_HOST where the id it names is not invited. No id, secret or signature that
+does not match is told apart in the answer (NOT_ACCEPTED): the record keeps the reason for the operator.
+
+The rules are `shared.hosts`'; the answers are (HTTP status, JSON body), the body `shared.hosts.error_body` for a
+refusal, `temporary` where the host should try again with backoff.
 """
 
 from __future__ import annotations
@@ -18,21 +25,27 @@ import boto3
 from botocore.config import Config
 
 from shared.hosts import (
+    NOT_ACCEPTED,
     REDEEM_PATH,
     RENEW_PATH,
     REPLAYED,
     UNKNOWN_HOST,
     HostLimits,
+    HostRecord,
+    RefusalKind,
     credential_answer,
     error_body,
     redeem_refusal,
+    redeem_verified,
     renew_refusal,
+    renew_verified,
     secret_hash,
+    skew_refusal,
 )
 from shared.keys import KeyError_, validate_participant_id
 from shared.messages import MessageError, RedeemRequest, RenewRequest, parse_message
 from shared.naming import PARTICIPANT_TAG
-from shared.table_keys import ALL_HOSTS
+from shared.table_keys import ALL_HOSTS, UNVERIFIED
 from store.hosts import HostStore
 
 # (host id, lifetime in seconds) -> the four fields of `shared.messages.IssuedCredentials`
@@ -64,43 +77,66 @@ def build_credential_deps(run_id: str, bucket: str, table: str, endpoint: str | 
 def answer(deps: CredentialDeps, method: str, path: str, body: bytes, now: float) -> Answer:
     """The answer to one request to the endpoint."""
     limits = deps.limits
-    if not deps.store.count_request(ALL_HOSTS, now, limits.all_hosts_per_minute):
-        return 429, error_body("too many requests to the credential endpoint; try again in a minute")
     if len(body) > limits.max_body_bytes:
-        return _refused(deps, 413, UNKNOWN_HOST, f"the body is larger than {limits.max_body_bytes} bytes", now)
+        return _malformed(deps, 413, f"the body is larger than {limits.max_body_bytes} bytes", now)
     if method != "POST":
-        return _refused(deps, 405, UNKNOWN_HOST, "only POST is answered", now)
+        return _malformed(deps, 405, "only POST is answered", now)
     route = ROUTES.get(path)
     if route is None:
-        return _refused(deps, 404, UNKNOWN_HOST, f"no such path: POST {REDEEM_PATH} or {RENEW_PATH}", now)
+        return _malformed(deps, 404, f"no such path: POST {REDEEM_PATH} or {RENEW_PATH}", now)
     try:
         request = parse_message(route, body)
     except MessageError as exc:
-        return _refused(deps, 400, claimed_host(body), str(exc), now)
-    if not deps.store.count_request(request.host, now, limits.per_host_per_minute):
-        return 429, error_body(f"too many requests for host {request.host}; try again in a minute")
+        return _malformed(deps, 400, str(exc), now, claimed_host(body))
+    record = deps.store.get(request.host)
     if isinstance(request, RedeemRequest):
-        return _redeem(deps, request, now)
-    return _renew(deps, request, now)
+        return _redeem(deps, record, request, now)
+    return _renew(deps, record, request, now)
 
 
-def _redeem(deps: CredentialDeps, request: RedeemRequest, now: float) -> Answer:
-    reason = redeem_refusal(deps.store.get(request.host), request, now)
+def _redeem(deps: CredentialDeps, record: HostRecord | None, request: RedeemRequest, now: float) -> Answer:
+    if not redeem_verified(record, request):
+        return _unverified(deps, record, redeem_refusal(record, request, now) or "wrong secret", now)
+    spent = _spend(deps, request.host, now)
+    if spent is not None:
+        return spent
+    reason = redeem_refusal(record, request, now)
     if reason is None and not deps.store.redeem(request.host, secret_hash(request.secret), request.public_key, now):
         # another redemption (or a new invite) came first: say what it left
         reason = redeem_refusal(deps.store.get(request.host), request, now) or "invite already redeemed"
     if reason is not None:
-        return _refused(deps, 403, request.host, reason, now)
+        return _refused(deps, request.host, reason, now)
     return _credentials(deps, request.host, now)
 
 
-def _renew(deps: CredentialDeps, request: RenewRequest, now: float) -> Answer:
-    reason = renew_refusal(deps.store.get(request.host), request, now, deps.limits)
-    if reason is None and not deps.store.use_nonce(request.host, request.nonce, now, deps.limits.nonce_seconds):
-        reason = REPLAYED
+def _renew(deps: CredentialDeps, record: HostRecord | None, request: RenewRequest, now: float) -> Answer:
+    if not renew_verified(record, request):
+        why = renew_refusal(record, request, now, deps.limits) or "signature does not match the host's key"
+        return _unverified(deps, record, why, now)
+    # Signed, but a copy of an old renewal is signed too: out of its time window or with its nonce used, it spends
+    # no host's budget. The host's own retry after a lost answer lands here as well, so it is told to try again.
+    stale = skew_refusal(request, now, deps.limits)
+    if stale is None and not deps.store.use_nonce(request.host, request.nonce, now, deps.limits.nonce_seconds):
+        stale = REPLAYED
+    if stale is not None:
+        return _not_proven(deps, 403, request.host, RefusalKind.STALE, stale, error_body(stale, temporary=True), now)
+    spent = _spend(deps, request.host, now)
+    if spent is not None:
+        return spent
+    reason = renew_refusal(record, request, now, deps.limits)
     if reason is not None:
-        return _refused(deps, 403, request.host, reason, now)
+        return _refused(deps, request.host, reason, now)
     return _credentials(deps, request.host, now)
+
+
+def _spend(deps: CredentialDeps, host: str, now: float) -> Answer | None:
+    """Count a verified request against its host's budget, then all hosts': the 429 past either, else None."""
+    limits = deps.limits
+    if not deps.store.count_request(host, now, limits.per_host_per_minute):
+        return 429, error_body(f"too many requests for host {host}; try again in a minute", temporary=True)
+    if not deps.store.count_request(ALL_HOSTS, now, limits.all_hosts_per_minute):
+        return 429, error_body("too many requests to the credential endpoint; try again in a minute", temporary=True)
+    return None
 
 
 def _credentials(deps: CredentialDeps, host: str, now: float) -> Answer:
@@ -109,13 +145,38 @@ def _credentials(deps: CredentialDeps, host: str, now: float) -> Answer:
     return 200, credential_answer(issued, deps.connection)
 
 
-def _refused(deps: CredentialDeps, status: int, host: str, reason: str, now: float) -> Answer:
-    deps.store.record_refusal(host, reason, now)
-    return status, error_body(reason)
+def _refused(deps: CredentialDeps, host: str, reason: str, now: float) -> Answer:
+    """A verified request refused for good (revoked, expired, already redeemed): the host is told why."""
+    deps.store.record_refusal(host, RefusalKind.REFUSED, reason, now)
+    return 403, error_body(reason)
+
+
+def _unverified(deps: CredentialDeps, record: HostRecord | None, reason: str, now: float) -> Answer:
+    """An id with no invite, or a secret or signature that does not match: one answer for all (NOT_ACCEPTED), the
+    reason recorded under the host if it is invited, under UNKNOWN_HOST if not (so that the records stay O(hosts))."""
+    host = record.host if record is not None else UNKNOWN_HOST
+    return _not_proven(deps, 403, host, RefusalKind.UNVERIFIED, reason, error_body(NOT_ACCEPTED), now)
+
+
+def _malformed(deps: CredentialDeps, status: int, reason: str, now: float, claimed: str = UNKNOWN_HOST) -> Answer:
+    """Not a request at all; recorded under UNKNOWN_HOST (no record was read to know the id it names is invited)."""
+    noted = reason if claimed == UNKNOWN_HOST else f"{reason} (naming host {claimed})"
+    return _not_proven(deps, status, UNKNOWN_HOST, RefusalKind.MALFORMED, noted, error_body(reason), now)
+
+
+def _not_proven(deps: CredentialDeps, status: int, host: str, kind: RefusalKind, reason: str,
+                body: dict[str, Any], now: float) -> Answer:
+    """A request that proves nothing spends the unverified budget alone; past it, it is answered 429 and only counted
+    (in the budget's counter), so a flood costs one counter write a request beyond reading and checking it."""
+    if not deps.store.count_request(UNVERIFIED, now, deps.limits.unverified_per_minute):
+        return 429, error_body("too many unverified requests to the credential endpoint; try again in a minute",
+                               temporary=True)
+    deps.store.record_refusal(host, kind, reason, now)
+    return status, body
 
 
 def claimed_host(body: bytes) -> str:
-    """The valid host id a malformed request names, so its refusal is recorded under it; UNKNOWN_HOST if none."""
+    """The valid host id a malformed request names, for its refusal's reason; UNKNOWN_HOST if none."""
     try:
         host = json.loads(body).get("host")
         return validate_participant_id(host)

@@ -19,7 +19,7 @@ from typing import Any
 import boto3
 from botocore.exceptions import ClientError
 
-from shared.hosts import HostRecord, HostStatus, Invite, format_invite, new_secret, secret_hash
+from shared.hosts import HostRecord, HostRefusal, HostStatus, Invite, format_invite, new_secret, secret_hash
 from shared.keys import validate_participant_id
 from shared.naming import PARTICIPANT_TAG, REVOKED_HOSTS_POLICY
 from store.connection import Connection
@@ -76,20 +76,24 @@ class HostLine:
     last_seen: float  # its last upload the coordinator accepted (0: none)
     revoked_at: float
     revoke_reason: str
-    refusals: int  # the endpoint's refusals of it kept (a week)
-    last_refusal: str
+    refusals: int  # the endpoint's refusals of requests naming it, kept a week after the latest of each kind
+    last_refusal: str  # the latest one's reason
 
 
 def listing(conn: Connection) -> list[HostLine]:
+    """Every host, with the endpoint's refusals of it: the refusals are kept one record per host and kind, so this
+    reads O(hosts) items whatever a flood sent."""
     store = hosts_of(conn)
-    refusals = store.refusals()
+    refusals: dict[str, list[HostRefusal]] = {}
+    for f in store.refusals():  # the latest last
+        refusals.setdefault(f.host, []).append(f)
     seen = {pid: p.last_seen for pid, p in StateStore.of(conn).participant_records().items()}
     lines = []
     for r in sorted(store.list(), key=lambda r: r.host):
-        mine = [f for f in refusals if f.host == r.host]
+        mine = refusals.get(r.host, [])
         lines.append(HostLine(r.host, _status(r), r.invited_at, r.invite_expires, r.redeemed_at,
                               r.last_credentials_at, seen.get(r.host, 0.0), r.revoked_at, r.revoke_reason,
-                              len(mine), mine[-1].reason if mine else ""))
+                              sum(f.count for f in mine), mine[-1].reason if mine else ""))
     return lines
 
 

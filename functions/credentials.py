@@ -54,7 +54,7 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         status, payload = answer(credential_deps_from_env(), method, path, body, clock())
     except Exception:
         logger.exception("credential request failed", method=method[:10], path=path[:100])
-        status, payload = 500, error_body("the credential endpoint failed; try again")
+        status, payload = 500, error_body("the credential endpoint failed; try again", temporary=True)
     if status != 200:
         logger.info("credential request refused", status=status, reason=payload.get("error", ""), path=path[:100])
     return response(status, payload)

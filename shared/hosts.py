@@ -59,8 +59,12 @@ class HostLimits:
     """What the credential endpoint allows (its function's environment sets the first three)."""
 
     credential_seconds: int = 3600  # a session's lifetime (900-3600 on AWS; less locally)
-    per_host_per_minute: int = 12
-    all_hosts_per_minute: int = 120
+    per_host_per_minute: int = 12  # verified requests (a matching secret or signature) of one host
+    all_hosts_per_minute: int = 120  # verified requests of all hosts together
+    # Requests that prove nothing (malformed, an id with no invite, a wrong secret or signature, a stale or replayed
+    # renewal): a budget of their own, so that no flood of them spends the two above; past it they are answered 429
+    # and only counted.
+    unverified_per_minute: int = 60
     max_skew_seconds: float = 300.0  # how far a renewal's `issued_at` may be from the endpoint's clock
     max_body_bytes: int = 4096
 
@@ -86,13 +90,27 @@ class HostRecord:
     revoke_reason: str = ""
 
 
+class RefusalKind(StrEnum):
+    """What the endpoint keeps refusals by: one record per host and kind, however many arrive."""
+
+    MALFORMED = "malformed"  # not a request: size, method, path or body
+    UNVERIFIED = "unverified"  # no invite for the id, or the secret or signature does not match
+    STALE = "stale"  # signed, but its time is out of the window or its nonce was used (a replay, or a retry)
+    REFUSED = "refused"  # verified, and refused for good: revoked, invite expired or already redeemed
+
+
 @dataclass(frozen=True)
 class HostRefusal:
-    """A request the endpoint refused: the host it named (UNKNOWN_HOST if none valid), why, and when."""
+    """The refusals of one kind of requests naming `host` (UNKNOWN_HOST for those naming no invited host): how
+    many, the latest (`reason`, `at`) and the first, kept a week after the latest."""
 
     host: str
     reason: str
     at: float
+    kind: RefusalKind = RefusalKind.REFUSED
+    count: int = 1
+    first_reason: str = ""
+    first_at: float = 0.0
 
 
 # --- the invite -------------------------------------------------------------------------------------------
@@ -212,7 +230,7 @@ def redeem_refusal(record: HostRecord | None, request: RedeemRequest, now: float
     became of the invite."""
     if record is None:
         return "no invite for this host"
-    if not record.secret_hash or not hmac.compare_digest(secret_hash(request.secret), record.secret_hash):
+    if not secret_matches(record, request.secret):
         return "wrong secret"
     if record.status is HostStatus.REVOKED:
         return "host is revoked"
@@ -230,10 +248,9 @@ def renew_refusal(record: HostRecord | None, request: RenewRequest, now: float, 
         return "unknown host"
     if not record.public_key:
         return "host is revoked" if record.status is HostStatus.REVOKED else "host has not redeemed its invite"
-    skew = now - request.issued_at
-    if abs(skew) > limits.max_skew_seconds:
-        return (f"issued_at is {abs(skew):.0f} s {'behind' if skew > 0 else 'ahead of'} the endpoint's clock "
-                f"(at most {limits.max_skew_seconds:.0f} s)")
+    stale = skew_refusal(request, now, limits)
+    if stale is not None:
+        return stale
     if not verify_renewal(record.public_key, request):
         return "signature does not match the host's registered key"
     if record.status is HostStatus.REVOKED:
@@ -244,6 +261,33 @@ def renew_refusal(record: HostRecord | None, request: RenewRequest, now: float, 
 
 
 REPLAYED = "nonce already used (a replayed renewal)"
+# The one answer to a request whose id, secret or signature does not match, so that it tells no stranger which ids
+# are invited (the refusal's record keeps the reason for the operator).
+NOT_ACCEPTED = "not accepted: no invited host holds this secret or key"
+
+
+def secret_matches(record: HostRecord, secret: str) -> bool:
+    return bool(record.secret_hash) and hmac.compare_digest(secret_hash(secret), record.secret_hash)
+
+
+def redeem_verified(record: HostRecord | None, request: RedeemRequest) -> bool:
+    """Whether a redemption proves its sender holds the host's invite secret (what it may then spend is counted)."""
+    return record is not None and secret_matches(record, request.secret)
+
+
+def renew_verified(record: HostRecord | None, request: RenewRequest) -> bool:
+    """Whether a renewal is signed by the host's bound key (whatever else is wrong with it)."""
+    return record is not None and bool(record.public_key) and verify_renewal(record.public_key, request)
+
+
+def skew_refusal(request: RenewRequest, now: float, limits: HostLimits) -> str | None:
+    """Why a renewal's time is out of the window it is accepted in, or None."""
+    skew = now - request.issued_at
+    if abs(skew) <= limits.max_skew_seconds:
+        return None
+    return (f"issued_at is {abs(skew):.0f} s {'behind' if skew > 0 else 'ahead of'} the endpoint's clock "
+            f"(at most {limits.max_skew_seconds:.0f} s)")
+
 
 
 # --- the answers --------------------------------------------------------------------------------------------
@@ -255,5 +299,7 @@ def credential_answer(credentials: Mapping[str, Any], connection: Mapping[str, A
     return answer.model_dump(mode="json")
 
 
-def error_body(reason: str) -> dict[str, str]:
-    return {"error": reason}
+def error_body(reason: str, temporary: bool = False) -> dict[str, Any]:
+    """A refusal's body: `temporary` tells the host that the same request may be accepted later (a rate limit, a
+    clock out of the window, a replayed nonce), so it tries again with backoff; a definite one stops it."""
+    return {"error": reason, "temporary": temporary}

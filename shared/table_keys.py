@@ -15,8 +15,13 @@ One table per run, keys `pk` / `sk`:
     RUN#<run>  dropped#<participant>    objects of a participant dropped over its upload budget, in all
     RUN#<run>  host#<host>              a host (a participant outside AWS): invited, active or revoked
     RUN#<run>  hostnonce#<host>#<nonce> a renewal's nonce, once used (expires)
-    RUN#<run>  hostrate#<host or *>#<minute>  requests to the credential endpoint in one minute (expires)
-    RUN#<run>  hostrefusal#<time>#<host>      a request the credential endpoint refused, with the reason (expires)
+    RUN#<run>  hostrate#<host, * or !>#<minute>  requests to the credential endpoint in one minute: verified ones
+                                            of one host or of all (*), unverified ones (!) (expires)
+    RUN#<run>  hostrefused#<host or ?>#<kind>  the credential endpoint's refusals of one kind of requests naming an
+                                            invited host (? for the rest): a count, the first and the latest
+                                            (expires a week after the latest)
+    RUN#<run>  hostrevoked#<host>#<generation>  a revoked generation of a host, kept while a session issued before
+                                            its revocation could live (expires)
 
 Items that expire carry their epoch second in `TTL_ATTRIBUTE`, the table's time-to-live attribute.
 """
@@ -87,8 +92,10 @@ def dropped_sk(pid: str) -> str:
 
 TTL_ATTRIBUTE = "expires_at"  # DynamoDB deletes an item some time after this epoch second (the table's TTL setting)
 HOST_PREFIX = "host#"
-HOST_REFUSAL_PREFIX = "hostrefusal#"
-ALL_HOSTS = "*"  # the rate counter's scope over every host
+HOST_REFUSAL_PREFIX = "hostrefused#"
+ALL_HOSTS = "*"  # the rate counter's scope over every host's verified requests
+UNVERIFIED = "!"  # the rate counter's scope over the requests that verify nothing (no participant id holds "!")
+HOST_REVOCATION_PREFIX = "hostrevoked#"  # a revoked generation of a host (`store.hosts.HostStore.revocations`)
 
 
 def host_sk(host: str) -> str:
@@ -104,6 +111,6 @@ def host_rate_sk(scope: str, minute: int) -> str:
     return f"hostrate#{scope}#{minute}"
 
 
-def host_refusal_sk(at: float, host: str) -> str:
-    """Fixed-width time first, so a query returns the refusals in time order."""
-    return f"{HOST_REFUSAL_PREFIX}{at:017.6f}#{host}"
+def host_refusal_sk(host: str, kind: str) -> str:
+    """One item per host (or `shared.hosts.UNKNOWN_HOST`) and kind of refusal, however many arrive."""
+    return f"{HOST_REFUSAL_PREFIX}{host}#{kind}"

@@ -10,7 +10,7 @@ from pynamodb.exceptions import DoesNotExist, PutError, UpdateError
 from pynamodb.expressions.condition import Condition
 from pynamodb.expressions.update import Action
 
-from shared.hosts import RATE_WINDOW_SECONDS, REFUSAL_SECONDS, HostRecord, HostRefusal, HostStatus
+from shared.hosts import RATE_WINDOW_SECONDS, REFUSAL_SECONDS, HostRecord, HostRefusal, HostStatus, RefusalKind
 from shared.limits import MAX_ID_CHARS, MAX_REASON_CHARS, bounded
 from shared.table_keys import (
     HOST_PREFIX,
@@ -102,40 +102,38 @@ class HostStore:
         return True
 
     def count_request(self, scope: str, now: float, limit: int) -> bool:
-        """Count one request of `scope` (a host id, or `shared.table_keys.ALL_HOSTS`) in this minute: True if it is
-        within `limit`. One item per scope and minute however many arrive; a request over the limit adds to the
-        item's `refused`."""
+        """Count one request of `scope` (a host id, `shared.table_keys.ALL_HOSTS` or `UNVERIFIED`) in this minute:
+        True if it is within `limit`. One item per scope and minute however many arrive, one write per request (an
+        ADD, whose new value says whether it was within the limit)."""
         minute = int(now // RATE_WINDOW_SECONDS)
         r = self.m.host_rate
         item = r(self.pk, host_rate_sk(scope, minute))
-        expires = (minute + 2) * RATE_WINDOW_SECONDS
-        try:
-            item.update(actions=[r.n.add(1), r.expires_at.set(expires)], condition=r.n.does_not_exist() | (r.n < limit))
-            return True
-        except UpdateError as exc:
-            if not condition_failed(exc):
-                raise
-        item.update(actions=[r.refused.add(1), r.expires_at.set(expires)])
-        return False
+        item.update(actions=[r.n.add(1), r.expires_at.set((minute + 2) * RATE_WINDOW_SECONDS)])
+        return int(item.n) <= limit
 
-    def requests_counted(self, scope: str, now: float) -> tuple[int, int]:
-        """(allowed, refused) requests of `scope` in the minute of `now`."""
+    def requests_counted(self, scope: str, now: float) -> int:
+        """The requests of `scope` counted in the minute of `now` (past the scope's limit, they were refused)."""
         try:
             item = self.m.host_rate.get(self.pk, host_rate_sk(scope, int(now // RATE_WINDOW_SECONDS)),
                                         consistent_read=True)
         except DoesNotExist:
-            return 0, 0
-        return int(item.n or 0), int(item.refused or 0)
+            return 0
+        return int(item.n or 0)
 
-    def record_refusal(self, host: str, reason: str, now: float) -> None:
-        """Keep a refusal a week (one item each; two of one host at the very same instant keep one)."""
-        host = bounded(host, MAX_ID_CHARS)
-        self.m.host_refusal(self.pk, host_refusal_sk(now, host), pid=host, reason=bounded(reason, MAX_REASON_CHARS),
-                            at=now, expires_at=math.ceil(now + REFUSAL_SECONDS)).save()
+    def record_refusal(self, host: str, kind: RefusalKind, reason: str, now: float) -> None:
+        """Keep a refusal in the one item of its host and kind (one write: the count, the first, the latest), a
+        week after the latest. `host` must be an invited host or UNKNOWN_HOST, so that the items stay O(hosts)."""
+        f = self.m.host_refusal
+        host, reason = bounded(host, MAX_ID_CHARS), bounded(reason, MAX_REASON_CHARS)
+        f(self.pk, host_refusal_sk(host, kind.value)).update(actions=[
+            f.pid.set(host), f.kind.set(kind.value), f.n.add(1),
+            f.first_reason.set(f.first_reason | reason), f.first_at.set(f.first_at | now),
+            f.reason.set(reason), f.at.set(now), f.expires_at.set(math.ceil(now + REFUSAL_SECONDS))])
 
     def refusals(self, host: str | None = None) -> builtins.list[HostRefusal]:
-        """The refusals kept (a week), oldest first; of `host` only, if given."""
+        """The refusals kept, one per host and kind, the latest last; of `host` only, if given (one query either
+        way, of O(hosts) items whatever was sent)."""
         f = self.m.host_refusal
-        items = f.query(self.pk, f.sk.startswith(HOST_REFUSAL_PREFIX), consistent_read=True)
-        found = [host_refusal(i) for i in items]
-        return [r for r in found if host is None or r.host == host]
+        prefix = HOST_REFUSAL_PREFIX if host is None else host_refusal_sk(host, "")
+        found = [host_refusal(i) for i in f.query(self.pk, f.sk.startswith(prefix), consistent_read=True)]
+        return sorted(found, key=lambda r: (r.at, r.host, r.kind))

@@ -19,7 +19,7 @@ from pynamodb.connection import Connection
 from pynamodb.exceptions import PynamoDBException
 from pynamodb.models import Model
 
-from shared.hosts import HostRecord, HostRefusal, HostStatus
+from shared.hosts import HostRecord, HostRefusal, HostStatus, RefusalKind
 from shared.sizing import Share, Speed
 from shared.state import Member, MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
 from shared.table_keys import TTL_ATTRIBUTE
@@ -148,11 +148,10 @@ class HostNonceItem(_Item):
 
 
 class HostRateItem(_Item):
-    """Requests to the credential endpoint in one minute, of one host or of all: `n` allowed, `refused` over the
-    limit (counted here, not recorded one by one)."""
+    """Requests to the credential endpoint in one minute of one scope (`shared.table_keys.host_rate_sk`): `n`, all
+    of them; those past the scope's limit were refused (counted here, not recorded one by one)."""
 
     n = NumberAttribute(default=0)
-    refused = NumberAttribute(default=0)
     expires_at = NumberAttribute(attr_name=TTL_ATTRIBUTE)
 
 
@@ -172,9 +171,15 @@ class DroppedItem(_Item):
 
 
 class HostRefusalItem(_Item):
-    pid = UnicodeAttribute()  # the host the request named; shared.hosts.UNKNOWN_HOST if none valid
-    reason = UnicodeAttribute()
-    at = NumberAttribute()
+    """The refusals of one kind naming one host (`shared.hosts.HostRefusal`): one item, however many."""
+
+    pid = UnicodeAttribute()  # the invited host the requests named; shared.hosts.UNKNOWN_HOST for the rest
+    kind = UnicodeAttribute()
+    n = NumberAttribute(default=0)  # how many
+    first_reason = UnicodeAttribute(default="")
+    first_at = NumberAttribute(default=0)
+    reason = UnicodeAttribute(default="")  # the latest
+    at = NumberAttribute(default=0)
     expires_at = NumberAttribute(attr_name=TTL_ATTRIBUTE)
 
 
@@ -438,7 +443,8 @@ def host_record(item: HostItem) -> HostRecord:
 
 
 def host_refusal(item: HostRefusalItem) -> HostRefusal:
-    return HostRefusal(host=item.pid, reason=item.reason, at=float(item.at))
+    return HostRefusal(host=item.pid, reason=item.reason, at=float(item.at), kind=RefusalKind(item.kind),
+                       count=int(item.n), first_reason=item.first_reason, first_at=float(item.first_at))
 
 
 def summary_to_body(s: RoundSummary) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The credential endpoint on in-process moto, through `functions.credentials.handler` with function URL events: a
-host redeems its invite and renews; every hostile request is refused with its reason recorded, and a flood costs
-a bounded number of items."""
+host redeems its invite and renews; every hostile request is refused with its reason recorded, no flood of requests
+that prove nothing refuses a host that proves itself, and a flood costs a bounded number of items."""
 
 from __future__ import annotations
 
@@ -20,7 +20,18 @@ from functions import credentials
 from functions.settings import credential_deps_from_env
 from local.context import LocalContext
 from local.resources import create_resources
-from shared.hosts import UNKNOWN_HOST, HostStatus, new_secret, public_key_of, secret_hash, sign_renewal
+from shared.hosts import (
+    NOT_ACCEPTED,
+    REPLAYED,
+    UNKNOWN_HOST,
+    HostLimits,
+    HostStatus,
+    RefusalKind,
+    new_secret,
+    public_key_of,
+    secret_hash,
+    sign_renewal,
+)
 from shared.naming import (
     ENV_ALL_HOSTS_RATE,
     ENV_BUCKET,
@@ -31,6 +42,7 @@ from shared.naming import (
     ENV_STATE_TOPIC,
     ENV_TABLE,
 )
+from shared.table_keys import ALL_HOSTS, UNVERIFIED
 from store.hosts import HostStore
 from store.trace import OPERATOR, acting_as, function
 
@@ -159,68 +171,85 @@ def test_a_host_redeems_its_invite_then_renews_for_sessions_tagged_with_its_id(e
 # --- hostile requests, each refused with its reason recorded ----------------------------------------------
 
 
+def refused(reason: str, temporary: bool = False) -> dict[str, Any]:
+    return {"error": reason, "temporary": temporary}
+
+
+UNVERIFIED_ANSWER = (403, refused(NOT_ACCEPTED))
+
+
 def test_an_invite_redeemed_twice(endpoint: Endpoint) -> None:
     secret = endpoint.invite("alice")
     assert endpoint.redeem("alice", secret)[0] == 200
-    assert endpoint.redeem("alice", secret) == (403, {"error": "invite already redeemed"})
+    assert endpoint.redeem("alice", secret) == (403, refused("invite already redeemed"))
     assert endpoint.reasons("alice") == ["invite already redeemed"]
 
 
 def test_an_expired_invite(endpoint: Endpoint) -> None:
     secret = endpoint.invite("alice", expires_in=600)
     endpoint.now += 600
-    assert endpoint.redeem("alice", secret) == (403, {"error": "invite expired"})
+    assert endpoint.redeem("alice", secret) == (403, refused("invite expired"))
     assert endpoint.reasons("alice") == ["invite expired"]
     record = endpoint.store.get("alice")
     assert record is not None and record.status is HostStatus.INVITED
 
 
-def test_a_wrong_secret_and_no_invite(endpoint: Endpoint) -> None:
+def test_no_invite_and_a_wrong_secret_get_the_same_answer_and_the_operator_tells_them_apart(
+        endpoint: Endpoint) -> None:
     endpoint.invite("alice")
-    assert endpoint.redeem("alice", new_secret()) == (403, {"error": "wrong secret"})
+    assert endpoint.redeem("alice", new_secret()) == UNVERIFIED_ANSWER
     endpoint.now += 1
-    assert endpoint.redeem("bob", new_secret()) == (403, {"error": "no invite for this host"})
-    assert endpoint.reasons() == ["wrong secret", "no invite for this host"]
+    assert endpoint.redeem("bob", new_secret()) == UNVERIFIED_ANSWER
+    kept = [(r.host, r.kind, r.reason) for r in endpoint.store.refusals()]
+    assert kept == [("alice", RefusalKind.UNVERIFIED, "wrong secret"),
+                    (UNKNOWN_HOST, RefusalKind.UNVERIFIED, "no invite for this host")]  # bob is not invited
     record = endpoint.store.get("alice")
     assert record is not None and record.status is HostStatus.INVITED
 
 
-def test_a_renewal_signed_with_another_key(endpoint: Endpoint) -> None:
+def test_a_renewal_no_key_of_the_id_signed_gets_the_same_answer(endpoint: Endpoint) -> None:
     endpoint.redeemed("alice")
-    status, body = endpoint.renew("alice", Ed25519PrivateKey.generate())
-    assert (status, body) == (403, {"error": "signature does not match the host's registered key"})
-    assert endpoint.reasons("alice") == [body["error"]]
+    endpoint.invite("bob")  # invited, not redeemed: no key bound
+    stranger = Ed25519PrivateKey.generate()
+    answers = [endpoint.renew(host, stranger) for host in ("alice", "bob", "carol")]
+    assert answers == [UNVERIFIED_ANSWER] * 3
+    assert endpoint.reasons("alice") == ["signature does not match the host's registered key"]
+    assert endpoint.reasons("bob") == ["host has not redeemed its invite"]
+    assert endpoint.reasons(UNKNOWN_HOST) == ["unknown host"]
 
 
-def test_a_replayed_renewal(endpoint: Endpoint) -> None:
+def test_a_replayed_or_stale_renewal_is_refused_as_temporary(endpoint: Endpoint) -> None:
     key = endpoint.redeemed("alice")
     signed = sign_renewal(key, "alice", endpoint.now).model_dump(mode="json")
     assert endpoint.call("/renew", signed)[0] == 200
     endpoint.now += 1
-    assert endpoint.call("/renew", signed) == (403, {"error": "nonce already used (a replayed renewal)"})
+    assert endpoint.call("/renew", signed) == (403, refused(REPLAYED, temporary=True))
     endpoint.now += 400  # and once its time is out of the window, for that reason
     status, body = endpoint.call("/renew", signed)
-    assert status == 403 and body["error"].startswith("issued_at is 401 s behind")
-    assert endpoint.reasons("alice") == ["nonce already used (a replayed renewal)", body["error"]]
+    assert status == 403 and body["temporary"] and body["error"].startswith("issued_at is 401 s behind")
+    (stale,) = endpoint.store.refusals("alice")
+    assert (stale.kind, stale.count, stale.first_reason, stale.reason) == (RefusalKind.STALE, 2, REPLAYED,
+                                                                           body["error"])
+    assert endpoint.store.requests_counted("alice", endpoint.now) == 0  # neither spent alice's budget
 
 
 def test_an_invalid_participant_id(endpoint: Endpoint) -> None:
     for host in ("../alice", "global", "a" * 64):
         endpoint.now += 1
         status, body = endpoint.redeem(host, new_secret())
-        assert status == 400 and body["error"].startswith("field 'host'"), body
-    refusals = endpoint.store.refusals()
-    assert [r.host for r in refusals] == [UNKNOWN_HOST] * 3
-    assert "invalid participant id" in refusals[0].reason and "reserved" in refusals[1].reason
+        assert status == 400 and body["error"].startswith("field 'host'") and not body["temporary"], body
+    (kept,) = endpoint.store.refusals()
+    assert (kept.host, kept.kind, kept.count) == (UNKNOWN_HOST, RefusalKind.MALFORMED, 3)
+    assert "invalid participant id" in kept.first_reason and "at most 63" in kept.reason
 
 
 def test_an_oversized_body(endpoint: Endpoint) -> None:
     secret = endpoint.invite("alice")
     big = {"host": "alice", "secret": secret, "public_key": public_key_of(Ed25519PrivateKey.generate()),
+           "upload_key": public_key_of(Ed25519PrivateKey.generate()),
            "padding": "x" * 5000}
-    assert endpoint.call("/redeem", big, b64=True) == (413, {"error": "the body is larger than 4096 bytes"})
-    assert endpoint.store.refusals() == [endpoint.store.refusals(UNKNOWN_HOST)[0]]
-    assert endpoint.reasons() == ["the body is larger than 4096 bytes"]
+    assert endpoint.call("/redeem", big, b64=True) == (413, refused("the body is larger than 4096 bytes"))
+    assert endpoint.reasons(UNKNOWN_HOST) == endpoint.reasons() == ["the body is larger than 4096 bytes"]
     record = endpoint.store.get("alice")
     assert record is not None and record.status is HostStatus.INVITED
 
@@ -232,41 +261,83 @@ def test_a_revoked_hosts_renewal(endpoint: Endpoint) -> None:
         endpoint.now += 10
         assert endpoint.store.revoke("alice", "left the project", endpoint.now)
         assert not endpoint.store.revoke("carol", "never invited", endpoint.now)
-    assert endpoint.renew("alice", key) == (403, {"error": "host is revoked: left the project"})
+    assert endpoint.renew("alice", key) == (403, refused("host is revoked: left the project"))
     assert endpoint.reasons("alice") == ["host is revoked: left the project"]
     record = endpoint.store.get("alice")
     assert record is not None and record.status is HostStatus.REVOKED and record.revoked_at == T0 + 10
 
 
-def test_a_flood_of_redemptions_costs_a_bounded_number_of_items(endpoint: Endpoint) -> None:
-    secret = endpoint.invite("alice")
+# --- floods: what they cannot do, and what they cost -----------------------------------------------------
+
+
+def junk(endpoint: Endpoint, i: int) -> tuple[int, dict[str, Any]]:
+    """The i-th request of a flood by someone with no secret and no key: unsigned renewals naming invited hosts,
+    redemptions guessing secrets, ids never invited, garbage."""
+    stranger = Ed25519PrivateKey.generate()
+    match i % 5:
+        case 0:
+            return endpoint.renew("alice", stranger)
+        case 1:
+            return endpoint.redeem("bob", new_secret())
+        case 2:
+            return endpoint.redeem(f"flood-{i}", new_secret())
+        case 3:
+            return endpoint.renew(f"flood-{i}", stranger)
+        case _:
+            return endpoint.call("/renew", b'{"host": "alice", "nonce": 7}')
+
+
+def test_unsigned_and_junk_requests_at_any_rate_leave_every_invited_hosts_signed_renewals_answered(
+        endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = HostLimits(per_host_per_minute=3, all_hosts_per_minute=6, unverified_per_minute=10)  # small: a fast test
+    deps = replace(credential_deps_from_env(), limits=limits)
+    monkeypatch.setattr(credentials, "credential_deps_from_env", lambda: deps)
+    alice = endpoint.redeemed("alice")
+    secret = endpoint.invite("bob")
+    junk_per_minute = 10 * limits.all_hosts_per_minute  # far past every budget: each host's, all hosts', unverified
     before = endpoint.items()
+    honest: list[int] = []
     answers: dict[int, int] = {}
-    for i in range(1000):  # 100 ids, 10 times each, all within one minute
-        endpoint.now = T0 + i * 0.05
-        status, _ = endpoint.redeem(f"flood-{i % 100}", new_secret())
-        answers[status] = answers.get(status, 0) + 1
-    assert answers == {403: 120, 429: 880}  # the limit over all hosts: 120 a minute reach the checks
-    assert len(endpoint.reasons()) == 120
-    assert endpoint.store.requests_counted("*", endpoint.now) == (120, 880)
-    assert endpoint.items() - before <= 120 + 100 + 1  # the refusals, one counter per id, the counter over all
-    assert endpoint.redeem("alice", secret)[0] == 429  # the flood's minute is spent for everyone...
-    endpoint.now = T0 + 60
-    assert endpoint.redeem("alice", secret)[0] == 200  # ...and the next one is not
+    for minute in range(2):
+        for i in range(junk_per_minute):
+            endpoint.now = T0 + 60 * minute + 1 + i * 50 / junk_per_minute
+            status, body = junk(endpoint, i)
+            answers[status] = answers.get(status, 0) + 1
+            assert status in (400, 403, 429) and body["error"] != "", body
+            if i % (junk_per_minute // 2) == 1:  # alice renews amid the flood, twice a minute
+                honest.append(endpoint.renew("alice", alice)[0])
+        assert endpoint.store.requests_counted(UNVERIFIED, endpoint.now) == junk_per_minute
+        assert endpoint.store.requests_counted("alice", endpoint.now) == 3 - minute  # the redemption, the renewals
+    assert honest == [200] * 4
+    assert endpoint.redeem("bob", secret)[0] == 200  # bob redeems his invite after two minutes of guesses at it
+    assert answers[429] == 2 * (junk_per_minute - limits.unverified_per_minute)  # past the unverified budget
+    # Kept: one record per invited host (or UNKNOWN_HOST) and kind, with a count, whatever the flood sent.
+    kept = {(r.host, r.kind): r.count for r in endpoint.store.refusals()}
+    assert set(kept) <= {(h, k) for h in ("alice", "bob", UNKNOWN_HOST) for k in RefusalKind}
+    assert sum(kept.values()) == 2 * limits.unverified_per_minute
+    new_items = endpoint.items() - before
+    assert new_items <= len(kept) + 2 * 3 + 4 + 1  # the records; per minute 3 counters; alice's nonces; bob's counter
+    assert endpoint.store.requests_counted(ALL_HOSTS, endpoint.now) == 3  # only verified requests spend it
 
 
-def test_a_host_is_limited_on_its_own(endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_budgets_of_verified_requests_still_hold(endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_HOST_RATE, "3")
-    monkeypatch.setenv(ENV_ALL_HOSTS_RATE, "50")
+    monkeypatch.setenv(ENV_ALL_HOSTS_RATE, "4")
     key = endpoint.redeemed("alice")
     statuses = []
-    for i in range(5):
+    for i in range(4):
         endpoint.now = T0 + 1 + i
-        statuses.append(endpoint.renew("alice", key)[0])
-    assert statuses == [200, 200, 429, 429, 429]  # the redemption was the minute's first
-    assert endpoint.store.requests_counted("alice", endpoint.now) == (3, 3)
+        statuses.append(endpoint.renew("alice", key))
+    assert [s for s, _ in statuses] == [200, 200, 429, 429]  # the redemption was the minute's first
+    assert statuses[-1][1] == refused("too many requests for host alice; try again in a minute", temporary=True)
+    assert endpoint.store.requests_counted("alice", endpoint.now) == 5
     assert endpoint.reasons() == []  # counted, not recorded one by one
-    endpoint.redeemed("bob")  # another host is not held back
+    bob, carol = endpoint.invite("bob"), endpoint.invite("carol")
+    assert endpoint.redeem("bob", bob)[0] == 200  # another host is not held back by alice's budget...
+    assert endpoint.redeem("carol", carol) == (
+        429, refused("too many requests to the credential endpoint; try again in a minute", temporary=True))
+    endpoint.now = T0 + 60  # ...but all hosts' together are limited, until the next minute
+    assert endpoint.redeem("carol", carol)[0] == 200
 
 
 # --- what is not a request at all --------------------------------------------------------------------------
@@ -278,12 +349,14 @@ def test_wrong_methods_paths_and_bodies(endpoint: Endpoint) -> None:
                                ("POST", "/renew", b'{"host": "alice"}')):
         endpoint.now += 1
         answers.append(endpoint.call(path, body, method=method))
-    assert answers[:3] == [(405, {"error": "only POST is answered"}),
-                           (404, {"error": "no such path: POST /redeem or /renew"}),
-                           (400, {"error": "not a JSON document"})]
+    assert answers[:3] == [(405, refused("only POST is answered")),
+                           (404, refused("no such path: POST /redeem or /renew")),
+                           (400, refused("not a JSON document"))]
     assert answers[3][0] == 400 and answers[3][1]["error"].startswith("field 'issued_at': ")
-    assert endpoint.reasons() == [body["error"] for _, body in answers]
-    assert [r.host for r in endpoint.store.refusals()] == [UNKNOWN_HOST] * 3 + ["alice"]
+    (kept,) = endpoint.store.refusals()
+    assert (kept.host, kept.kind, kept.count, kept.first_reason) == (UNKNOWN_HOST, RefusalKind.MALFORMED, 4,
+                                                                    "only POST is answered")
+    assert kept.reason == answers[3][1]["error"] + " (naming host alice)"
 
 
 def test_a_failure_is_answered_without_its_detail(endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
