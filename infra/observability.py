@@ -43,7 +43,7 @@ SHARD_DURATION_ALARM_SHARE = 0.8
 
 class Observability(Construct):
     """Dashboard, stuck-run alarm, function-error and dead-letter alarms, shard-worker throttle and duration
-    alarms, the credential endpoint's throttle alarm, optional e-mail topic."""
+    alarms, the credential endpoint's and ingest's throttle alarms, optional e-mail topic."""
 
     def __init__(
         self,
@@ -109,6 +109,7 @@ class Observability(Construct):
         self.credential_throttles: cw.Alarm | None = None
         if credentials is not None:
             self._credential_alarms(config, settings, credentials)
+        self.ingest_throttles = self._ingest_throttles(config, settings, ingest)
         self.alarms.append(
             cw.Alarm(
                 self,
@@ -168,6 +169,25 @@ class Observability(Construct):
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         )
         self.alarms += [self.shard_throttles, self.shard_near_timeout]
+
+    def _ingest_throttles(self, config: RunConfig, settings: DeploySettings, ingest: lambda_.Function) -> cw.Alarm:
+        """Ingest ran at its cap (its reserved concurrency): a flood of uploads, or more updates at once than the
+        cap was sized for. Throttled events are retried by Lambda (and dead-lettered after max_event_age_seconds);
+        the ticks, with concurrency of their own, catch up with the members' news meanwhile."""
+        alarm = cw.Alarm(
+            self,
+            "IngestThrottles",
+            alarm_description=f"Run {config.run_id}: ingest invocations were throttled (its cap, reserved "
+            f"concurrency {settings.ingest.reserved_concurrency}): a flood of uploads (see `fed status`: dropped "
+            "over the upload budget), or more uploads at once than [deploy.ingest] reserved_concurrency serves.",
+            metric=ingest.metric_throttles(period=Duration.minutes(5), statistic="Sum"),
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        )
+        self.alarms.append(alarm)
+        return alarm
 
     def _credential_alarms(self, config: RunConfig, settings: DeploySettings, credentials: lambda_.Function) -> None:
         """The credential endpoint's errors are alarmed with every function's (`functions`); its throttles mean its

@@ -56,6 +56,11 @@ VISIBILITY_TIMEOUTS = 6
 LEAST_RECEIVES = 5
 MAX_QUEUE_RETENTION_SECONDS = 4 * 86400  # a task or join request this old is no one's concern any more
 LEAST_SHARD_RETENTION_SECONDS = 2 * 3600  # beyond any tick's wait for its shards (at most 900 s - 30 s)
+# Reserved concurrency by default: the tick and the shard workers each keep theirs, so no flood of ingest invocations
+# can throttle them; ingest's is its cap. Together with the credential endpoint's 2: 271 of the account's 1,000.
+TICK_RESERVED = 5  # the scheduled tick, one that overlaps it while aggregating, operators' ticks
+SHARD_RESERVED = 64  # the shard queue's default maximum concurrency (shard_concurrency)
+INGEST_RESERVED = 200
 
 
 class FunctionSettings(BaseModel):
@@ -85,23 +90,31 @@ class DeploySettings(BaseModel):
 
     stack_name: str | None = Field(None, description="Default: fed-<run_id>. `-c stack=NAME` overrides both.")
     tick: FunctionSettings = Field(
-        FunctionSettings(timeout_seconds=900),
+        FunctionSettings(timeout_seconds=900, reserved_concurrency=TICK_RESERVED),
         description="The scheduled tick. Any tick may aggregate a round, and waits for its shard workers: its timeout "
-        "(Lambda's most, 900 s) bounds a whole aggregation.",
+        "(Lambda's most, 900 s) bounds a whole aggregation. Its reserved concurrency keeps it running whatever "
+        "else takes the account's concurrency (a flood of uploads): it catches up with members' news the ingest "
+        "events have not brought yet (`coordinator.catchup`), so rounds close and no live member is dropped.",
     )
     ingest: FunctionSettings = Field(
-        FunctionSettings(timeout_seconds=900),
+        FunctionSettings(timeout_seconds=900, reserved_concurrency=INGEST_RESERVED),
         description="Ingest streams an upload in 8 MiB blocks (memory does not grow with the model), then ticks: "
-        "the tick that closes a round on its last update aggregates it, so the same 900 s as the tick.",
+        "the tick that closes a round on its last update aggregates it, so the same 900 s as the tick. Its reserved "
+        "concurrency is its cap: a flood of uploads (each an invocation, however many the upload budget drops) "
+        "takes at most that much of the account; events beyond it are throttled, retried by Lambda for up to "
+        "max_event_age_seconds, and alarmed (ingest throttles). Raise it for fleets whose updates arrive together.",
     )
     shard: FunctionSettings = Field(
-        FunctionSettings(memory_mb=1769, timeout_seconds=900, ephemeral_storage_mb=512),
+        FunctionSettings(memory_mb=1769, timeout_seconds=900, ephemeral_storage_mb=512,
+                         reserved_concurrency=SHARD_RESERVED),
         description="The shard worker: one aggregation shard per invocation, fed by the shard queue the aggregating "
         "tick fills (retry_attempts and max_event_age_seconds do not apply). It holds about min(updates, 8) x 8 MiB "
         "read "
         "buffers, two 8 MiB pieces and 24 MiB of accumulators (~100-200 MB) beside the runtime, so 512 MB would "
         "fit; 1769 MB is for the CPU: Lambda gives one full vCPU at 1769 MB, which the per-core aggregation "
-        "throughput (and shard_bytes) assume. Less memory is as many GB-seconds but slower shards. No /tmp use.",
+        "throughput (and shard_bytes) assume. Less memory is as many GB-seconds but slower shards. No /tmp use. "
+        "Its reserved concurrency (at least shard_concurrency) keeps an aggregation's workers running whatever else "
+        "takes the account's concurrency.",
     )
     join: FunctionSettings = Field(
         FunctionSettings(memory_mb=512, timeout_seconds=60),
@@ -213,6 +226,15 @@ class DeploySettings(BaseModel):
             raise ValueError("reserved_concurrency must be set: the credential endpoint's URL is public, and its "
                              "reserved concurrency bounds what a flood of requests can cost")
         return value
+
+    @model_validator(mode="after")
+    def _shard_reserve(self) -> DeploySettings:
+        reserved = self.shard.reserved_concurrency
+        if reserved is not None and reserved < self.shard_concurrency:
+            raise ValueError(f"[deploy.shard] reserved_concurrency ({reserved}) is below shard_concurrency "
+                             f"({self.shard_concurrency}): the shard queue would hand the workers more tasks at once "
+                             "than may run, and the throttled ones come back as receives toward the dead-letter queue")
+        return self
 
     @field_validator("credential_minutes")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from infra.settings import DeploySettings, FunctionSettings, load_deploy, stack_name_for
 from shared.config import ConfigError, RunConfig
@@ -73,9 +74,15 @@ def test_stuck_window_is_whole_minutes_between_one_minute_and_one_day() -> None:
 def test_the_shard_worker_and_the_ticks_have_their_own_defaults() -> None:
     # Given the defaults
     settings = DeploySettings()
-    # Then the shard worker has one full vCPU (1769 MB), Lambda's longest timeout and no reserved concurrency
+    # Then the shard worker has one full vCPU (1769 MB), Lambda's longest timeout, and concurrency of its own for
+    # as many workers as its queue runs at once; the tick has its own too, and ingest is capped: no flood of ingest
+    # invocations can throttle an aggregation or a tick
     assert settings.shard.memory_mb == 1769 and settings.shard.timeout_seconds == 900
-    assert settings.shard.reserved_concurrency is None
+    assert settings.shard.reserved_concurrency == settings.shard_concurrency == 64
+    assert settings.tick.reserved_concurrency == 5 and settings.ingest.reserved_concurrency == 200
+    with pytest.raises(ValidationError, match="below shard_concurrency"):
+        DeploySettings(shard_concurrency=128)
+    assert DeploySettings(shard_concurrency=128, shard=FunctionSettings(reserved_concurrency=128))
     # And both functions that tick (and so may wait for an aggregation's shards) may run as long
     assert settings.tick.timeout_seconds == settings.ingest.timeout_seconds == 900
     # And the queues the shard and join functions drain redeliver as Lambda advises for a queue event source: six

@@ -468,7 +468,8 @@ def test_the_shard_worker_runs_the_configured_size_and_is_fed_only_by_the_ticks_
     assert fn["Code"] == tick["Code"] and fn["Runtime"] == tick["Runtime"]
     assert fn["MemorySize"] == synth.settings.shard.memory_mb == 3008
     assert fn["Timeout"] == synth.settings.shard.timeout_seconds == 600
-    assert "ReservedConcurrentExecutions" not in fn  # unset: the account's shared pool
+    # (its own concurrency, so that no flood of ingest invocations can throttle an aggregation's workers)
+    assert fn["ReservedConcurrentExecutions"] == synth.settings.shard.reserved_concurrency == 64
     # And it reads the run's names and config from its environment, but hands no shards on itself
     env = fn["Environment"]["Variables"]
     assert json.loads(env[ENV_CONFIG]) == json.loads(synth.config.model_dump_json())
@@ -646,6 +647,14 @@ def test_dashboard_and_alarms_watch_the_run(synth: Synth) -> None:
     assert near["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
     assert "Shard workers running at once" in body and "ConcurrentExecutions" in body
     assert "Shard duration" in body and "Throttles" in body
+    # And ingest, capped by its reserved concurrency, raises an alarm when it is throttled; the tick has its own
+    ingest = function_id(synth, "functions.ingest.handler")
+    capped = synth.resources[synth.logical_id(synth.stack.observability.ingest_throttles)]["Properties"]
+    assert capped["MetricName"] == "Throttles" and capped["Threshold"] == 1
+    assert capped["Dimensions"] == [{"Name": "FunctionName", "Value": {"Ref": ingest}}]
+    assert synth.resources[ingest]["Properties"]["ReservedConcurrentExecutions"] == 200
+    tick = synth.resources[function_id(synth, "functions.tick.handler")]["Properties"]
+    assert tick["ReservedConcurrentExecutions"] == 5
     topic = synth.logical_id(synth.stack.observability.topic)
     assert all(a["Properties"]["AlarmActions"] == [{"Ref": topic}] for a in alarms.values())
     synth.template.has_resource_properties(
