@@ -25,6 +25,7 @@ import boto3
 from botocore.config import Config
 
 from shared.hosts import (
+    HOST_TAG,
     NOT_ACCEPTED,
     REDEEM_PATH,
     RENEW_PATH,
@@ -40,6 +41,7 @@ from shared.hosts import (
     renew_refusal,
     renew_verified,
     secret_hash,
+    session_tag,
     skew_refusal,
 )
 from shared.keys import KeyError_, validate_participant_id
@@ -48,9 +50,10 @@ from shared.naming import PARTICIPANT_TAG
 from shared.table_keys import ALL_HOSTS, UNVERIFIED
 from store.hosts import HostStore
 
-# (host id, lifetime in seconds) -> the four fields of `shared.messages.IssuedCredentials`
-Issuer = Callable[[str, int], dict[str, str]]
+# (host id, its generation, lifetime in seconds) -> the four fields of `shared.messages.IssuedCredentials`
+Issuer = Callable[[str, int, int], dict[str, str]]
 Answer = tuple[int, dict[str, Any]]
+MAX_SESSION_NAME = 64  # STS's RoleSessionName
 ROUTES: dict[str, type[RedeemRequest] | type[RenewRequest]] = {REDEEM_PATH: RedeemRequest, RENEW_PATH: RenewRequest}
 
 
@@ -101,12 +104,14 @@ def _redeem(deps: CredentialDeps, record: HostRecord | None, request: RedeemRequ
     if spent is not None:
         return spent
     reason = redeem_refusal(record, request, now)
-    if reason is None and not deps.store.redeem(request.host, secret_hash(request.secret), request.public_key, now):
+    if reason is None and not deps.store.redeem(request.host, secret_hash(request.secret), request.public_key,
+                                                   request.upload_key, now):
         # another redemption (or a new invite) came first: say what it left
         reason = redeem_refusal(deps.store.get(request.host), request, now) or "invite already redeemed"
     if reason is not None:
         return _refused(deps, request.host, reason, now)
-    return _credentials(deps, request.host, now)
+    assert record is not None  # (verified)
+    return _credentials(deps, request.host, record.generation, now)
 
 
 def _renew(deps: CredentialDeps, record: HostRecord | None, request: RenewRequest, now: float) -> Answer:
@@ -126,7 +131,8 @@ def _renew(deps: CredentialDeps, record: HostRecord | None, request: RenewReques
     reason = renew_refusal(record, request, now, deps.limits)
     if reason is not None:
         return _refused(deps, request.host, reason, now)
-    return _credentials(deps, request.host, now)
+    assert record is not None  # (verified)
+    return _credentials(deps, request.host, record.generation, now)
 
 
 def _spend(deps: CredentialDeps, host: str, now: float) -> Answer | None:
@@ -139,8 +145,8 @@ def _spend(deps: CredentialDeps, host: str, now: float) -> Answer | None:
     return None
 
 
-def _credentials(deps: CredentialDeps, host: str, now: float) -> Answer:
-    issued = deps.issue(host, deps.limits.credential_seconds)
+def _credentials(deps: CredentialDeps, host: str, generation: int, now: float) -> Answer:
+    issued = deps.issue(host, generation, deps.limits.credential_seconds)
     deps.store.note_credentials(host, now)
     return 200, credential_answer(issued, deps.connection)
 
@@ -184,26 +190,34 @@ def claimed_host(body: bytes) -> str:
         return UNKNOWN_HOST
 
 
-def session_name(host: str) -> str:
-    """STS wants 2-64 characters; a participant id has 1-63 of [A-Za-z0-9_-]. A one-character id gets an "=", which no
-    id holds, so the session's name still says which host it is (`host_of_session`)."""
-    return host if len(host) >= 2 else f"{host}="
+def session_name(host: str, generation: int) -> str:
+    """The session's `shared.hosts.session_tag` where it fits STS's 64 characters (a participant id has 1-63), so that
+    the name says which host and generation it is (`host_of_session`, `tag_of_session`); else the id alone."""
+    tag = session_tag(host, generation)
+    return tag if len(tag) <= MAX_SESSION_NAME else host
 
 
 def host_of_session(name: str) -> str:
-    return name.removesuffix("=")
+    return name.split(".", 1)[0]
+
+
+def tag_of_session(name: str) -> str | None:
+    """The session's HOST_TAG value as its name says it, or None where the name is the id alone."""
+    return name if "." in name else None
 
 
 def sts_issuer(role_arn: str, endpoint: str | None, region: str) -> Issuer:
     """Sessions of the participant role `role_arn`, tagged `participant=<host>` (what every participant policy
-    reads). botocore's own check of the parameters is off: it refuses lifetimes under 900 s, which STS refuses
+    reads) and `HOST_TAG=<host>.<generation>` (what the deny on revoked generations reads, `fed.hosts`).
+    botocore's own check of the parameters is off: it refuses lifetimes under 900 s, which STS refuses
     too, but the local stack and the tests ask moto for less."""
     sts = boto3.client("sts", endpoint_url=endpoint, region_name=region,
                        config=Config(parameter_validation=False, retries={"max_attempts": 4, "mode": "standard"}))
 
-    def issue(host: str, seconds: int) -> dict[str, str]:
-        issued = sts.assume_role(RoleArn=role_arn, RoleSessionName=session_name(host), DurationSeconds=seconds,
-                                 Tags=[{"Key": PARTICIPANT_TAG, "Value": host}])["Credentials"]
+    def issue(host: str, generation: int, seconds: int) -> dict[str, str]:
+        tags = [{"Key": PARTICIPANT_TAG, "Value": host}, {"Key": HOST_TAG, "Value": session_tag(host, generation)}]
+        issued = sts.assume_role(RoleArn=role_arn, RoleSessionName=session_name(host, generation),
+                                 DurationSeconds=seconds, Tags=tags)["Credentials"]
         expiration: datetime = issued["Expiration"]
         return {"AccessKeyId": issued["AccessKeyId"], "SecretAccessKey": issued["SecretAccessKey"],
                 "SessionToken": issued["SessionToken"],

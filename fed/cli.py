@@ -54,7 +54,8 @@ hosts_app = typer.Typer(
         "Hosts that join with an invite line alone: no AWS account, profile or key on the host.\n\n"
         "`fed hosts invite ID` prints one line to hand to the host, which runs `fed-participant start --invite "
         "LINE`. It redeems the line once, with a key it makes, and then renews its 15-60 minute credentials by "
-        "itself. `fed hosts list` shows every host; `fed hosts revoke ID` refuses it at once. The run is named by "
+        "itself. `fed hosts list` shows every host; `fed hosts revoke ID` refuses it at once, for good: "
+        "`fed hosts reinstate ID` brings the id back as a new generation. The run is named by "
         f"`--connection FILE` (a local run; default {DEFAULT_LOCAL_FILE}) or `--stack NAME` (a deployed run)."
     ),
     no_args_is_help=True,
@@ -700,7 +701,8 @@ def hosts_invite(
 ) -> None:
     """Print an invite line for host ID (stdout: the line alone). Only its secret's hash is stored; the line is
     redeemed once, by `fed-participant start --invite LINE` on the host. Inviting an id again replaces an invite
-    not yet redeemed; an active host must be revoked first."""
+    not yet redeemed; an active host must be revoked first, and a revoked one is brought back by `fed hosts
+    reinstate`."""
     from fed.hosts import HostsError, duration_seconds, invite
     from shared.keys import KeyError_
 
@@ -754,8 +756,9 @@ def hosts_revoke(
     stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
     region: str | None = typer.Option(None, "--region", help=REGION_HELP),
 ) -> None:
-    """Revoke host ID at once: its renewals are refused, ingest refuses its uploads with the reason, and on AWS its
-    sessions already issued are denied. The run goes on without it."""
+    """Revoke host ID at once: its renewals are refused, ingest refuses its uploads with the reason, and its sessions
+    already issued are denied. The run goes on without it; the id stays revoked (`fed hosts reinstate` brings it
+    back as a new generation)."""
     from fed.hosts import HostsError, revoke
 
     conn = _connect(connection_file, stack, region)
@@ -765,6 +768,32 @@ def hosts_revoke(
     except HostsError as exc:
         err.print(f"[red]cannot revoke {host!r}: {exc}[/]")
         raise typer.Exit(1) from None
+
+
+@hosts_app.command("reinstate")
+@as_operator
+def hosts_reinstate(
+    host: str = typer.Argument(..., metavar="ID", help=HOST_ARG_HELP),
+    expires: str = typer.Option("24h", "--expires", metavar="DURATION",
+                                help="How long the invite may be redeemed: e.g. 30m, 24h, 7d (at most 30d)."),
+    connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
+    stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
+    region: str | None = typer.Option(None, "--region", help=REGION_HELP),
+) -> None:
+    """Bring revoked host ID back as its next generation: print a new invite line (stdout: the line alone), under
+    which the host makes new keys. The revoked generation's sessions, keys and uploads stay refused."""
+    from fed.hosts import HostsError, duration_seconds, reinstate
+    from shared.keys import KeyError_
+
+    conn = _connect(connection_file, stack, region)
+    try:
+        line = reinstate(conn, host, duration_seconds(expires))
+    except (HostsError, KeyError_) as exc:
+        err.print(f"[red]cannot reinstate {host!r}: {exc}[/]")
+        raise typer.Exit(1) from None
+    typer.echo(line)
+    err.print(f"host {host} reinstated as a new generation: hand it this line (fed-participant start --invite <line>, "
+              f"redeemable once, for {expires})")
 
 
 @app.command("export")

@@ -7,8 +7,10 @@ else, every `fed` command works against the deployed run:
     fed status / dashboard / verify    read the run's state items and objects (every version: verify recomputes)
     fed run pause / resume             commit the request, switch the tick schedule, invoke the tick function
     fed run restore                    write the checkpoint's global model and optimizer state back, commit the state
-    fed hosts invite / list / revoke   write and read the host records (invite stores a secret's hash), mark a host
-                                       revoked, and deny its sessions in the participant role's inline policy
+    fed hosts invite / list / revoke / reinstate
+                                       write and read the host records (invite stores a secret's hash), mark a host
+                                       revoked (and record the revocation), and deny its sessions in the participant
+                                       role's inline policy
     fed check                          list the stack's resources, read the functions' configuration and invoke
                                        the tick as a dry run, ask IAM's policy simulator about every role (this
                                        policy's own document included), read the bucket's notification setting
@@ -43,9 +45,10 @@ SIMULATE = "iam:SimulatePrincipalPolicy"
 # anything of the account: each judges only what the request itself carries (an event and a pattern; a policy
 # document, actions and ARNs).
 RESOURCELESS = ("events:TestEventPattern", "iam:SimulateCustomPolicy")
-# `fed hosts revoke` on AWS writes the participant role's inline policy `shared.naming.REVOKED_HOSTS_POLICY` whole,
-# from the revoked host records (`fed.hosts.deny_sessions`): it never reads it back nor deletes it.
-REVOKE_ACTIONS = ("iam:PutRolePolicy",)
+# `fed hosts revoke|reinstate` writes the participant role's inline policy `shared.naming.REVOKED_HOSTS_POLICY` whole,
+# from the revocation records (`fed.hosts.deny_sessions`): it never reads it back nor deletes it. It reads the role's
+# own inline policy (`shared.naming.PARTICIPANT_POLICY`) for its size: IAM counts a role's inline policies together.
+REVOKE_ACTIONS = ("iam:PutRolePolicy", "iam:GetRolePolicy")
 
 
 def policy_name(run_id: str) -> str:
@@ -120,7 +123,8 @@ class OperatorAccess(Construct):
                                     resources=[own_arn]),
                 iam.PolicyStatement(sid="TryParticipantSession", actions=["sts:AssumeRole", "sts:TagSession"],
                                     resources=[participant_role.role_arn]),
-                # fed hosts revoke marks the host item revoked (invite's PutItem and list's Query are granted above)
+                # fed hosts revoke marks the host item revoked and reinstate starts its next generation (invite's and
+                # the revocation record's PutItem, list's and the revocation records' Query are granted above)
                 iam.PolicyStatement(sid="RevokeHosts", actions=["dynamodb:UpdateItem"], resources=[table.table_arn]),
                 # ... and on AWS writes the participant role's inline policy REVOKED_HOSTS_POLICY, a deny on the
                 # revoked hosts' session tags, which cuts the sessions they already hold at once. IAM has no condition

@@ -26,8 +26,9 @@ from infra.nag import acknowledge, arn_ref
 from infra.notifications import subscribe_conditions
 from infra.settings import DeploySettings
 from shared.config import RunConfig
+from shared.hosts import HOST_TAG
 from shared.keys import RESERVED_IDS
-from shared.naming import PARTICIPANT_TAG, participant_queue_prefix
+from shared.naming import PARTICIPANT_POLICY, PARTICIPANT_TAG, participant_queue_prefix
 from shared.table_keys import run_pk
 
 TAG = f"aws:PrincipalTag/{PARTICIPANT_TAG}"
@@ -127,7 +128,7 @@ class ParticipantAccess(Construct):
             description=f"Participants of run {run_id}, assumed with the session tag {PARTICIPANT_TAG}=<id>.",
             assumed_by=iam.PrincipalWithConditions(trusted[0], TRUST_CONDITIONS).with_session_tags(),
             max_session_duration=Duration.hours(settings.participant_session_hours),
-            inline_policies={"participant": iam.PolicyDocument(statements=statements())},
+            inline_policies={PARTICIPANT_POLICY: iam.PolicyDocument(statements=statements())},
             permissions_boundary=self.boundary,
         )
         trust = self.role.assume_role_policy
@@ -174,15 +175,19 @@ class ParticipantAccess(Construct):
         )
 
     def admit_issuer(self, issuer: iam.IRole) -> None:
-        """Trust `issuer` (the credential endpoint's role, `infra.hosts`) to assume the role for a host: with exactly
-        one session tag, a usable participant id, as every other principal; the conditions are written out here as
-        well as in the deny statements, so this statement admits nothing on its own that they would refuse."""
+        """Trust `issuer` (the credential endpoint's role, `infra.hosts`) to assume the role for a host: with the
+        session tag naming a usable participant id, as every other principal, and the host's generation
+        (`shared.hosts.HOST_TAG`, which the deny on revoked generations reads: no other principal may set it); the
+        conditions are written out here as well as in the deny statements, so this statement admits nothing on its
+        own that they would refuse."""
         self._trust.add_statements(
             iam.PolicyStatement(
                 sid="CredentialEndpoint",
                 actions=["sts:AssumeRole", "sts:TagSession"],
                 principals=[iam.ArnPrincipal(issuer.role_arn)],
-                conditions={**TRUST_CONDITIONS, **id_conditions(REQUEST_TAG)},
+                conditions={"StringLike": {REQUEST_TAG: "?*", f"aws:RequestTag/{HOST_TAG}": "?*.?*"},
+                            "ForAllValues:StringEquals": {"aws:TagKeys": [PARTICIPANT_TAG, HOST_TAG]},
+                            **id_conditions(REQUEST_TAG)},
             )
         )
 

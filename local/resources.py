@@ -109,5 +109,15 @@ def create_resources(run_id: str, endpoint: str | None = None, region: str = "us
     # The tick schedule (the dispatcher ticks while it is enabled; the run switches it off while idle)
     events.put_rule(Name=tick_rule_name(run_id), ScheduleExpression="rate(1 minute)", State="ENABLED")
     topic = client("sns", endpoint, region).create_topic(Name=state_topic_name(run_id))["TopicArn"]
+    # The participant role, which holds the deny on revoked hosts' sessions (`fed hosts revoke` writes it, the local
+    # access check applies it: `local.access.control`); moto's STS issues sessions of a role whether it exists or not.
+    trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["sts:AssumeRole", "sts:TagSession"],
+                                                     "Principal": {"AWS": "arn:aws:iam::123456789012:root"}}]}
+    try:
+        client("iam", endpoint, region).create_role(RoleName=f"fed-{run_id}-participant",
+                                                    AssumeRolePolicyDocument=json.dumps(trust))
+    except ClientError as exc:
+        if exc.response["Error"]["Code"] != "EntityAlreadyExists":
+            raise
     return LocalResources(run_id, bucket, table, urls[0], endpoint, region, join_queue_url=urls[1],
                           state_topic=topic, shard_queue_url=shard_queue)

@@ -2,9 +2,14 @@
 endpoint applies to both (pure: `store.hosts` keeps the records, `coordinator.credentials` answers the requests).
 
 A host is a participant (its id is a participant id) that has no AWS identity of its own. It redeems an invite
-once, binding the public half of a key pair it has just made; after that it renews by requests signed with that
-key. Each answer is STS credentials for the participant role tagged with its id, so every participant policy
-applies to it unchanged.
+once, binding the public half of a key pair it has just made (its host key) and the public key it signs its
+uploads with; after that it renews by requests signed with the host key. Each answer is STS credentials for the
+participant role tagged with its id, so every participant policy applies to it unchanged, and with its generation
+(`session_tag`).
+
+Generations: a revoked id stays revoked. `fed hosts reinstate` starts the id's next generation (a new invite); every
+key, session and upload of an earlier generation stays refused: keys by the host record (`retired_keys`, and ingest's
+`upload_refusal`), sessions by the participant role's deny on `HOST_TAG` (`deny_policy`).
 
     fed-invite-v1.<base64url, unpadded, of {"endpoint": ..., "host": ..., "secret": ..., "expires": ...}>
 
@@ -40,6 +45,15 @@ MAX_INVITE_CHARS: Final = 4096
 MAX_ENDPOINT_CHARS: Final = 2048
 SECRET_BYTES: Final = 32
 NONCE_BYTES: Final = 16
+MAX_SESSION_SECONDS: Final = 3600  # the longest session the endpoint issues (role chaining caps STS at one hour)
+CLOCK_ALLOWANCE_SECONDS: Final = 300  # how far AWS's clock and the revoking operator's may disagree
+# How long a revoked generation stays in the deny policy: every session issued before its revocation has expired by then
+DENY_SECONDS: Final = MAX_SESSION_SECONDS + CLOCK_ALLOWANCE_SECONDS
+MAX_ROLE_POLICY_CHARS: Final = 10240  # IAM: a role's inline policies together, whitespace not counted
+# The most the participant role's own inline policy may take (tests/infrastructure checks the template's): the deny
+# policy has the rest, whatever the number of revocations in DENY_SECONDS (`fed.hosts.deny_sessions` measures both).
+PARTICIPANT_POLICY_BUDGET: Final = 6000
+HOST_TAG: Final = "fed-host"  # a host session's second tag: <host id>.<generation>
 RATE_WINDOW_SECONDS: Final = 60  # the rate limits count requests per minute
 REFUSAL_SECONDS: Final = 7 * 24 * 3600  # how long a refusal's record is kept
 UNKNOWN_HOST: Final = "?"  # what a refusal records when the request names no valid host id
@@ -83,11 +97,24 @@ class HostRecord:
     secret_hash: str = field(repr=False)
     invite_expires: float
     invited_at: float
-    public_key: str = ""
+    public_key: str = ""  # the host key, bound at redemption: renewals are signed with it
     redeemed_at: float = 0.0
     last_credentials_at: float = 0.0
     revoked_at: float = 0.0
     revoke_reason: str = ""
+    generation: int = 1  # 1 from the first invite; each `fed hosts reinstate` starts the next
+    upload_key: str = ""  # the upload-signing key, bound at redemption with the host key
+    registered_key: str = ""  # the upload key ingest registered for this generation's join ("" until then)
+    retired_keys: tuple[str, ...] = ()  # the host and upload keys of earlier generations: never bound again
+
+
+@dataclass(frozen=True)
+class Revocation:
+    """One generation of a host, revoked at `at` (epoch seconds): its sessions are denied until `at + DENY_SECONDS`."""
+
+    host: str
+    generation: int
+    at: float
 
 
 class RefusalKind(StrEnum):
@@ -238,6 +265,10 @@ def redeem_refusal(record: HostRecord | None, request: RedeemRequest, now: float
         return "invite already redeemed"
     if now >= record.invite_expires:
         return "invite expired"
+    if request.public_key == request.upload_key:
+        return "the host key and the upload key must differ"
+    if {request.public_key, request.upload_key} & set(record.retired_keys):
+        return "a key of an earlier generation of this host: make new keys"
     return None
 
 
@@ -288,6 +319,63 @@ def skew_refusal(request: RenewRequest, now: float, limits: HostLimits) -> str |
     return (f"issued_at is {abs(skew):.0f} s {'behind' if skew > 0 else 'ahead of'} the endpoint's clock "
             f"(at most {limits.max_skew_seconds:.0f} s)")
 
+
+def upload_refusal(record: HostRecord | None, join: bool) -> str | None:
+    """Why ingest refuses an upload from the id of `record` (None: no invited host has that id), or None. Only the
+    current generation's, once redeemed: before its join is registered only the join itself (which `coordinator.
+    intake.join` checks against `record.upload_key`), since the participant record may still hold an earlier
+    generation's key."""
+    if record is None:
+        return None
+    if record.status is HostStatus.REVOKED:
+        return "from a revoked host: " + (record.revoke_reason or "revoked")
+    if record.status is not HostStatus.ACTIVE:
+        return f"from host {record.host}, whose generation {record.generation} has not redeemed its invite"
+    if join or record.registered_key == record.upload_key or (record.generation == 1 and not record.registered_key):
+        return None
+    return (f"from host {record.host} before the join of its generation {record.generation} was registered "
+            "(an earlier generation's key is refused)")
+
+
+# --- the deny on revoked generations' sessions ---------------------------------------------------------------
+
+
+def session_tag(host: str, generation: int) -> str:
+    """The value of a host session's `HOST_TAG`: ids are [A-Za-z0-9_-], so the "." is unambiguous."""
+    return f"{host}.{generation}"
+
+
+def denied(revocations: list[Revocation], now: float) -> list[str]:
+    """The session tags to deny at `now`: of every generation revoked less than DENY_SECONDS ago (older ones'
+    sessions have all expired), sorted."""
+    return sorted({session_tag(r.host, r.generation) for r in revocations if now - r.at < DENY_SECONDS})
+
+
+def deny_policy(tags: list[str]) -> str:
+    """The participant role's inline policy denying everything to sessions tagged with one of `tags`, as IAM counts
+    it: JSON without whitespace."""
+    document = {"Version": "2012-10-17", "Statement": [{
+        "Sid": "RevokedHosts", "Effect": "Deny", "Action": "*", "Resource": "*",
+        "Condition": {"StringEquals": {f"aws:PrincipalTag/{HOST_TAG}": tags}},
+    }]}
+    return json.dumps(document, separators=(",", ":"))
+
+
+def policy_chars(document: Mapping[str, Any] | str) -> int:
+    """A policy's size as IAM counts it (no whitespace outside strings)."""
+    text = document if isinstance(document, str) else json.dumps(document, separators=(",", ":"))
+    return len(json.dumps(json.loads(text), separators=(",", ":")))
+
+
+def room_frees_at(revocations: list[Revocation], now: float, room: int) -> float | None:
+    """When the deny policy of the generations revoked by `now` fits in `room` characters: `now` if it does, else
+    the first time enough of them have aged out (None if not even then: a policy of no tag does not fit)."""
+    live = sorted((r for r in revocations if now - r.at < DENY_SECONDS), key=lambda r: r.at)
+    for i in range(len(live) + 1):
+        at = now if i == 0 else live[i - 1].at + DENY_SECONDS
+        if len(deny_policy(denied(live[i:], at))) <= room:
+            return at
+    return None
 
 
 # --- the answers --------------------------------------------------------------------------------------------

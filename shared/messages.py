@@ -423,11 +423,13 @@ Name = Annotated[str, Text(max_length=MAX_NAME)]
 
 
 class RedeemRequest(Message):
-    """A host's first request: the invite's one-time secret, and the raw public key it binds to its id."""
+    """A host's first request: the invite's one-time secret, and the raw public keys it binds to its id: the host
+    key its renewals are signed with, and the key its uploads are signed with (so that both die together)."""
 
     host: ParticipantId
     secret: str = Field(pattern=SECRET_PATTERN)
     public_key: Ed25519Key
+    upload_key: Ed25519Key
 
 
 class RenewRequest(Message):

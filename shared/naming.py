@@ -150,6 +150,8 @@ OUTPUT_CREDENTIAL_ENDPOINT = "CredentialEndpointUrl"  # the function URL invites
 # The participant role's inline policy `fed hosts revoke` writes: a deny on the revoked hosts' session tags. It is
 # not part of the template, so a redeploy leaves it in place.
 REVOKED_HOSTS_POLICY = "fed-revoked-hosts"
+# The participant role's own inline policy (the template's): the deny above gets what room it leaves.
+PARTICIPANT_POLICY = "participant"
 
 # The session tag naming a participant; IAM policy variables use it to scope its keys.
 PARTICIPANT_TAG = "participant"

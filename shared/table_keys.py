@@ -114,3 +114,7 @@ def host_rate_sk(scope: str, minute: int) -> str:
 def host_refusal_sk(host: str, kind: str) -> str:
     """One item per host (or `shared.hosts.UNKNOWN_HOST`) and kind of refusal, however many arrive."""
     return f"{HOST_REFUSAL_PREFIX}{host}#{kind}"
+
+
+def host_revocation_sk(host: str, generation: int) -> str:
+    return f"{HOST_REVOCATION_PREFIX}{host}#{generation}"

@@ -10,18 +10,29 @@ from pynamodb.exceptions import DoesNotExist, PutError, UpdateError
 from pynamodb.expressions.condition import Condition
 from pynamodb.expressions.update import Action
 
-from shared.hosts import RATE_WINDOW_SECONDS, REFUSAL_SECONDS, HostRecord, HostRefusal, HostStatus, RefusalKind
+from shared.hosts import (
+    DENY_SECONDS,
+    RATE_WINDOW_SECONDS,
+    REFUSAL_SECONDS,
+    HostRecord,
+    HostRefusal,
+    HostStatus,
+    RefusalKind,
+    Revocation,
+)
 from shared.limits import MAX_ID_CHARS, MAX_REASON_CHARS, bounded
 from shared.table_keys import (
     HOST_PREFIX,
     HOST_REFUSAL_PREFIX,
+    HOST_REVOCATION_PREFIX,
     host_nonce_sk,
     host_rate_sk,
     host_refusal_sk,
+    host_revocation_sk,
     host_sk,
     run_pk,
 )
-from store.records import Models, condition_failed, host_record, host_refusal, models
+from store.records import Models, condition_failed, host_record, host_refusal, host_revocation, models
 
 __all__ = ["HostStore"]
 
@@ -36,18 +47,38 @@ class HostStore:
     # --- hosts ----------------------------------------------------------------------------------------
 
     def invite(self, host: str, secret_hash: str, expires: float, now: float) -> bool:
-        """Record an invite for `host` (only the secret's hash): False if the host is active, whose bound key an
-        invite would replace (revoke it first). An invited or revoked host's record starts anew."""
+        """Record an invite for `host` (only the secret's hash): a new host's first generation, or a new secret for
+        an invite not yet redeemed (its generation kept). False if the host is active, whose bound keys an invite
+        would replace, or revoked: a revoked host comes back only by `reinstate`."""
         h = self.m.host
         item = h(self.pk, host_sk(host), pid=host, status=HostStatus.INVITED.value, secret_hash=secret_hash,
-                 invite_expires=expires, invited_at=now)
+                 invite_expires=expires, invited_at=now, generation=1)
         try:
-            item.save(condition=h.pk.does_not_exist() | (h.status != HostStatus.ACTIVE.value))
+            item.save(condition=h.pk.does_not_exist())
+            return True
         except PutError as exc:
-            if condition_failed(exc):
-                return False
-            raise
-        return True
+            if not condition_failed(exc):
+                raise
+        actions = [h.secret_hash.set(secret_hash), h.invite_expires.set(expires), h.invited_at.set(now)]
+        return self._update(host, actions, h.status == HostStatus.INVITED.value)
+
+    def reinstate(self, host: str, secret_hash: str, expires: float, now: float) -> HostRecord | None:
+        """Start the next generation of revoked `host`: invited again under a new secret, its bound keys retired
+        (never bound again) and nothing of the revoked generation kept that a request could use. The record as it
+        is now, or None if `host` is not revoked (unknown, or a racing change came first)."""
+        record = self.get(host)
+        if record is None or record.status is not HostStatus.REVOKED:
+            return None
+        h = self.m.host
+        retired = {k for k in (record.public_key, record.upload_key) if k}
+        actions = [h.status.set(HostStatus.INVITED.value), h.generation.set(record.generation + 1),
+                   h.secret_hash.set(secret_hash), h.invite_expires.set(expires), h.invited_at.set(now),
+                   h.public_key.set(""), h.upload_key.set(""), h.redeemed_at.set(0), h.last_credentials_at.set(0),
+                   h.revoked_at.set(0), h.revoke_reason.set("")]
+        if retired:
+            actions.append(h.retired_keys.add(retired))
+        condition = (h.status == HostStatus.REVOKED.value) & (h.generation == record.generation)
+        return self.get(host) if self._update(host, actions, condition) else None
 
     def get(self, host: str) -> HostRecord | None:
         try:
@@ -59,24 +90,42 @@ class HostStore:
         items = self.m.host.query(self.pk, self.m.host.sk.startswith(HOST_PREFIX), consistent_read=True)
         return [host_record(i) for i in items]
 
-    def redeem(self, host: str, secret_hash: str, public_key: str, now: float) -> bool:
-        """Bind `public_key` to `host` if its invite, for that secret, is still out and unexpired: invited -> active
-        in one conditional write, so of two racing redemptions one wins."""
+    def redeem(self, host: str, secret_hash: str, public_key: str, upload_key: str, now: float) -> bool:
+        """Bind `public_key` (the host key) and `upload_key` to `host` if its invite, for that secret, is still out
+        and unexpired: invited -> active in one conditional write, so of two racing redemptions one wins."""
         h = self.m.host
         condition = (h.status == HostStatus.INVITED.value) & (h.secret_hash == secret_hash) & (h.invite_expires > now)
-        actions = [h.status.set(HostStatus.ACTIVE.value), h.public_key.set(public_key), h.redeemed_at.set(now)]
+        actions = [h.status.set(HostStatus.ACTIVE.value), h.public_key.set(public_key), h.upload_key.set(upload_key),
+                   h.redeemed_at.set(now)]
         return self._update(host, actions, condition)
 
     def note_credentials(self, host: str, now: float) -> None:
         h = self.m.host
         self._update(host, [h.last_credentials_at.set(now)], h.pk.exists())
 
-    def revoke(self, host: str, reason: str, now: float) -> bool:
-        """Refuse `host` from now on (its renewals; what else a revocation cuts is the caller's); False if unknown."""
+    def revoke(self, host: str, reason: str, now: float) -> HostRecord | None:
+        """Refuse `host`'s current generation from now on (its renewals; what else a revocation cuts is the
+        caller's), and keep the revocation (`revocations`) while a session issued before it could live. The record
+        as it is now, or None if `host` is unknown. Revoking a revoked host again records its revocation again (the
+        deny on its sessions is then kept from the later time)."""
+        record = self.get(host)
+        if record is None:
+            return None
         h = self.m.host
         actions = [h.status.set(HostStatus.REVOKED.value), h.revoked_at.set(now),
                    h.revoke_reason.set(bounded(reason, MAX_REASON_CHARS))]
-        return self._update(host, actions, h.pk.exists())
+        if not self._update(host, actions, h.generation == record.generation):
+            return self.revoke(host, reason, now)  # a reinstatement came first: revoke the generation it started
+        self.m.host_revocation(self.pk, host_revocation_sk(host, record.generation), pid=host,
+                               generation=record.generation, at=now,
+                               expires_at=math.ceil(now + DENY_SECONDS)).save()
+        return self.get(host)
+
+    def revocations(self, now: float) -> builtins.list[Revocation]:
+        """The generations revoked less than DENY_SECONDS before `now` (the table's TTL deletes older ones, lazily)."""
+        r = self.m.host_revocation
+        items = r.query(self.pk, r.sk.startswith(HOST_REVOCATION_PREFIX), consistent_read=True)
+        return [host_revocation(i) for i in items if now - float(i.at) < DENY_SECONDS]
 
     def _update(self, host: str, actions: builtins.list[Action], condition: Condition) -> bool:
         try:

@@ -13,13 +13,14 @@ from pynamodb.attributes import (
     JSONAttribute,
     NumberAttribute,
     UnicodeAttribute,
+    UnicodeSetAttribute,
     VersionAttribute,
 )
 from pynamodb.connection import Connection
 from pynamodb.exceptions import PynamoDBException
 from pynamodb.models import Model
 
-from shared.hosts import HostRecord, HostRefusal, HostStatus, RefusalKind
+from shared.hosts import HostRecord, HostRefusal, HostStatus, RefusalKind, Revocation
 from shared.sizing import Share, Speed
 from shared.state import Member, MemberStatus, ParticipantView, Phase, RoundSummary, RunState, UpdateView
 from shared.table_keys import TTL_ATTRIBUTE
@@ -138,6 +139,19 @@ class HostItem(_Item):
     last_credentials_at = NumberAttribute(default=0)
     revoked_at = NumberAttribute(default=0)
     revoke_reason = UnicodeAttribute(default="")
+    generation = NumberAttribute(default=1)
+    upload_key = UnicodeAttribute(default="")
+    registered_key = UnicodeAttribute(default="")
+    retired_keys = UnicodeSetAttribute(null=True)
+
+
+class HostRevocationItem(_Item):
+    """A revoked generation of a host, kept while a session issued before its revocation could live."""
+
+    pid = UnicodeAttribute()
+    generation = NumberAttribute()
+    at = NumberAttribute()
+    expires_at = NumberAttribute(attr_name=TTL_ATTRIBUTE)
 
 
 class HostNonceItem(_Item):
@@ -217,6 +231,7 @@ class Models:
         self.host_refusal = self._bind(HostRefusalItem, table, host, region)
         self.upload_count = self._bind(UploadCountItem, table, host, region)
         self.dropped = self._bind(DroppedItem, table, host, region)
+        self.host_revocation = self._bind(HostRevocationItem, table, host, region)
 
     def _bind(self, cls: type[_Item], table: str, host: str | None, region: str) -> Any:
         meta = type("Meta", (), {"table_name": table, "host": host, "region": region,
@@ -439,7 +454,15 @@ def host_record(item: HostItem) -> HostRecord:
         last_credentials_at=float(item.last_credentials_at or 0),
         revoked_at=float(item.revoked_at or 0),
         revoke_reason=item.revoke_reason or "",
+        generation=int(item.generation or 1),
+        upload_key=item.upload_key or "",
+        registered_key=item.registered_key or "",
+        retired_keys=tuple(sorted(item.retired_keys or ())),
     )
+
+
+def host_revocation(item: HostRevocationItem) -> Revocation:
+    return Revocation(host=item.pid, generation=int(item.generation), at=float(item.at))
 
 
 def host_refusal(item: HostRefusalItem) -> HostRefusal:

@@ -19,7 +19,7 @@ from pynamodb.exceptions import (
 from pynamodb.transactions import TransactWrite
 
 from shared import keys
-from shared.hosts import HostStatus
+from shared.hosts import HostRecord, HostStatus
 from shared.state import ParticipantView, RoundSummary, RunState, Snapshot, heard_through_updates
 from shared.table_keys import (
     PARTICIPANT_COUNT_SK,
@@ -41,6 +41,7 @@ from store.records import (
     VERSIONS,
     Models,
     condition_failed,
+    host_record,
     models,
     participant_record,
     participant_view,
@@ -224,14 +225,39 @@ class StateStore(RoundRecords, UploadBudgets):
             return None
         return participant_record(item)
 
-    def host_revoked(self, pid: str) -> str | None:
-        """Why `pid`'s host was revoked (`fed hosts revoke`), or None if it was not (or is no invited host): ingest
-        refuses a revoked host's uploads. Read consistently, so a revocation holds from the next upload on."""
+    def host(self, pid: str) -> HostRecord | None:
+        """The invited host `pid` (`fed hosts`), or None if it is none: ingest refuses what its record does not let
+        in (`shared.hosts.upload_refusal`). Read consistently, so a revocation holds from the next upload on."""
         try:
-            item = self.m.host.get(self.pk, host_sk(pid), consistent_read=True)
+            return host_record(self.m.host.get(self.pk, host_sk(pid), consistent_read=True))
         except DoesNotExist:
             return None
-        return (item.revoke_reason or "revoked") if item.status == HostStatus.REVOKED.value else None
+
+    def note_host_join(self, pid: str, generation: int, upload_key: str) -> bool:
+        """Record that `pid`'s participant record holds `upload_key`, the key bound to its host's `generation`
+        (ingest lets that generation's other uploads in from then on); False if the host moved on meanwhile."""
+        h = self.m.host
+        condition = (h.generation == generation) & (h.upload_key == upload_key) & (h.status == HostStatus.ACTIVE.value)
+        try:
+            self.m.host(self.pk, host_sk(pid)).update(actions=[h.registered_key.set(upload_key)], condition=condition)
+        except UpdateError as exc:
+            if condition_failed(exc):
+                return False
+            raise
+        return True
+
+    def rekey_participant(self, pid: str, old_key: str, new_key: str) -> bool:
+        """Register `new_key` for `pid` in place of `old_key` (a reinstated host's new generation): one conditional
+        write, so of two racing joins one wins; the old key is refused from then on."""
+        p = self.m.participant
+        try:
+            p(self.pk, participant_sk(pid)).update(actions=[p.public_key.set(new_key)],
+                                                   condition=p.public_key == old_key)
+        except UpdateError as exc:
+            if condition_failed(exc):
+                return False
+            raise
+        return True
 
     def create_participant(
         self, pid: str, at: float, public_key: str, info: dict[str, Any], limit: int, sent_at: float = 0.0,

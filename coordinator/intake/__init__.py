@@ -17,6 +17,7 @@ from coordinator.intake.common import Ingested, ObjectCreated, refuse
 from coordinator.intake.common import signed_model as _signed_model  # (benchmarks/big_loop.py: one ingest alone)
 from coordinator.intake.offer import initial_model_problem, model_schema
 from shared import keys
+from shared.hosts import upload_refusal
 from shared.keys import KeyError_, ObjectKind
 
 __all__ = ["ObjectCreated", "Ingested", "ingest_object", "initial_model_problem", "model_schema", "_signed_model"]
@@ -32,10 +33,11 @@ def ingest_object(deps: Deps, obj: ObjectCreated) -> Ingested:
     if parsed.run_id != deps.config.run_id:
         return refuse(deps, obj, "layout", f"object belongs to run {parsed.run_id!r}, not {deps.config.run_id!r}")
     pid = parsed.participant or ""
-    if pid and (revoked := deps.store.host_revoked(pid)) is not None:
-        return refuse(deps, obj, parsed.kind.value, f"from a revoked host: {revoked}", pid)
+    host = deps.store.host(pid) if pid else None
+    if (refused := upload_refusal(host, parsed.kind is ObjectKind.JOIN)) is not None:
+        return refuse(deps, obj, parsed.kind.value, refused, pid)
     if parsed.kind is ObjectKind.JOIN:
-        return join.ingest(deps, obj, pid)
+        return join.ingest(deps, obj, pid, host)
     if parsed.kind is ObjectKind.HEARTBEAT:
         return heartbeat.ingest(deps, obj, pid)
     if parsed.kind is ObjectKind.INIT:

@@ -12,12 +12,15 @@ from coordinator.intake.common import Ingested, ObjectCreated, read, refuse, rep
 from shared import keys
 from shared.admission import bounded_info, staleness
 from shared.config import DataMode
+from shared.hosts import HostRecord
 from shared.messages import MAX_CONTROL_BYTES, Heartbeat, JoinRequest, parse_message
 from shared.signing import verify
 from store.blobs import NotFound
 
 
-def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Ingested:
+def ingest(deps: Deps, obj: ObjectCreated, pid: str, host: HostRecord | None = None) -> Ingested:
+    """`host`: the invited host of that id (its current generation, active), whose join must carry the upload key
+    it bound at redemption."""
     try:  # a join is signed with the key it registers: proof that the joiner holds it
         blob = read(deps, obj, MAX_CONTROL_BYTES)
         request = parse_message(JoinRequest, blob.data)
@@ -36,6 +39,9 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Ingested:
                       "does not say how many samples the participant holds (field 'samples')", pid)
     info = bounded_info(request.info)
     public_key = request.public_key
+    if host is not None and host.upload_key and public_key != host.upload_key:
+        return refuse(deps, obj, "join", f"join request signed with another key than the one host {pid} bound for "
+                      f"its generation {host.generation}", pid)
     existing = deps.store.participant(pid)
     if existing is None:
         created = deps.store.create_participant(pid, obj.time, public_key, info, deps.config.max_participants,
@@ -43,6 +49,7 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Ingested:
         if created == "full":
             return refuse(deps, obj, "join", f"the run is full: {deps.config.max_participants} participants", pid)
         if created == "created":
+            _note_host_join(deps, pid, host)
             _heartbeat_that_overtook_the_join(deps, pid, public_key)
             _offer_that_overtook_the_join(deps, pid, public_key)
             return Ingested("join", obj.key, True, "", pid)
@@ -50,12 +57,38 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str) -> Ingested:
         if existing is None:  # lost the race, yet no record to read back: nothing to compare the key with
             return refuse(deps, obj, "join", f"join request raced with another registration of {pid} whose "
                           "record could not be read back; join again", pid)
+    rekeyed = False
     if existing.public_key != public_key:
-        return refuse(deps, obj, "join", "join request with another key than the one registered", pid)
+        if not _new_generation(host, existing.public_key):
+            return refuse(deps, obj, "join", "join request with another key than the one registered", pid)
+        if not deps.store.rekey_participant(pid, existing.public_key, public_key):
+            return refuse(deps, obj, "join", f"join request raced with another registration of {pid}; join again",
+                          pid)
+        rekeyed = True
     taken = deps.store.accept_message(pid, request.sent_at, obj.time)
-    if taken == "stale":
+    if taken == "stale" and not rekeyed:
         return refuse(deps, obj, "join", replayed("join request", request.sent_at), pid)
+    _note_host_join(deps, pid, host)
+    if rekeyed:
+        return Ingested("join", obj.key, True, f"registered the key of host generation {_generation(host)}", pid)
     return Ingested("join", obj.key, True, "rejoined", pid, recorded=taken == "accepted")
+
+
+def _new_generation(host: HostRecord | None, registered: str) -> bool:
+    """Whether a join whose key differs from the registered one is a reinstated host's new generation (its key
+    already checked against the one bound at redemption): the registered key is not this generation's."""
+    return host is not None and bool(host.upload_key) and registered != host.upload_key
+
+
+def _generation(host: HostRecord | None) -> int:
+    return host.generation if host is not None else 0
+
+
+def _note_host_join(deps: Deps, pid: str, host: HostRecord | None) -> None:
+    """Tell the host record that the participant record holds this generation's key (ingest lets the generation's
+    other uploads in from then on); written once per generation."""
+    if host is not None and host.upload_key and host.registered_key != host.upload_key:
+        deps.store.note_host_join(pid, host.generation, host.upload_key)
 
 
 def _heartbeat_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> None:

@@ -30,6 +30,8 @@ from local.access.evaluator import Decision, Evaluator
 from local.access.ledger import CallKey, Denial, Ledger
 from local.access.model import FUNCTION, OPERATOR, PARTICIPANT, AccessModel, participant_context
 from local.access.requests import HttpCall, Need, Request, Unmapped, credential, parse
+from shared.hosts import HOST_TAG
+from shared.naming import REVOKED_HOSTS_POLICY
 from store.trace import HEADER_CALLER, HEADER_PRINCIPAL, HEADER_TEST
 
 Response = tuple[int, dict[str, str], bytes]
@@ -68,6 +70,45 @@ def _invited_host(access_key: str) -> str | None:
             if role is not None and role.role_arn.endswith("-participant"):
                 return f"{PARTICIPANT}:{host_of_session(role.session_name)}"
     return None
+
+
+def _revoked_tag(headers: Mapping[str, str], query: str) -> str | None:
+    """The `shared.hosts.HOST_TAG` of the invited host's session making the request, where the participant role's
+    inline deny `REVOKED_HOSTS_POLICY` (`fed hosts revoke`, written to moto's IAM as on AWS) lists it; else None. The
+    tag is read from the session's name (`coordinator.credentials.tag_of_session`): moto's STS keeps no tags."""
+    if headers.get(HEADER_PRINCIPAL.lower()):
+        return None
+    access_key, _, _ = credential(headers, query)
+    if not access_key.startswith("ASIA"):
+        return None
+    from moto.iam.models import iam_backends
+    from moto.sts.models import sts_backends
+
+    from coordinator.credentials import tag_of_session
+
+    for account in list(sts_backends.keys()):
+        for partition, backend in sts_backends[account].items():
+            role = backend.get_assumed_role_from_access_key(access_key)
+            if role is None or not role.role_arn.endswith("-participant"):
+                continue
+            tag = tag_of_session(role.session_name)
+            try:
+                iam_role = iam_backends[account][partition].get_role_by_arn(role.role_arn)
+            except Exception:  # moto's NotFoundException: a role never created holds no deny
+                return None
+            document = iam_role.policies.get(REVOKED_HOSTS_POLICY)
+            return tag if tag is not None and document and tag in _denied_tags(document) else None
+    return None
+
+
+def _denied_tags(document: str) -> set[str]:
+    """The HOST_TAG values a deny policy as `fed.hosts.deny_sessions` writes it names."""
+    denied: set[str] = set()
+    for statement in json.loads(document).get("Statement", []):
+        if statement.get("Effect") == "Deny":
+            values = statement.get("Condition", {}).get("StringEquals", {}).get(f"aws:PrincipalTag/{HOST_TAG}", [])
+            denied.update([values] if isinstance(values, str) else values)
+    return denied
 
 
 def _test_of(call: HttpCall) -> str:
@@ -137,6 +178,11 @@ class AccessControl:
             request = parse(call, self.model.account)
         except Unmapped as exc:
             return self._refuse(call, principal, None, Need("?", call.path), Decision("Error", errors=str(exc)))
+        if role_of(principal) == PARTICIPANT and (tag := _revoked_tag(call.headers, call.query)) is not None:
+            # IAM evaluates the role's inline deny on every request: a revoked generation's session is cut at once
+            need = request.needs[0] if request.needs else Need(f"{request.service}:{request.operation}", "*")
+            return self._refuse(call, principal, request, need,
+                                Decision("ExplicitlyDenied", denied_by=(f"RevokedHosts ({HOST_TAG}={tag})",)))
         for need in request.needs:
             decision = self.decide(principal, need)
             if not decision.allowed:

@@ -82,7 +82,8 @@ class Endpoint:
 
     def redeem(self, host: str, secret: str, key: Ed25519PrivateKey | None = None) -> tuple[int, dict[str, Any]]:
         key = key or Ed25519PrivateKey.generate()
-        return self.call("/redeem", {"host": host, "secret": secret, "public_key": public_key_of(key)}, b64=True)
+        return self.call("/redeem", {"host": host, "secret": secret, "public_key": public_key_of(key),
+                                     "upload_key": public_key_of(Ed25519PrivateKey.generate())}, b64=True)
 
     def renew(self, host: str, key: Ed25519PrivateKey, issued_at: float | None = None) -> tuple[int, dict[str, Any]]:
         signed = sign_renewal(key, host, self.now if issued_at is None else issued_at)
@@ -159,12 +160,14 @@ def test_a_host_redeems_its_invite_then_renews_for_sessions_tagged_with_its_id(e
     assert renewed["credentials"]["AccessKeyId"] != body["credentials"]["AccessKeyId"]
     record = endpoint.store.get("alice")
     assert record is not None and record.last_credentials_at == T0 + 100
-    assert endpoint.assumed == [{"RoleArn": ROLE, "RoleSessionName": "alice", "DurationSeconds": SECONDS,
-                                 "Tags": [{"Key": "participant", "Value": "alice"}]}] * 2
+    # tagged with its id (what every participant policy reads) and its generation (what the deny on revoked ones reads)
+    assert endpoint.assumed == [{"RoleArn": ROLE, "RoleSessionName": "alice.1", "DurationSeconds": SECONDS,
+                                 "Tags": [{"Key": "participant", "Value": "alice"},
+                                          {"Key": "fed-host", "Value": "alice.1"}]}] * 2
     session = boto3.client("sts", region_name="us-east-1", aws_access_key_id=renewed["credentials"]["AccessKeyId"],
                            aws_secret_access_key=renewed["credentials"]["SecretAccessKey"],
                            aws_session_token=renewed["credentials"]["SessionToken"])
-    assert session.get_caller_identity()["Arn"].endswith(":assumed-role/fed-hosts-run-participant/alice")
+    assert session.get_caller_identity()["Arn"].endswith(":assumed-role/fed-hosts-run-participant/alice.1")
     assert endpoint.reasons() == []
 
 
@@ -362,7 +365,7 @@ def test_wrong_methods_paths_and_bodies(endpoint: Endpoint) -> None:
 def test_a_failure_is_answered_without_its_detail(endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     secret = endpoint.invite("alice")
 
-    def broken(host: str, seconds: int) -> dict[str, str]:
+    def broken(host: str, generation: int, seconds: int) -> dict[str, str]:
         raise RuntimeError("sts is down")
 
     deps = replace(credential_deps_from_env(), issue=broken)

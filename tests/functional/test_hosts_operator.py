@@ -11,15 +11,25 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from fed.hosts import HostsError, duration_seconds, invite, listing, revoke
+from fed.hosts import HostsError, duration_seconds, invite, listing, reinstate, revoke
 from local.resources import create_resources
-from shared.hosts import HostStatus, parse_invite, secret_hash
-from shared.naming import PARTICIPANT_TAG, REVOKED_HOSTS_POLICY
+from shared.hosts import (
+    DENY_SECONDS,
+    HOST_TAG,
+    MAX_ROLE_POLICY_CHARS,
+    HostStatus,
+    deny_policy,
+    parse_invite,
+    policy_chars,
+    secret_hash,
+)
+from shared.naming import PARTICIPANT_POLICY, REVOKED_HOSTS_POLICY
 from store.connection import Connection
 from store.hosts import HostStore
 
 RUN = "ops-hosts"
 URL = "https://abc.lambda-url.us-east-1.on.aws/"
+T = 1_800_000_000.0
 
 
 @pytest.fixture
@@ -28,11 +38,8 @@ def conn(monkeypatch: pytest.MonkeyPatch) -> Iterator[Connection]:
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(name, value)
     with mock_aws():
-        res = create_resources(RUN)
-        trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
-                                                         "Principal": {"AWS": "arn:aws:iam::123456789012:root"}}]}
-        role = boto3.client("iam").create_role(RoleName=f"fed-{RUN}-participant",
-                                               AssumeRolePolicyDocument=json.dumps(trust))["Role"]["Arn"]
+        res = create_resources(RUN)  # (the participant role too, as `fed local` has it)
+        role = boto3.client("iam").get_role(RoleName=f"fed-{RUN}-participant")["Role"]["Arn"]
         yield Connection(run_id=RUN, bucket=res.bucket, table=res.table, endpoint=None, region="us-east-1",
                          participant_role=role, credential_endpoint=URL)
 
@@ -48,21 +55,101 @@ def test_an_invite_names_the_endpoint_and_only_its_secrets_hash_is_stored(conn: 
     assert [(h.host, h.status) for h in listing(conn)] == [("gpu-7", "expired")]  # (24 h after 1970)
 
 
-def test_revoking_marks_the_host_and_denies_every_revoked_hosts_sessions(conn: Connection) -> None:
-    for host in ("gpu-1", "gpu-2", "gpu-3"):
-        invite(conn, host, 3600)
-    assert "refused" in revoke(conn, "gpu-2", "stolen laptop")[0]
-    revoke(conn, "gpu-3", "decommissioned")
-
+def deny_list(conn: Connection) -> list[str]:
     role_name = conn.participant_role.rsplit("/", 1)[-1]
     policy = boto3.client("iam").get_role_policy(RoleName=role_name, PolicyName=REVOKED_HOSTS_POLICY)["PolicyDocument"]
     policy = json.loads(policy) if isinstance(policy, str) else policy
     (statement,) = policy["Statement"]
     assert statement["Effect"] == "Deny" and statement["Action"] == "*" and statement["Resource"] == "*"
-    assert statement["Condition"] == {"StringEquals": {f"aws:PrincipalTag/{PARTICIPANT_TAG}": ["gpu-2", "gpu-3"]}}
+    (condition,) = statement["Condition"].values()
+    return list(condition[f"aws:PrincipalTag/{HOST_TAG}"])
+
+
+def test_revoking_marks_the_host_and_denies_every_revoked_hosts_sessions(conn: Connection) -> None:
+    for host in ("gpu-1", "gpu-2", "gpu-3"):
+        invite(conn, host, 3600)
+    assert "refused" in revoke(conn, "gpu-2", "stolen laptop")[0]
+    revoke(conn, "gpu-3", "decommissioned")
+    assert deny_list(conn) == ["gpu-2.1", "gpu-3.1"]
     shown = {h.host: (h.status, h.revoke_reason) for h in listing(conn)}
     assert shown == {"gpu-1": ("invited", ""), "gpu-2": ("revoked", "stolen laptop"),
                      "gpu-3": ("revoked", "decommissioned")}
+
+
+def test_a_revoked_id_stays_revoked_and_comes_back_only_as_a_new_generation(conn: Connection) -> None:
+    # Given alice revoked
+    store = HostStore(conn.table, RUN, None, conn.region)
+    invite(conn, "alice", 3600, now=T)
+    invite(conn, "bob", 3600, now=T)
+    revoke(conn, "alice", "stolen laptop", now=T + 10)
+    # When the operator invites her id again, it is refused, naming the way back
+    with pytest.raises(HostsError, match="fed hosts reinstate alice"):
+        invite(conn, "alice", 3600, now=T + 20)
+    record = store.get("alice")
+    assert record is not None and record.status is HostStatus.REVOKED and record.generation == 1
+    # And the next revocation (bob's) keeps alice in the deny list: it is read from the revocation records
+    revoke(conn, "bob", "left", now=T + 30)
+    assert deny_list(conn) == ["alice.1", "bob.1"]
+    # When she is reinstated: a new generation, invited under a new secret, her old generation still denied
+    line = reinstate(conn, "alice", 3600, now=T + 40)
+    record = store.get("alice")
+    assert record is not None and (record.status, record.generation) == (HostStatus.INVITED, 2)
+    assert record.secret_hash == secret_hash(parse_invite(line).secret) and not record.public_key
+    assert deny_list(conn) == ["alice.1", "bob.1"]
+    # And renewing her invite before it is redeemed stays in that generation
+    invite(conn, "alice", 3600, now=T + 50)
+    assert store.get("alice").generation == 2  # type: ignore[union-attr]
+    # And only a revoked host is reinstated
+    with pytest.raises(HostsError, match="is invited, not revoked"):
+        reinstate(conn, "alice", 3600, now=T + 60)
+    with pytest.raises(HostsError, match="no host 'carol'"):
+        reinstate(conn, "carol", 3600, now=T + 60)
+
+
+def test_the_deny_list_sheds_generations_whose_sessions_have_all_expired(conn: Connection) -> None:
+    for host in ("old", "new"):
+        invite(conn, host, 3600, now=T)
+    revoke(conn, "old", "gone", now=T)
+    revoke(conn, "new", "gone", now=T + DENY_SECONDS - 1)
+    assert deny_list(conn) == ["new.1", "old.1"]
+    invite(conn, "later", 3600, now=T)
+    revoke(conn, "later", "gone", now=T + DENY_SECONDS)  # old's sessions (at most an hour, and a clock allowance)
+    assert deny_list(conn) == ["later.1", "new.1"]  # have all expired
+
+
+def test_past_the_room_the_iam_step_is_refused_saying_when_room_frees_up(conn: Connection) -> None:
+    # Given the participant role's own policy leaving room for a few tags only
+    iam = boto3.client("iam")
+    role_name = conn.participant_role.rsplit("/", 1)[-1]
+    room = len(deny_policy(["host-0.1", "host-1.1"]))
+
+    def filler(pad: int) -> dict[str, object]:
+        return {"Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::b/" + "x" * pad}]}
+
+    own = filler(MAX_ROLE_POLICY_CHARS - room - policy_chars(filler(0)))
+    assert policy_chars(own) + room == MAX_ROLE_POLICY_CHARS
+    own_text = json.dumps(own, indent=2)  # (IAM does not count the whitespace)
+    iam.put_role_policy(RoleName=role_name, PolicyName=PARTICIPANT_POLICY, PolicyDocument=own_text)
+    for i in range(4):
+        invite(conn, f"host-{i}", 3600, now=T)
+    revoke(conn, "host-0", "gone", now=T)
+    revoke(conn, "host-1", "gone", now=T + 1)
+    # When a revocation would take the policy past it
+    with pytest.raises(HostsError, match=r"host-2 \(generation 1\) revoked.*room frees up in 3898 s"):
+        revoke(conn, "host-2", "gone", now=T + 2)
+    # Then the host is revoked all the same (endpoint and ingest refuse it), and the policy written is the last one
+    assert store_of(conn).get("host-2").status is HostStatus.REVOKED  # type: ignore[union-attr]
+    assert deny_list(conn) == ["host-0.1", "host-1.1"]
+    # And once the oldest revocation's sessions have expired, the next one fits again
+    with pytest.raises(HostsError, match="room frees up in 1 s"):  # host-1 and host-2 still in, host-3 would not fit
+        revoke(conn, "host-3", "gone", now=T + DENY_SECONDS)
+    revoke(conn, "host-3", "gone", now=T + DENY_SECONDS + 1)
+    assert deny_list(conn) == ["host-2.1", "host-3.1"]
+
+
+def store_of(conn: Connection) -> HostStore:
+    return HostStore(conn.table, RUN, None, conn.region)
 
 
 def test_what_cannot_be_done_says_why(conn: Connection) -> None:
@@ -75,7 +162,7 @@ def test_what_cannot_be_done_says_why(conn: Connection) -> None:
     store = HostStore(conn.table, RUN, None, conn.region)
     invite(conn, "gpu-1", 3600)
     record = store.get("gpu-1")
-    assert record is not None and store.redeem("gpu-1", record.secret_hash, "A" * 44, record.invited_at)
+    assert record is not None and store.redeem("gpu-1", record.secret_hash, "A" * 44, "B" * 44, record.invited_at)
     with pytest.raises(HostsError, match="is active"):
         invite(conn, "gpu-1", 3600)
     with pytest.raises(HostsError, match="no credential endpoint"):

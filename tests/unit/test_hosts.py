@@ -13,12 +13,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared.hosts import (
     INVITE_PREFIX,
+    MAX_ROLE_POLICY_CHARS,
+    MAX_SESSION_SECONDS,
+    PARTICIPANT_POLICY_BUDGET,
     HostLimits,
     HostRecord,
     HostStatus,
     Invite,
     InviteError,
+    Revocation,
     credential_answer,
+    denied,
+    deny_policy,
     format_invite,
     new_nonce,
     new_secret,
@@ -27,8 +33,11 @@ from shared.hosts import (
     redeem_refusal,
     renew_refusal,
     renewal_message,
+    room_frees_at,
     secret_hash,
+    session_tag,
     sign_renewal,
+    upload_refusal,
     verify_renewal,
 )
 from shared.messages import MessageError, RedeemRequest, RenewRequest, parse_message
@@ -37,6 +46,7 @@ NOW = 1_800_000_000.0
 ENDPOINT = "https://abc.lambda-url.us-east-1.on.aws/"
 SECRET = new_secret()
 KEY = Ed25519PrivateKey.generate()
+UPLOAD = Ed25519PrivateKey.generate()
 LIMITS = HostLimits()
 
 
@@ -55,8 +65,9 @@ def active(**changes: Any) -> HostRecord:
     return invited(**{"status": HostStatus.ACTIVE, "public_key": public_key_of(KEY), "redeemed_at": NOW, **changes})
 
 
-def redeem(secret: str = SECRET, host: str = "alice") -> RedeemRequest:
-    return RedeemRequest(host=host, secret=secret, public_key=public_key_of(KEY))
+def redeem(secret: str = SECRET, host: str = "alice", upload_key: str = "") -> RedeemRequest:
+    return RedeemRequest(host=host, secret=secret, public_key=public_key_of(KEY),
+                         upload_key=upload_key or public_key_of(UPLOAD))
 
 
 # --- invites ----------------------------------------------------------------------------------------------
@@ -165,7 +176,8 @@ def test_a_renewal_signed_with_another_key_or_changed_does_not_verify() -> None:
     ({"extra": 1}, "extra"),
 ])
 def test_a_malformed_redemption_names_its_field_not_its_secret(body: dict[str, Any], field: str) -> None:
-    good = {"host": "alice", "secret": SECRET, "public_key": public_key_of(KEY)}
+    good = {"host": "alice", "secret": SECRET, "public_key": public_key_of(KEY),
+            "upload_key": public_key_of(UPLOAD)}
     with pytest.raises(MessageError) as caught:
         parse_message(RedeemRequest, json.dumps({**good, **body}))
     assert caught.value.fields == (field,) and SECRET not in str(caught.value)
@@ -207,6 +219,11 @@ def test_the_answer_is_checked_against_its_schema() -> None:
     (invited(status=HostStatus.REVOKED), redeem(), NOW, "host is revoked"),
     (invited(), redeem(), NOW + 3600, "invite expired"),
     (invited(secret_hash=""), redeem(), NOW, "wrong secret"),
+    (invited(), redeem(upload_key=public_key_of(KEY)), NOW, "the host key and the upload key must differ"),
+    (invited(generation=2, retired_keys=(public_key_of(KEY),)), redeem(), NOW,
+     "a key of an earlier generation of this host: make new keys"),
+    (invited(generation=2, retired_keys=(public_key_of(UPLOAD),)), redeem(), NOW,
+     "a key of an earlier generation of this host: make new keys"),
 ])
 def test_each_redemption_refusal(record: HostRecord | None, request_: RedeemRequest, now: float,
                                  reason: str | None) -> None:
@@ -234,3 +251,69 @@ def test_each_renewal_refusal() -> None:
 
 def test_a_nonce_outlives_the_window_its_renewal_is_accepted_in() -> None:
     assert LIMITS.nonce_seconds > 2 * LIMITS.max_skew_seconds
+
+
+# --- generations ----------------------------------------------------------------------------------------------
+
+
+def test_ingest_lets_in_only_the_current_generation_once_redeemed() -> None:
+    old, new = public_key_of(Ed25519PrivateKey.generate()), public_key_of(UPLOAD)
+    first = active(upload_key=old)
+    assert upload_refusal(None, join=False) is None  # no invited host of that id
+    assert upload_refusal(first, join=False) is None  # generation 1 before its join: no earlier key to fear
+    assert upload_refusal(replace(first, registered_key=old), join=False) is None
+    revoked = replace(first, status=HostStatus.REVOKED, revoke_reason="stolen")
+    assert upload_refusal(revoked, join=True) == upload_refusal(revoked, join=False) == "from a revoked host: stolen"
+    # reinstated: invited again, so nothing is let in until it redeems, and then only its join until that is registered
+    second = invited(generation=2, registered_key=old, retired_keys=(old,))
+    assert upload_refusal(second, join=False) == (
+        "from host alice, whose generation 2 has not redeemed its invite")
+    redeemed = replace(second, status=HostStatus.ACTIVE, upload_key=new)
+    assert upload_refusal(redeemed, join=True) is None
+    assert upload_refusal(redeemed, join=False) == (
+        "from host alice before the join of its generation 2 was registered (an earlier generation's key is refused)")
+    assert upload_refusal(replace(redeemed, registered_key=new), join=False) is None
+
+
+def test_a_revoked_generation_is_denied_for_the_longest_session_and_a_clock_allowance() -> None:
+    revocations = [Revocation("alice", 1, NOW), Revocation("alice", 2, NOW + 100), Revocation("bob", 1, NOW + 200)]
+    assert denied(revocations, NOW + 200) == ["alice.1", "alice.2", "bob.1"]
+    # a session issued just before the revocation lives MAX_SESSION_SECONDS, and clocks disagree by a little
+    assert "alice.1" in denied(revocations, NOW + MAX_SESSION_SECONDS + 299)
+    assert denied(revocations, NOW + MAX_SESSION_SECONDS + 300) == ["alice.2", "bob.1"]
+    # the policy is written as IAM counts it: no whitespace
+    policy = deny_policy(["alice.1"])
+    assert " " not in policy and json.loads(policy)["Statement"][0]["Condition"] == {
+        "StringEquals": {"aws:PrincipalTag/fed-host": ["alice.1"]}}
+    assert session_tag("gpu-7", 12) == "gpu-7.12"
+
+
+def test_a_thousand_revocations_over_a_day_keep_the_policy_in_room_and_every_live_session_cut() -> None:
+    # Given 1,000 revocations spread over a day, of the longest ids (63 characters, the worst case for room)
+    day, n = 86400.0, 1000
+    revocations = [Revocation(f"{i:04d}-" + "h" * 58, 1, NOW + i * day / n) for i in range(n)]
+    room = MAX_ROLE_POLICY_CHARS - PARTICIPANT_POLICY_BUDGET
+    largest = 0
+    for i, revoked in enumerate(revocations):
+        now = revoked.at  # each revocation rewrites the policy from the records kept
+        tags = denied(revocations[: i + 1], now)
+        largest = max(largest, len(deny_policy(tags)))
+        # Then it fits beside the role's own policy
+        assert len(deny_policy(tags)) <= room
+        assert room_frees_at(revocations[: i + 1], now, room) == now
+        # And every generation a session issued before its revocation could still act for is in it
+        live = {session_tag(r.host, r.generation) for r in revocations[: i + 1] if now - r.at <= MAX_SESSION_SECONDS}
+        assert live <= set(tags)
+    assert largest < room  # (measured: see docs/deploy.md)
+    print(f"largest deny policy: {largest} of {room} characters")
+
+
+def test_past_the_room_it_says_when_room_frees_up() -> None:
+    revocations = [Revocation(f"host-{i:03d}", 1, NOW + i) for i in range(200)]
+    tags = denied(revocations, NOW + 199)
+    room = len(deny_policy(tags[:100]))
+    frees = room_frees_at(revocations, NOW + 199, room)
+    # the first 100 must age out: the 100th oldest's revocation + the deny period
+    assert frees == revocations[99].at + MAX_SESSION_SECONDS + 300
+    assert frees is not None and len(deny_policy(denied(revocations, frees))) <= room
+    assert room_frees_at(revocations, NOW + 199, 10) is None
