@@ -9,7 +9,10 @@ task's role: a loopback HTTP server in botocore's container-credentials format, 
 AWS_CONTAINER_CREDENTIALS_FULL_URI and guarded by a random AWS_CONTAINER_AUTHORIZATION_TOKEN. botocore treats those
 credentials as refreshable and asks again before they expire, whichever library made the client (boto3, pynamodb);
 the server renews at the endpoint once a third of the session's lifetime is left, so a round of any length never
-meets an expired session. A refusal (the host was revoked) stops the participant with the endpoint's reason.
+meets an expired session. A temporary refusal (a rate limit, a clock out of the endpoint's window, a replayed nonce,
+a server error) or an endpoint out of reach keeps the session it holds while that is valid and tries again with
+exponential backoff and jitter; only a definite refusal (revoked, a key not bound, an expired invite) stops the
+participant, with the endpoint's reason.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import secrets
 import threading
 import time
@@ -43,7 +47,10 @@ REDEEMED_FILE = "redeemed.json"  # the endpoint and host the key is bound to
 ENV_FULL_URI = "AWS_CONTAINER_CREDENTIALS_FULL_URI"
 ENV_AUTH_TOKEN = "AWS_CONTAINER_AUTHORIZATION_TOKEN"
 RENEW_AT_LEFT = 1 / 3  # renew once this share of a session's lifetime is left
-RETRY_FIRST, RETRY_MAX = 1.0, 30.0  # seconds between tries while the endpoint cannot be reached
+# Seconds before the next try after a temporary refusal or an endpoint out of reach: doubling from the first, at most
+# the last (a rate limit's window is a minute), each drawn between half and all of that (jitter, so that hosts
+# refused together do not come back together).
+RETRY_FIRST, RETRY_MAX = 1.0, 60.0
 
 
 class HostRefused(RuntimeError):
@@ -51,7 +58,8 @@ class HostRefused(RuntimeError):
 
 
 class EndpointUnavailable(RuntimeError):
-    """The endpoint could not be reached or asked to wait (rate limit, server error): worth trying again."""
+    """The endpoint could not be reached, failed, or refused for now (`temporary`: a rate limit, a clock out of its
+    window, a replayed nonce): worth trying again later."""
 
 
 def default_host_dir(invite: Invite) -> Path:
@@ -74,15 +82,17 @@ def load_or_create_key(path: Path) -> Ed25519PrivateKey:
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 30.0) -> CredentialAnswer:
-    """One request to the endpoint: its answer, HostRefused on a 4xx but 429, EndpointUnavailable otherwise."""
+    """One request to the endpoint: its answer; EndpointUnavailable if it cannot be reached, fails, or refuses for
+    now (429, 5xx, or a refusal it marks temporary); HostRefused if it refuses for good."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 - the invite's http(s) URL
             data = resp.read(1 << 16)
     except urllib.error.HTTPError as exc:
-        reason = _reason(exc.read(4096)) or exc.reason
-        if exc.code == 429 or exc.code >= 500:
+        reason, temporary = _refusal(exc.read(4096))
+        reason = reason or str(exc.reason)
+        if exc.code == 429 or exc.code >= 500 or temporary:
             raise EndpointUnavailable(f"the credential endpoint answered {exc.code}: {reason}") from None
         raise HostRefused(f"the credential endpoint refused this host ({exc.code}): {reason}") from None
     except (urllib.error.URLError, OSError) as exc:
@@ -93,17 +103,20 @@ def post(url: str, body: dict[str, Any], timeout: float = 30.0) -> CredentialAns
         raise EndpointUnavailable(f"the credential endpoint's answer is not one: {exc}") from None
 
 
-def _reason(data: bytes) -> str:
+def _refusal(data: bytes) -> tuple[str, bool]:
+    """A refusal's reason and whether the endpoint marks it temporary (`shared.hosts.error_body`)."""
     try:
-        return str(json.loads(data).get("error", ""))[:500]
+        body = json.loads(data)
+        return str(body.get("error", ""))[:500], body.get("temporary") is True
     except (ValueError, AttributeError):
-        return ""
+        return "", False
 
 
 class HostSession:
     """This host's participant session: redeemed once, renewed by signed requests, kept fresh (thread-safe)."""
 
-    def __init__(self, invite: Invite, host_dir: Path, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, invite: Invite, host_dir: Path, clock: Callable[[], float] = time.time,
+                 rng: random.Random | None = None) -> None:
         self.invite = invite
         self.host_dir = host_dir
         self.clock = clock
@@ -113,6 +126,10 @@ class HostSession:
         self._answer: CredentialAnswer | None = None
         self._issued_at = 0.0
         self._lock = threading.Lock()
+        self._rng = rng or random.Random()
+        self._failures = 0  # temporary refusals or failures in a row
+        self._tried_at = self._retry_at = 0.0  # the last failed try; no request to the endpoint before the next
+        self._failure: EndpointUnavailable | None = None  # the last one
 
     def _redeemed(self) -> bool:
         try:
@@ -153,19 +170,47 @@ class HostSession:
                                                                "host": self.invite.host}))
 
     def answer(self) -> CredentialAnswer:
-        """The current session, renewed first when a third of its lifetime or less is left. HostRefused once the
-        endpoint refuses this host (kept: later calls refuse at once)."""
+        """The current session, renewed first when a third of its lifetime or less is left. After a temporary refusal
+        or failure the next request waits its backoff (`retry_in`), and the session held is answered while it is
+        valid (EndpointUnavailable once it is not); HostRefused once the endpoint refuses this host for good (kept:
+        later calls refuse at once)."""
         with self._lock:
             if self.refused:
                 raise HostRefused(self.refused)
             now = self.clock()
-            if self._answer is None or self._left(now) <= RENEW_AT_LEFT * max(1.0, self._expires() - self._issued_at):
-                try:
-                    self._answer, self._issued_at = self._ask(), now
-                except HostRefused as exc:
-                    self.refused = str(exc)
-                    raise
+            if self._answer is not None and \
+                    self._left(now) > RENEW_AT_LEFT * max(1.0, self._expires() - self._issued_at):
+                return self._answer
+            if self._failure is not None and self._tried_at <= now < self._retry_at:  # (a clock set back: due)
+                return self._held(now, self._failure)
+            try:
+                self._answer, self._issued_at = self._ask(), now
+            except HostRefused as exc:
+                self.refused = str(exc)
+                raise
+            except EndpointUnavailable as exc:
+                self._failures += 1
+                self._tried_at, self._retry_at, self._failure = now, now + self._backoff(), exc
+                log.warning("%s; trying again in %.0f s", exc, self._retry_at - now)
+                return self._held(now, exc)
+            self._failures, self._retry_at, self._failure = 0, 0.0, None
             return self._answer
+
+    def _held(self, now: float, failure: EndpointUnavailable) -> CredentialAnswer:
+        """The session held while it is valid (botocore keeps using it); the failure once it is not."""
+        if self._answer is not None and self._left(now) > 0:
+            return self._answer
+        raise EndpointUnavailable(f"{failure} (next try in {self._retry_at - now:.0f} s)")
+
+    def _backoff(self) -> float:
+        """Exponential, bounded, jittered: between half and all of RETRY_FIRST x 2^(failures - 1), at most
+        RETRY_MAX."""
+        ceiling = min(RETRY_MAX, RETRY_FIRST * 2.0 ** min(self._failures - 1, 32))
+        return ceiling * (0.5 + 0.5 * self._rng.random())
+
+    def retry_in(self) -> float:
+        """Seconds until the endpoint may be asked again (0: now)."""
+        return max(0.0, self._retry_at - self.clock())
 
     def _expires(self) -> float:
         assert self._answer is not None
@@ -181,16 +226,13 @@ class HostSession:
                           participant_role=c.participant_role, state_topic=c.state_topic)
 
     def wait_for_first(self, stop: threading.Event) -> CredentialAnswer:
-        """The first session, trying again while the endpoint cannot be reached (until `stop`)."""
-        pause = RETRY_FIRST
+        """The first session, trying again after each backoff while the endpoint cannot give it (until `stop`)."""
         while True:
             try:
                 return self.answer()
-            except EndpointUnavailable as exc:
-                log.warning("%s; trying again in %.0f s", exc, pause)
-                if stop.wait(pause):
+            except EndpointUnavailable:
+                if stop.wait(max(self.retry_in(), 0.01)):
                     raise
-                pause = min(RETRY_MAX, pause * 2)
 
 
 class CredentialServer:

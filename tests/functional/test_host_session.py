@@ -1,20 +1,35 @@
 """The host's side of an invite (`participant.credentials`) against the credential endpoint served on loopback
 (`local.credentials`, in-process moto): redeemed once, renewed by signed requests a third of a session before its
 end, across restarts (and a restart that lost the record of its redemption), served to botocore as container
-credentials, and a revocation ending it with the reason."""
+credentials, a temporary refusal (rate limit, stale clock) tried again with backoff while the session held serves on,
+and a revocation ending it with the reason."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
 
+import participant.credentials
 from local.credentials import LocalCredentialEndpoint
-from participant.credentials import REDEEMED_FILE, CredentialServer, HostRefused, HostSession
+from participant.credentials import (
+    REDEEMED_FILE,
+    RETRY_FIRST,
+    RETRY_MAX,
+    CredentialServer,
+    EndpointUnavailable,
+    HostRefused,
+    HostSession,
+)
 from shared.hosts import Invite
+from shared.messages import CredentialAnswer
+from shared.naming import ENV_HOST_RATE
 from tests.functional.test_credential_endpoint import SECONDS, Endpoint, endpoint  # noqa: F401 - the fixture
 
 
@@ -75,3 +90,89 @@ def test_the_session_is_served_to_botocore_and_a_revocation_ends_it(endpoint: En
         assert status == 403 and "decommissioned" in body["message"] and refused and "decommissioned" in refused[0]
     finally:
         server.stop()
+
+
+def test_a_temporary_refusal_keeps_the_session_and_is_tried_again_after_a_backoff(
+        endpoint: Endpoint, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    monkeypatch.setenv(ENV_HOST_RATE, "1")  # the redemption spends the host's minute
+    invite = Invite(url, "gpu-9", endpoint.invite("gpu-9"), int(endpoint.now) + 3600)
+    clock = Clock()
+    session = HostSession(invite, tmp_path / "host", clock, rng=random.Random(7))
+    first = session.answer()
+
+    clock.ahead = SECONDS * 0.7  # time to renew: answered 429, so the session held is kept
+    assert session.answer() is first and session.renewals == 0 and not session.refused
+    assert 0.5 * RETRY_FIRST <= session.retry_in() <= RETRY_FIRST
+    assert session.answer() is first  # within the backoff: the endpoint is not asked
+    assert endpoint.store.requests_counted("gpu-9", endpoint.now) == 2
+    clock.ahead += RETRY_FIRST
+    assert session.answer() is first and RETRY_FIRST <= session.retry_in() <= 2 * RETRY_FIRST  # doubled
+    assert endpoint.store.requests_counted("gpu-9", endpoint.now) == 3
+
+    endpoint.now += 60  # the endpoint's next minute
+    clock.ahead += 2 * RETRY_FIRST
+    assert session.answer().credentials.AccessKeyId != first.credentials.AccessKeyId
+    assert session.renewals == 1 and session.retry_in() == 0
+
+    clock.ahead += SECONDS + 400  # the host's clock runs far ahead: its renewals are stale, which is temporary too
+    with pytest.raises(EndpointUnavailable, match="ahead of the endpoint's clock"):
+        session.answer()  # (and the session it holds has expired by the host's clock)
+    assert not session.refused and session.retry_in() > 0
+    clock.ahead = SECONDS * 0.7 + 2 * RETRY_FIRST + 60 + 10  # its clock set right: renewed
+    endpoint.now += 60
+    session.answer()
+    assert session.renewals == 2
+
+
+def answer_until(expires: float) -> CredentialAnswer:
+    return CredentialAnswer.model_validate({
+        "credentials": {"AccessKeyId": "ASIA" + "A" * 16, "SecretAccessKey": "s", "SessionToken": "t",
+                        "Expiration": datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
+        "connection": {"run_id": "hosts-run", "bucket": "b", "table": "t", "region": "us-east-1",
+                       "participant_role": "arn:aws:iam::123456789012:role/r"}})
+
+
+def test_the_backoff_doubles_with_jitter_up_to_its_bound_and_only_a_definite_refusal_stops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1_800_000_000.0]
+    sent: list[float] = []
+    outcome: list[Exception | CredentialAnswer] = [answer_until(now[0] + 3600)]
+
+    def post(url: str, body: dict[str, Any], timeout: float = 30.0) -> CredentialAnswer:
+        sent.append(now[0])
+        result = outcome[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    monkeypatch.setattr(participant.credentials, "post", post)
+    invite = Invite("https://endpoint.example", "gpu-1", "A" * 43, int(now[0]) + 3600)
+    session = HostSession(invite, tmp_path / "host", lambda: now[0], rng=random.Random(3))
+    first = session.answer()
+    outcome[0] = EndpointUnavailable("the credential endpoint answered 429: too many requests")
+    now[0] += 2400  # a third of the session left: renewing, refused for now, again and again
+    while now[0] < 1_800_000_000.0 + 3600:
+        assert session.answer() is first  # the session held, while it is valid
+        now[0] += session.retry_in() / 2
+        assert session.answer() is first  # (not asked before its backoff)
+        now[0] += session.retry_in()
+    gaps = [b - a for a, b in zip(sent[1:], sent[2:], strict=False)]
+    for i, gap in enumerate(gaps):
+        ceiling = min(RETRY_MAX, RETRY_FIRST * 2 ** i)
+        assert ceiling / 2 <= gap <= ceiling, (i, gap)
+    assert len(sent) < 40 and max(gaps) > RETRY_MAX * 0.9  # bounded: about a minute apart, not hammering
+    assert len(set(gaps)) == len(gaps)  # jittered
+    with pytest.raises(EndpointUnavailable, match="next try in"):
+        session.answer()  # expired, and the endpoint still refuses for now
+    now[0] += session.retry_in()
+    outcome[0] = answer_until(now[0] + 3600)
+    assert session.answer() is outcome[0] and session.retry_in() == 0
+    outcome[0] = HostRefused("the credential endpoint refused this host (403): host is revoked")
+    now[0] += 2400
+    with pytest.raises(HostRefused):
+        session.answer()
+    tries = len(sent)
+    now[0] += 600
+    with pytest.raises(HostRefused, match="revoked"):
+        session.answer()
+    assert len(sent) == tries  # refused for good: never asked again
