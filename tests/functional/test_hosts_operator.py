@@ -17,7 +17,9 @@ from shared.hosts import (
     DENY_SECONDS,
     HOST_TAG,
     MAX_ROLE_POLICY_CHARS,
+    UNKNOWN_HOST,
     HostStatus,
+    RefusalKind,
     deny_policy,
     parse_invite,
     policy_chars,
@@ -167,3 +169,21 @@ def test_what_cannot_be_done_says_why(conn: Connection) -> None:
         invite(conn, "gpu-1", 3600)
     with pytest.raises(HostsError, match="no credential endpoint"):
         invite(Connection(RUN, conn.bucket, conn.table), "gpu-9", 3600)
+
+
+def test_the_listing_reads_one_refusal_record_per_host_and_kind_however_many(conn: Connection) -> None:
+    for host in ("gpu-1", "gpu-2"):
+        invite(conn, host, 3600)
+    store = HostStore(conn.table, RUN, None, conn.region)
+    for i in range(50):  # a flood, as the endpoint records it: under the invited id, or under "?"
+        store.record_refusal("gpu-1", RefusalKind.UNVERIFIED, f"wrong secret {i}", 1000.0 + i)
+        store.record_refusal(UNKNOWN_HOST, RefusalKind.MALFORMED, f"not a JSON document {i}", 1000.0 + i)
+    store.record_refusal("gpu-1", RefusalKind.REFUSED, "invite expired", 2000.0)
+    kept = store.refusals()
+    assert [(r.host, r.kind, r.count) for r in kept] == [(UNKNOWN_HOST, RefusalKind.MALFORMED, 50),
+                                                         ("gpu-1", RefusalKind.UNVERIFIED, 50),
+                                                         ("gpu-1", RefusalKind.REFUSED, 1)]
+    assert (kept[1].first_reason, kept[1].first_at, kept[1].reason, kept[1].at) == ("wrong secret 0", 1000.0,
+                                                                                    "wrong secret 49", 1049.0)
+    shown = {h.host: (h.refusals, h.last_refusal) for h in listing(conn)}
+    assert shown == {"gpu-1": (51, "invite expired"), "gpu-2": (0, "")}
