@@ -76,10 +76,6 @@ DIGEST_PATTERN = r"^([0-9a-f]{64})?$"
 # the uploader), not the round an object names, since any round can be named and each named round would be a
 # budget of its own.
 UPLOAD_WINDOW_SECONDS = 60
-# The window `upload_budget` counts a participant's uploads in: a minute of the events' own time (set by S3, not by
-# the uploader), not the round an object names, since any round can be named and each named round would be a
-# budget of its own.
-UPLOAD_WINDOW_SECONDS = 60
 
 
 class HfOptions(BaseModel):
@@ -193,12 +189,6 @@ class RunConfig(BaseModel):
         "dropped and counted, not recorded nor ticked on. An honest participant's objects are its update per round "
         "(and the retries of it), a witness proof and a health report per round, and a heartbeat every "
         "heartbeat_interval: at the fastest rounds measured (about 0.2 s, `make bench-rounds`) about 300 a minute.")
-    upload_budget: int = Field(
-        1000, ge=1, description="Objects one participant may upload in a minute (UPLOAD_WINDOW_SECONDS, by the "
-        "time S3 stamps on the event), counted at ingest before anything reads the object; past it an object is "
-        "dropped and counted, not recorded nor ticked on. An honest participant's objects are its update per round "
-        "(and the retries of it), a witness proof and a health report per round, and a heartbeat every "
-        "heartbeat_interval: at the fastest rounds measured (about 0.2 s, `make bench-rounds`) about 300 a minute.")
     start_grace: float = Field(
         10.0, ge=0, description="Seconds the run, waiting for members, holds an epoch's start for live joiners not "
         "yet heard from since their join, counted from when the min_clients-th participant it would admit joined: "
@@ -210,8 +200,11 @@ class RunConfig(BaseModel):
         "counted): live joiners heard from since their join, earliest joined first, ties by id. At least "
         "min_clients. Bounds how many identities a burst of joins can bring into one epoch."
     )
-    strategy: Strategy = Field(Strategy("fedavg"), description="How a round's counted updates are combined: "
-                               + ", ".join(STRATEGIES) + " (`shared.strategies`).")
+    strategy: Strategy = Field(Strategy("meamed"), description="How a round's counted updates are combined: "
+                               + ", ".join(STRATEGIES) + " (`shared.strategies`). meamed (the default): each "
+                               "element the mean of the majority of values nearest its median, unweighted, so no "
+                               "claimed sample count or speed buys weight and fewer than half of the updates cannot "
+                               "steer it; fedavg weighs by claimed samples (bounded by max_sample_ratio).")
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="Share trimmed at each end (trimmed_mean).")
     clip_norm: float = Field(0.0, ge=0, description="Update-delta norm bound (clipped_fedavg); 0: median.")
     krum_byzantine: int = Field(

@@ -13,12 +13,14 @@ from shared.strategies.base import AggregationStrategy, Configured, Counted, Row
 from shared.strategies.clipped_fedavg import ClippedFedAvg
 from shared.strategies.fedavg import FedAvg
 from shared.strategies.krum import Krum
+from shared.strategies.meamed import MeanAroundMedian
 from shared.strategies.median import Median
 from shared.strategies.trimmed_mean import TrimmedMean
 
 STRATEGIES: dict[str, type[AggregationStrategy]] = {strategy.name: strategy for strategy in (
     FedAvg,
     Median,
+    MeanAroundMedian,
     TrimmedMean,
     ClippedFedAvg,
     Krum,

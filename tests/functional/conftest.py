@@ -234,6 +234,9 @@ def make_config(**overrides: Any) -> RunConfig:
         # no built-in task's (whose initial model's schema the config would take, `shared.initial_models`): the
         # harness offers and trains MODEL and models of its tests' own
         task="tests.functional.conftest:MODEL",
+        # the harness's tests check FedAvg's arithmetic by sample count; the default's robustness is
+        # test_default_robustness.py's, its arithmetic tests/unit/test_robust_aggregation.py's
+        strategy="fedavg",
     )
     base.update(overrides)
     return RunConfig(**base)

@@ -65,3 +65,13 @@ def test_robust_strategies_agree_with_the_mean_on_identical_updates() -> None:
         out = combine(RunConfig(run_id="r1x", strategy=strategy), same)
         np.testing.assert_allclose(out["w"], GLOBAL["w"], rtol=1e-6)
         assert out["w"].dtype == np.float32
+
+
+def test_the_mean_around_the_median_keeps_the_majority_nearest_the_median() -> None:
+    from shared.strategies.meamed import kept, mean_around_median
+
+    assert [kept(n) for n in (1, 2, 3, 4, 5, 6, 7)] == [1, 2, 2, 3, 3, 4, 4]
+    # two of five sent far one way: the three honest values are averaged, whatever their weight or distance
+    rows = np.array([[-50.0, 1.0], [-40.0, 1.0], [1.0, 1.0], [2.0, 2.0], [3.0, 4.0]])
+    np.testing.assert_allclose(mean_around_median(rows), [2.0, 1.0])
+    assert RunConfig(run_id="defaults").strategy == "meamed"

@@ -91,6 +91,11 @@ GOLDEN: dict[tuple[str, str, str], tuple[str, str, str]] = {
         "",
         "",
     ),
+    ("meamed", "none", "full"): (
+        "18c57cc9d087d8c2ad3dd8ee9710f1ff851e03ab171d333659dffa8c75a7c084",
+        "",
+        "",
+    ),
     ("median", "fedadam", "full"): (
         "e15443196bddbff6d5dcd50b1d75d534a31c1efe0bd4e7fcef2ca11ef1ef801c",
         "066971d26331d8fff8aafddc69dbd0e8e7fcf14fa7f1f1b54918b1655e16d923",
