@@ -190,9 +190,10 @@ class HostSession:
                 raise
             except EndpointUnavailable as exc:
                 self._failures += 1
-                self._tried_at, self._retry_at, self._failure = now, now + self._backoff(), exc
-                log.warning("%s; trying again in %.0f s", exc, self._retry_at - now)
-                return self._held(now, exc)
+                failed = self.clock()  # the backoff runs from when the failure is known (a try may take long)
+                self._tried_at, self._retry_at, self._failure = failed, failed + self._backoff(), exc
+                log.warning("%s; trying again in %.0f s", exc, self._retry_at - failed)
+                return self._held(failed, exc)
             self._failures, self._retry_at, self._failure = 0, 0.0, None
             return self._answer
 

@@ -42,11 +42,15 @@ def url(endpoint: Endpoint) -> Iterator[str]:  # noqa: F811 - the fixture import
 
 
 class Clock:
-    def __init__(self) -> None:
+    """The host's clock: the real one (moto's sessions expire by it), or one stopped at `stopped`, `ahead` seconds
+    ahead."""
+
+    def __init__(self, stopped: float | None = None) -> None:
         self.ahead = 0.0
+        self.stopped = stopped
 
     def __call__(self) -> float:
-        return time.time() + self.ahead
+        return (time.time() if self.stopped is None else self.stopped) + self.ahead
 
 
 def test_a_host_redeems_once_then_renews_across_restarts(endpoint: Endpoint, url: str, tmp_path: Path) -> None:  # noqa: F811
@@ -96,7 +100,7 @@ def test_a_temporary_refusal_keeps_the_session_and_is_tried_again_after_a_backof
         endpoint: Endpoint, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     monkeypatch.setenv(ENV_HOST_RATE, "1")  # the redemption spends the host's minute
     invite = Invite(url, "gpu-9", endpoint.invite("gpu-9"), int(endpoint.now) + 3600)
-    clock = Clock()
+    clock = Clock(stopped=time.time())  # stopped: the backoffs below are exact
     session = HostSession(invite, tmp_path / "host", clock, rng=random.Random(7))
     first = session.answer()
 
