@@ -95,7 +95,7 @@ class FileRange:
 
 
 def project_plan(files: list[tuple[Path, int]]) -> tuple[PiecePlan, list[WeightedInput], RunConfig]:
-    config = RunConfig(run_id="bench")
+    config = RunConfig(run_id="bench", strategy="fedavg")  # Flower's algorithm, measured against it
     path = files[0][0]
     with path.open("rb") as f:
         first = f.read(8)

@@ -199,7 +199,7 @@ def one_run(megabytes: float, dtype: str, shards: int, participants: int, rounds
         raise SystemExit(f"--megabytes must be one of {sorted(presets)} (participant.tasks.wide's named sizes)")
     task = f"participant.tasks.wide:{presets[int(megabytes)]}" + ("" if dtype == "fp32" else "_bf16")
     config = RunConfig(
-        run_id=f"big-{dtype}-k{shards}", task=task, dataset_size=64, batch_size=8,
+        run_id=f"big-{dtype}-k{shards}", task=task, dataset_size=64, batch_size=8, strategy="fedavg",
         min_clients=participants, min_per_round=participants, min_updates=participants, total_rounds=rounds,
         warmup_time=1, max_round_train_time=900, cooldown_time=0, liveness_timeout=900, learning_rate=0.01,
         max_update_bytes=4 * 1024**3, shard_bytes=max(8 * 1024**2, -(-model_bytes // shards) + 8 * 1024**2),

@@ -81,7 +81,7 @@ def aggregate(directory: Path, text: str, n: int, out: Path | None = None) -> in
         stored = CountingRange(FileRange(directory / f"{text.replace('/', '-')}-p{i:02d}.safetensors"), counter)
         source = DecodedSource(manifest, enc, shared_base, stored) if enc.is_delta else stored
         inputs.append(WeightedInput(f"p{i:02d}", 100 + i, "", source))
-    config = RunConfig(run_id="bench")
+    config = RunConfig(run_id="bench", strategy="fedavg")  # the weighted sum the encodings are compared under
     plan = round_plan(config, manifest, 1, inputs)
     worker = PieceAggregator(config, plan, inputs, None)
     with (out.open("wb") if out else open("/dev/null", "wb")) as f:

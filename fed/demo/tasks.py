@@ -52,7 +52,7 @@ DEMO_TASKS: dict[str, DemoTask] = {
     "flower": DemoTask(
         "flower", flower_digits_meta.TASK, flower_digits_meta.TRAIN_SIZE, flower_digits_meta.ROUNDS,
         dict(local_epochs=flower_digits_meta.LOCAL_EPOCHS, batch_size=flower_digits_meta.BATCH_SIZE,
-             learning_rate=flower_digits_meta.LEARNING_RATE, witness_nodes=0, work_sizing="equal",
+             learning_rate=flower_digits_meta.LEARNING_RATE, witness_nodes=0, work_sizing="equal", strategy="fedavg",
              initial_model_schema=flower_digits_meta.MODEL_SCHEMA),
         split="iid",
     ),
