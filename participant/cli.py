@@ -211,7 +211,8 @@ def start(
     from participant.daemon import Options, default_state_dir  # loaded only to run: --help stays quick
     options = Options(pid=pid, state_dir=state_dir or default_state_dir(conn.run_id, pid), task=task, device=device,
                       threads=threads, max_rounds=max_rounds, poll_max=poll_max, data=data, throttle=throttle,
-                      push=push, gpus=gpus, parallel=parallel)
+                      push=push, gpus=gpus, parallel=parallel,
+                      signing_key=credentials.session.upload_key_path if credentials is not None else None)
     try:
         raise typer.Exit(_run(conn, options, reporter, credentials))
     finally:

@@ -36,14 +36,17 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shared.hosts import REDEEM_PATH, RENEW_PATH, Invite, public_key_of, sign_renewal
+from shared.hosts import REDEEM_PATH, RENEW_PATH, Invite, public_key_of, secret_hash, sign_renewal
 from shared.messages import CredentialAnswer, MessageError, RedeemRequest, parse_message
+from shared.signing import Signer
 from store.connection import Connection
 
 log = logging.getLogger("participant.credentials")
 
 HOST_KEY_FILE = "host-key.pem"
-REDEEMED_FILE = "redeemed.json"  # the endpoint and host the key is bound to
+UPLOAD_KEY_FILE = "signing-key.pem"  # the key this host's uploads are signed with, bound with the host key
+KEYS_FILE = "keys.json"  # the invite the two keys were made for: each invite (each generation) gets new keys
+REDEEMED_FILE = "redeemed.json"  # the invite the keys are bound by
 ENV_FULL_URI = "AWS_CONTAINER_CREDENTIALS_FULL_URI"
 ENV_AUTH_TOKEN = "AWS_CONTAINER_AUTHORIZATION_TOKEN"
 RENEW_AT_LEFT = 1 / 3  # renew once this share of a session's lifetime is left
@@ -120,7 +123,9 @@ class HostSession:
         self.invite = invite
         self.host_dir = host_dir
         self.clock = clock
+        self._keys_for_this_invite()
         self.key = load_or_create_key(host_dir / HOST_KEY_FILE)
+        self.upload_key = Signer.load_or_create(self.upload_key_path).public_key
         self.renewals = 0
         self.refused = ""  # the endpoint's reason, once it refused this host
         self._answer: CredentialAnswer | None = None
@@ -131,18 +136,41 @@ class HostSession:
         self._tried_at = self._retry_at = 0.0  # the last failed try; no request to the endpoint before the next
         self._failure: EndpointUnavailable | None = None  # the last one
 
+    @property
+    def upload_key_path(self) -> Path:
+        """The key the participant signs its uploads with (`participant.daemon.Options.signing_key`)."""
+        return self.host_dir / UPLOAD_KEY_FILE
+
+    def _marker(self) -> dict[str, str]:
+        return {"endpoint": self.invite.endpoint, "host": self.invite.host, "invite": secret_hash(self.invite.secret)}
+
+    def _keys_for_this_invite(self) -> None:
+        """New keys for a new invite (a reinstated host's new generation binds new ones; the endpoint refuses the
+        earlier generations'); the same keys again for the invite they were made for (a restart)."""
+        path = self.host_dir / KEYS_FILE
+        try:
+            if json.loads(path.read_text()) == self._marker():
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        for name in (HOST_KEY_FILE, UPLOAD_KEY_FILE, REDEEMED_FILE):
+            (self.host_dir / name).unlink(missing_ok=True)
+        self.host_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self._marker()))
+
     def _redeemed(self) -> bool:
         try:
             marker = json.loads((self.host_dir / REDEEMED_FILE).read_text())
         except (FileNotFoundError, ValueError):
             return False
-        return bool(marker == {"endpoint": self.invite.endpoint, "host": self.invite.host})
+        return bool(marker == self._marker())
 
     def _ask(self) -> CredentialAnswer:
         """Redeem the invite the first time, renew after (and where a redemption is refused because the key was bound
         by one whose note was never written: a renewal tells)."""
         if not self._redeemed():
-            redeem = RedeemRequest(host=self.invite.host, secret=self.invite.secret, public_key=public_key_of(self.key))
+            redeem = RedeemRequest(host=self.invite.host, secret=self.invite.secret, public_key=public_key_of(self.key),
+                                   upload_key=self.upload_key)
             try:
                 answer = post(self._url(REDEEM_PATH), redeem.model_dump(mode="json"))
             except HostRefused as refused:
@@ -166,8 +194,7 @@ class HostSession:
         return self.invite.endpoint.rstrip("/") + path
 
     def _note_redeemed(self) -> None:
-        (self.host_dir / REDEEMED_FILE).write_text(json.dumps({"endpoint": self.invite.endpoint,
-                                                               "host": self.invite.host}))
+        (self.host_dir / REDEEMED_FILE).write_text(json.dumps(self._marker()))
 
     def answer(self) -> CredentialAnswer:
         """The current session, renewed first when a third of its lifetime or less is left. After a temporary refusal

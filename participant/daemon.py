@@ -69,6 +69,8 @@ class Options:
     push: bool = True  # listen on a push queue of our own where the run has a state topic (--push/--poll)
     gpus: int = 1  # ranks of this node (participant.node); 1: this process alone
     parallel: str = "auto"  # how the node spreads the model: auto, ddp or fsdp (participant.node)
+    signing_key: Path | None = None  # the upload-signing key's file; None: state_dir/signing-key.pem (--invite: the
+    # key bound with the host key at redemption, `participant.credentials.HostSession.upload_key_path`)
 
 
 def default_state_dir(run_id: str, pid: str) -> Path:
@@ -125,8 +127,9 @@ class Daemon(Participant):
     def __init__(self, conn: Connection, options: Options, stop: threading.Event, reporter: Reporter) -> None:
         keys.validate_participant_id(options.pid)
         pid, run_id, state_dir = options.pid, conn.run_id, Path(options.state_dir)
-        # The signing key lives beside the journal: a restarted participant keeps the identity it registered.
-        self.signer = Signer.load_or_create(state_dir / "signing-key.pem")
+        # The signing key lives beside the journal (an invited host's, beside its host key): a restarted participant
+        # keeps the identity it registered.
+        self.signer = Signer.load_or_create(options.signing_key or state_dir / "signing-key.pem")
         self.remote = Remote(conn, pid, Retrier(stop), self.signer)
         self.journal_file = JournalFile(state_dir, run_id, pid)
         journal, why = self.journal_file.load()

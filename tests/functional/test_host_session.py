@@ -27,9 +27,10 @@ from participant.credentials import (
     HostRefused,
     HostSession,
 )
-from shared.hosts import Invite
+from shared.hosts import Invite, new_secret, secret_hash
 from shared.messages import CredentialAnswer
 from shared.naming import ENV_HOST_RATE
+from shared.signing import Signer
 from tests.functional.test_credential_endpoint import SECONDS, Endpoint, endpoint  # noqa: F401 - the fixture
 
 
@@ -72,6 +73,29 @@ def test_a_host_redeems_once_then_renews_across_restarts(endpoint: Endpoint, url
     (tmp_path / "host" / REDEEMED_FILE).unlink()  # it died between redeeming and noting it: renewing still works
     HostSession(invite, tmp_path / "host", clock).answer()
     assert endpoint.reasons("gpu-7") == ["invite already redeemed"]
+    # and the upload key it bound at redemption is the one the daemon signs with, kept across restarts
+    record = endpoint.store.get("gpu-7")
+    assert record is not None and record.upload_key == session.upload_key == restarted.upload_key
+    assert Signer.load_or_create(session.upload_key_path).public_key == record.upload_key != record.public_key
+
+
+def test_a_new_invite_of_the_same_host_binds_new_keys(endpoint: Endpoint, url: str, tmp_path: Path) -> None:  # noqa: F811
+    # Given a host that redeemed an invite, then was revoked and reinstated (a new invite, in its next generation)
+    first = HostSession(Invite(url, "gpu-9", endpoint.invite("gpu-9"), int(endpoint.now) + 3600), tmp_path / "host")
+    first.answer()
+    old = endpoint.store.get("gpu-9")
+    assert old is not None
+    endpoint.store.revoke("gpu-9", "reinstated below", endpoint.now)
+    secret = new_secret()
+    assert endpoint.store.reinstate("gpu-9", secret_hash(secret), endpoint.now + 3600, endpoint.now)
+    # When the same machine starts with the new line
+    second = HostSession(Invite(url, "gpu-9", secret, int(endpoint.now) + 3600), tmp_path / "host")
+    second.answer()
+    # Then it made and bound new keys: the old generation's are never bound again
+    new = endpoint.store.get("gpu-9")
+    assert new is not None and new.generation == 2
+    assert {new.public_key, new.upload_key}.isdisjoint({old.public_key, old.upload_key})
+    assert second.upload_key == new.upload_key != first.upload_key
 
 
 def test_the_session_is_served_to_botocore_and_a_revocation_ends_it(endpoint: Endpoint, url: str,  # noqa: F811
