@@ -272,6 +272,52 @@ def idle_cost() -> IdleCost:
     return IdleCost(requests_usd=0.0)
 
 
+# The dropped path of ingest (`coordinator.intake.budget`): two DynamoDB UpdateItems (the failed conditional count,
+# the dropped count) and nothing else. Measured 6.7 ms an object on in-process moto
+# (tests/functional/test_upload_budget.py prints it); on Lambda each call is a network round trip: 30 ms assumed.
+JUNK_INGEST_SECONDS = 0.030
+JUNK_INGEST_MEMORY_MB = 1769  # [deploy.ingest] memory_mb's default
+
+
+@dataclass(frozen=True)
+class JunkCost:
+    """What `objects` junk objects past their uploader's budget cost, split by who pays. The PUTs are the flooder's
+    doing, but S3 bills requests to the bucket's owner (participants write with a role of the run's account): the
+    account pays them too. Storage (the junk stays until the lifecycle rules expire it) is not counted."""
+
+    objects: int
+    usd_puts: float  # S3 PUTs
+    usd_events: float  # EventBridge (S3's events are free on the default bus: an upper bound)
+    usd_invocations: float  # Lambda requests
+    usd_duration: float  # Lambda GB-seconds of the dropped path
+    usd_writes: float  # DynamoDB: the failed conditional count and the dropped count, one write unit each
+
+    @property
+    def usd_ingest(self) -> float:
+        """Everything but the PUTs: what the flood makes the coordinator spend."""
+        return self.usd_events + self.usd_invocations + self.usd_duration + self.usd_writes
+
+    @property
+    def usd(self) -> float:
+        return self.usd_puts + self.usd_ingest
+
+
+def junk_cost(objects: int = 10_000, p: Prices = Prices()) -> JunkCost:
+    gb_seconds = objects * JUNK_INGEST_SECONDS * JUNK_INGEST_MEMORY_MB / 1024
+    return JunkCost(objects, usd_puts=objects * p.s3_put_per_1k / 1000,
+                    usd_events=objects * p.eventbridge_per_m / 1e6, usd_invocations=objects * p.lambda_per_m / 1e6,
+                    usd_duration=gb_seconds * p.lambda_gb_second, usd_writes=2 * objects * p.ddb_write_per_m / 1e6)
+
+
+def junk_line(c: JunkCost | None = None) -> str:
+    """The sentence docs/deploy.md shows."""
+    c = c or junk_cost()
+    return (f"{c.objects:,} junk objects past their uploader's budget cost ${c.usd:.4f}: ${c.usd_puts:.4f} of S3 "
+            f"PUTs and ${c.usd_ingest:.4f} of ingest (events ${c.usd_events:.4f}, invocations "
+            f"${c.usd_invocations:.4f}, {JUNK_INGEST_SECONDS * 1000:.0f} ms at {JUNK_INGEST_MEMORY_MB} MB each "
+            f"${c.usd_duration:.4f}, two DynamoDB write units each ${c.usd_writes:.4f}).")
+
+
 def table(sizes: tuple[int, ...] = (10, 100, 1000, 5000)) -> str:
     """The markdown table docs/deploy.md shows."""
     lines = [
@@ -294,4 +340,4 @@ def table(sizes: tuple[int, ...] = (10, 100, 1000, 5000)) -> str:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(table() + "\n\n" + aggregation_table() + "\n")
+    sys.stdout.write(table() + "\n\n" + aggregation_table() + "\n\n" + junk_line() + "\n")

@@ -178,8 +178,9 @@ class Observability(Construct):
             self,
             "IngestThrottles",
             alarm_description=f"Run {config.run_id}: ingest invocations were throttled (its cap, reserved "
-            f"concurrency {settings.ingest.reserved_concurrency}): a flood of uploads (see `fed status`: dropped "
-            "over the upload budget), or more uploads at once than [deploy.ingest] reserved_concurrency serves.",
+            f"concurrency {settings.ingest.reserved_concurrency}): a flood of uploads (the table's dropped#<id> "
+            "items count each participant's uploads dropped over its budget), or more uploads at once than "
+            "[deploy.ingest] reserved_concurrency serves.",
             metric=ingest.metric_throttles(period=Duration.minutes(5), statistic="Sum"),
             threshold=1,
             evaluation_periods=1,

@@ -127,3 +127,19 @@ def test_shards_follow_shard_bytes_and_a_one_piece_model_needs_no_worker() -> No
     # And compute grows with model bytes x updates, the shard's duration only with shard bytes x updates
     assert big.worker_gb_seconds == pytest.approx(4 * aggregation_cost(GIB, 8).worker_gb_seconds)
     assert big.shard_seconds == pytest.approx(aggregation_cost(GIB, 8).shard_seconds)
+
+
+def test_junk_past_the_budget_costs_the_account_its_ingest_and_the_page_says_so() -> None:
+    from infra.cost_model import JUNK_INGEST_SECONDS, junk_cost, junk_line
+
+    # Given 10,000 junk objects past their uploader's budget
+    c = junk_cost(10_000)
+    # Then each is a PUT, an event, an invocation of the dropped path's duration and two DynamoDB write units
+    p = Prices()
+    assert c.usd_puts == pytest.approx(10_000 * p.s3_put_per_1k / 1000)
+    assert c.usd_writes == pytest.approx(2 * 10_000 * p.ddb_write_per_m / 1e6)
+    assert c.usd_duration == pytest.approx(10_000 * JUNK_INGEST_SECONDS * 1769 / 1024 * p.lambda_gb_second)
+    assert c.usd == pytest.approx(c.usd_puts + c.usd_events + c.usd_invocations + c.usd_duration + c.usd_writes)
+    assert c.usd < 0.1
+    # And docs/deploy.md shows the figure the model computes
+    assert junk_line() in (REPO / "docs" / "deploy.md").read_text()
