@@ -39,6 +39,7 @@ from botocore.exceptions import ClientError
 from infra import layout
 from shared import keys
 from shared.config import RunConfig
+from shared.hosts import HOST_TAG, session_tag
 from shared.naming import (
     ENV_CONFIG,
     ENV_SHARD_RUNNER,
@@ -356,8 +357,10 @@ def _credential_function(c: _Catalog) -> None:
         c.add(credentials, action, w.table_arn, f"{why} (store/hosts.py)", context=leading)
     for action in ("sts:AssumeRole", "sts:TagSession"):
         c.add(credentials, action, w.roles.get(PARTICIPANT, ""), "a participant session tagged with the host's "
-              "id (coordinator/credentials.py)",
-              context={f"aws:RequestTag/{PARTICIPANT_TAG}": SAMPLE_PARTICIPANT, "aws:TagKeys": [PARTICIPANT_TAG]})
+              "id and generation (coordinator/credentials.py)",
+              context={f"aws:RequestTag/{PARTICIPANT_TAG}": SAMPLE_PARTICIPANT,
+                       f"aws:RequestTag/{HOST_TAG}": session_tag(SAMPLE_PARTICIPANT, 1),
+                       "aws:TagKeys": [PARTICIPANT_TAG, HOST_TAG]})
 
 
 def _lambda_on_roles(c: _Catalog) -> None:
@@ -463,8 +466,10 @@ def _operator(c: _Catalog) -> None:
     for principal in (*(f"{FUNCTION}{n}" for n in FUNCTIONS), PARTICIPANT):
         c.add(o, "iam:SimulatePrincipalPolicy", w.roles.get(principal, ""),
               f"fed check asks IAM's simulator about the {principal} role")
-    c.add(o, "iam:PutRolePolicy", w.roles.get(PARTICIPANT, ""), "fed hosts revoke --stack denies the revoked "
-          "hosts' sessions on the participant role (fed/hosts.py)")
+    c.add(o, "iam:PutRolePolicy", w.roles.get(PARTICIPANT, ""), "fed hosts revoke|reinstate deny the revoked "
+          "generations' sessions on the participant role (fed/hosts.py)")
+    c.add(o, "iam:GetRolePolicy", w.roles.get(PARTICIPANT, ""), "fed hosts revoke|reinstate read the participant "
+          "role's own inline policy, whose size the deny's room is counted from (fed/hosts.py)")
     for action in ("iam:GetPolicy", "iam:GetPolicyVersion"):
         c.add(o, action, w.operator_policy, "fed check reads this policy's default version to simulate it")
     c.add(o, "iam:SimulateCustomPolicy", "*", "fed check simulates this policy's document")
