@@ -1,7 +1,7 @@
 """Hosts that join with an invite line alone (issue 33): participant processes with no AWS credential in their
 environment at all (no AWS_* variable, a HOME without .aws) redeem their invite at the local credential endpoint,
 renew their short sessions by themselves through a run, and a revoked host is refused at once while the run goes
-on without it."""
+on without it; its id stays revoked, and a reinstated new generation of it trains (issue 43)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
+from botocore.exceptions import ClientError
 
 from fed.demo.processes import participant_command
-from fed.hosts import invite, revoke
+from fed.hosts import HostsError, invite, reinstate, revoke
 from fed.localrun import store_for, wait_until
+from local.access.ledger import ENV_LEDGER, read_denials
 from local.stack import LocalStack
 from participant.credentials import HostRefused, load_or_create_key, post
 from shared.hosts import RENEW_PATH, sign_renewal
+from shared.keys import config_key
+from shared.messages import CredentialAnswer
 from shared.state import Phase
 from store.connection import Connection
 from store.hosts import HostStore
@@ -134,6 +139,7 @@ def test_hosts_with_nothing_but_an_invite_train_a_run_to_the_end_renewing_their_
                                                                             records.values())
 
 
+@pytest.mark.access_denied_expected  # carol's calls once revoked, refused by the role's deny as IAM refuses them
 @pytest.mark.parametrize("stack", [(REVOCATION_SECONDS, REVOCATION_ROUNDS)], indirect=True)
 def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack: LocalStack, hosts: Hosts) -> None:
     # Given three invited hosts in a run that needs two
@@ -155,10 +161,12 @@ def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack:
         done = revoke(conn, "carol", "key leaked")
     assert "refused" in done[0]
 
-    # Then carol's next upload is refused with the recorded reason
-    def carol_refused() -> bool:
-        return any(r.pid == "carol" and "from a revoked host: key leaked" in r.reason for r in store.refusals())
-    wait(carol_refused, 60, "carol's next upload to be refused", hosts)
+    # Then carol's next call is refused by the participant role's deny on its generation, as IAM refuses it (what
+    # might still reach the bucket is refused by ingest: `tests/functional/test_host_generations.py`)
+    def carol_denied() -> bool:
+        return any(d.principal == "participant:carol" and "RevokedHosts (fed-host=carol.1)" in d.why
+                   for d in read_denials(Path(os.environ[ENV_LEDGER]), since=revoked_at))
+    wait(carol_denied, 60, "carol's next call to be denied", hosts)
     # and a renewal signed with carol's own key is refused, recorded with its reason
     key_file = next((hosts.workdir / "homes" / "carol").rglob("host-key.pem"))
     with pytest.raises(HostRefused, match="revoked"):
@@ -177,3 +185,72 @@ def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack:
     assert late and all("carol" not in r.counted and r.aggregated for r in late)
     assert not [r for r in store.refusals() if r.pid in {"alice", "bob"}]
     assert hosts.running("alice") and hosts.running("bob")
+
+
+def s3_of(conn: Connection, answer: CredentialAnswer) -> object:
+    c = answer.credentials
+    return boto3.client("s3", endpoint_url=conn.endpoint, region_name=conn.region, aws_access_key_id=c.AccessKeyId,
+                        aws_secret_access_key=c.SecretAccessKey, aws_session_token=c.SessionToken)
+
+
+@pytest.mark.access_denied_expected  # the revoked generation's calls, refused by the role's deny as IAM refuses them
+@pytest.mark.parametrize("stack", [(REVOCATION_SECONDS, REVOCATION_ROUNDS)], indirect=True)
+def test_a_revoked_host_is_cut_within_one_call_stays_cut_and_its_reinstated_generation_trains(
+    stack: LocalStack, hosts: Hosts
+) -> None:
+    # Given three invited hosts in a run that needs two, training
+    conn = stack.connection
+    for name in ("alice", "bob", "carol"):
+        hosts.start(name, as_operator_invite(conn, name))
+    store: StateStore = store_for(conn)
+    wait(lambda: store.read_state().aggregated >= 1, 180, "a round to be aggregated", hosts)
+    # and a live session of carol's machine, renewed with its own key (as the machine would, or one who stole it)
+    key_file = next((hosts.workdir / "homes" / "carol").rglob("host-key.pem"))
+    live = post(conn.credential_endpoint + RENEW_PATH,
+                sign_renewal(load_or_create_key(key_file), "carol", time.time()).model_dump(mode="json"))
+    s3 = s3_of(conn, live)
+    s3.get_object(Bucket=conn.bucket, Key=config_key(conn.run_id))  # type: ignore[attr-defined]
+
+    # When the operator revokes carol
+    revoked_at = time.time()
+    with acting_as(OPERATOR):
+        revoke(conn, "carol", "key leaked")
+    # Then the session's very next call is refused, as IAM refuses it (the role's deny on carol's generation)
+    with pytest.raises(ClientError, match="AccessDenied"):
+        s3.get_object(Bucket=conn.bucket, Key=config_key(conn.run_id))  # type: ignore[attr-defined]
+    # and carol's machine, cut off, stops
+    wait(lambda: not hosts.running("carol"), 4 * REVOCATION_SECONDS, "carol's machine to stop", hosts)
+
+    # When the operator invites the id again, it is refused, naming the way back; and the session stays cut
+    with acting_as(OPERATOR), pytest.raises(HostsError, match="fed hosts reinstate carol"):
+        invite(conn, "carol", 3600)
+    with pytest.raises(ClientError, match="AccessDenied"):
+        s3.get_object(Bucket=conn.bucket, Key=config_key(conn.run_id))  # type: ignore[attr-defined]
+
+    # When it is reinstated and a new machine redeems the new line
+    with acting_as(OPERATOR):
+        line = reinstate(conn, "carol", 3600)
+    reinstated_at = time.time()
+    hosts.start("carol-2", line)
+    # Then the old session is still cut, and the old machine's key is refused by the endpoint
+    with pytest.raises(ClientError, match="AccessDenied"):
+        s3.get_object(Bucket=conn.bucket, Key=config_key(conn.run_id))  # type: ignore[attr-defined]
+    with pytest.raises(HostRefused):
+        post(conn.credential_endpoint + RENEW_PATH,
+             sign_renewal(load_or_create_key(key_file), "carol", time.time()).model_dump(mode="json"))
+    # and the new generation's join registers its own key
+    hosts_store = HostStore(conn.table, conn.run_id, conn.endpoint, conn.region)
+
+    def registered() -> bool:
+        record = hosts_store.get("carol")
+        return record is not None and record.generation == 2 and record.registered_key == record.upload_key != ""
+    wait(registered, 60, "the reinstated carol's join to be registered", hosts)
+    # and the new generation trains: members are fixed for an epoch, so carol comes back at the next one, which bob's
+    # leaving brings about (alice alone is under the run's minimum of two)
+    hosts.procs["bob"].terminate()
+
+    def carol_counted_again() -> bool:
+        return any("carol" in r.counted and r.started >= reinstated_at for r in store.rounds())
+    wait(carol_counted_again, 120, "the reinstated carol to be counted in a round", hosts)
+    assert not [r for r in store.refusals() if r.pid in {"alice", "bob"}]
+    assert revoked_at < reinstated_at and hosts.running("carol-2")
