@@ -725,8 +725,9 @@ def hosts_list(
     stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
     region: str | None = typer.Option(None, "--region", help=REGION_HELP),
 ) -> None:
-    """Every host: invited, active, expired or revoked; when it last received credentials and was last seen (its
-    last accepted upload); the endpoint's refusals of it."""
+    """Every host: its generation (`fed hosts reinstate` starts the next), invited, active, expired or revoked; when
+    it last received credentials and was last seen (its last accepted upload); the endpoint's refusals of it. A last
+    row, host "?", counts the refused requests that named no invited host."""
     from rich.table import Table
 
     from fed.hosts import as_json as hosts_json
@@ -736,10 +737,11 @@ def hosts_list(
     if as_json:
         typer.echo(hosts_json(lines))
         return
-    table = Table("host", "status", "credentials", "last seen", "refusals", "why", box=None)
+    table = Table("host", "generation", "status", "credentials", "last seen", "refusals", "why", box=None)
     for h in lines:
         why = h.revoke_reason if h.status == "revoked" else h.last_refusal
-        table.add_row(h.host, h.status, _ago(h.last_credentials_at), _ago(h.last_seen), str(h.refusals), why)
+        table.add_row(h.host, str(h.generation or "-"), h.status, _ago(h.last_credentials_at), _ago(h.last_seen),
+                      str(h.refusals), why)
     console.print(table if lines else "no hosts: `fed hosts invite ID` makes the first")
 
 

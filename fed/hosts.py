@@ -31,6 +31,7 @@ from botocore.exceptions import ClientError
 from shared.hosts import (
     DENY_SECONDS,
     MAX_ROLE_POLICY_CHARS,
+    UNKNOWN_HOST,
     HostRecord,
     HostRefusal,
     HostStatus,
@@ -115,6 +116,7 @@ class HostLine:
     revoke_reason: str
     refusals: int  # the endpoint's refusals of requests naming it, kept a week after the latest of each kind
     last_refusal: str  # the latest one's reason
+    generation: int = 0  # `fed hosts reinstate` starts the next (0: the row of requests naming no invited host)
 
 
 def listing(conn: Connection) -> list[HostLine]:
@@ -130,8 +132,14 @@ def listing(conn: Connection) -> list[HostLine]:
         mine = refusals.get(r.host, [])
         lines.append(HostLine(r.host, _status(r), r.invited_at, r.invite_expires, r.redeemed_at,
                               r.last_credentials_at, seen.get(r.host, 0.0), r.revoked_at, r.revoke_reason,
-                              sum(f.count for f in mine), mine[-1].reason if mine else ""))
+                              sum(f.count for f in mine), mine[-1].reason if mine else "", r.generation))
+    if strangers := refusals.get(UNKNOWN_HOST):  # requests naming no invited host: one row, however many
+        lines.append(HostLine(UNKNOWN_HOST, NOT_INVITED, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "",
+                              sum(f.count for f in strangers), strangers[-1].reason))
     return lines
+
+
+NOT_INVITED = "not invited"  # the status of the row of requests that named no invited host
 
 
 def _status(record: HostRecord) -> str:

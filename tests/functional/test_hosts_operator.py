@@ -185,5 +185,6 @@ def test_the_listing_reads_one_refusal_record_per_host_and_kind_however_many(con
                                                          ("gpu-1", RefusalKind.REFUSED, 1)]
     assert (kept[1].first_reason, kept[1].first_at, kept[1].reason, kept[1].at) == ("wrong secret 0", 1000.0,
                                                                                     "wrong secret 49", 1049.0)
-    shown = {h.host: (h.refusals, h.last_refusal) for h in listing(conn)}
-    assert shown == {"gpu-1": (51, "invite expired"), "gpu-2": (0, "")}
+    shown = {h.host: (h.status, h.generation, h.refusals, h.last_refusal) for h in listing(conn)}
+    assert shown == {"gpu-1": ("invited", 1, 51, "invite expired"), "gpu-2": ("invited", 1, 0, ""),
+                     UNKNOWN_HOST: ("not invited", 0, 50, "not a JSON document 49")}
