@@ -202,7 +202,7 @@ def test_fedavg_weights_by_samples_to_float32_precision() -> None:
     a = {"w": np.full((2, 3), 1.0, np.float32), "b": np.full(3, 1e8, np.float32)}
     b = {"w": np.full((2, 3), 4.0, np.float32), "b": np.full(3, 1.0, np.float32)}
     ins = [WeightedInput("a", 1, "", ArraySource(manifest, a)), WeightedInput("b", 2, "", ArraySource(manifest, b))]
-    out, _ = decode(aggregate_file(parse_config({"run_id": "r1x"}), manifest, 1, ins, None))
+    out, _ = decode(aggregate_file(parse_config({"run_id": "r1x", "strategy": "fedavg"}), manifest, 1, ins, None))
     np.testing.assert_allclose(out["w"], 3.0)
     np.testing.assert_allclose(out["b"], (1e8 + 2) / 3, rtol=3e-7)
     assert out["w"].dtype == np.float32
@@ -281,7 +281,7 @@ def test_fedavg_over_many_inputs_in_slices_matches_an_independent_sum() -> None:
     ins = [WeightedInput(f"p{i:02d}", s, "", _Whole(src) if i == 8 else _Counting(src))
            for i, (s, src) in enumerate(zip(samples, sources, strict=True))]
     _Counting.open_now = _Counting.most_open = 0
-    out, _ = decode(aggregate_file(parse_config({"run_id": "r1x"}), manifest, 1, ins, None))
+    out, _ = decode(aggregate_file(parse_config({"run_id": "r1x", "strategy": "fedavg"}), manifest, 1, ins, None))
     # Then every float element is x0 w0 + x1 w1 + ... summed in participant order in float32 (float64 for
     # float64 tensors) and rounded to the tensor's dtype once; the integer tensor is the first input's
     total = sum(samples)
@@ -300,8 +300,8 @@ def test_fedavg_over_many_inputs_in_slices_matches_an_independent_sum() -> None:
     assert 8 <= _Counting.most_open <= 16
 
 
-@pytest.mark.parametrize("settings", [{}, {"strategy": "median"}, {"server_optimizer": "fedadam"},
-                                      {"download_encoding": "int8"}])
+@pytest.mark.parametrize("settings", [{"strategy": "fedavg"}, {}, {"strategy": "median"},
+                                      {"server_optimizer": "fedadam"}, {"download_encoding": "int8"}])
 def test_a_piece_written_into_a_reused_buffer_is_the_piece_written_into_a_fresh_one(settings: dict) -> None:
     # Given a model of several pieces over four float dtypes and an integer tensor, and each way a piece is made
     models = [_big_model(seed) for seed in range(3)]
@@ -329,5 +329,5 @@ def test_a_stream_failing_mid_piece_closes_every_stream_and_raises() -> None:
            for i, src in enumerate(sources)]
     _Counting.open_now = 0
     with pytest.raises(OSError, match="mid-range"):
-        aggregate_file(parse_config({"run_id": "r1x"}), manifest, 1, ins, None)
+        aggregate_file(parse_config({"run_id": "r1x", "strategy": "fedavg"}), manifest, 1, ins, None)
     assert _Counting.open_now == 0

@@ -145,7 +145,7 @@ def test_a_far_off_attacker_is_never_selected_and_honest_ones_are(attack: str, m
     # And when every honest update is selected, the global is FedAvg over the honest ones alone, to the byte
     if m == 0:
         out = aggregate_round(config, MANIFEST, 1, inputs, None)
-        plain = aggregate_round(parse_config({"run_id": "krum-run"}), MANIFEST, 1,
+        plain = aggregate_round(parse_config({"run_id": "krum-run", "strategy": "fedavg"}), MANIFEST, 1,
                                 [i for i in inputs if i.participant not in ("p01", "p05")], None)
         got, want = decode(out.model)[0], decode(plain.model)[0]
         assert all(got[n].tobytes() == want[n].tobytes() for n in MANIFEST.tensors)
@@ -157,7 +157,7 @@ def test_too_few_updates_are_combined_by_fedavg_and_the_header_says_so() -> None
     updates = [model(rng, centre, spread=0.1) for _ in range(4)]
     inputs = inputs_of(updates, [5, 6, 7, 8])
     out = aggregate_round(config_of(krum_byzantine=1), MANIFEST, 1, inputs, None)  # 4 < 2f + 3 = 5
-    plain = aggregate_round(parse_config({"run_id": "krum-run"}), MANIFEST, 1, inputs, None)
+    plain = aggregate_round(parse_config({"run_id": "krum-run", "strategy": "fedavg"}), MANIFEST, 1, inputs, None)
     (got, header), (want, _) = decode(out.model), decode(plain.model)
     assert all(got[n].tobytes() == want[n].tobytes() for n in MANIFEST.tensors)
     assert header.metadata["fed.krum"].startswith("fallback: 4 update(s) are too few for f=1 (Krum needs 2f+3 = 5)")
