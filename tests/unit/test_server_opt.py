@@ -55,7 +55,9 @@ def random_model(rng: np.random.Generator, scale: float = 1.0) -> dict[str, np.n
 
 @pytest.mark.parametrize("kind", [k for k in ServerOptimizer if k is not ServerOptimizer.NONE])
 def test_three_rounds_match_an_independent_implementation(kind: ServerOptimizer) -> None:
-    config = parse_config({"run_id": "opt-run", "server_optimizer": kind.value, "server_lr": 0.3})
+    # the reference's pseudo-gradient is FedAvg's weighted mean by sample count
+    config = parse_config({"run_id": "opt-run", "server_optimizer": kind.value, "server_lr": 0.3,
+                           "strategy": "fedavg"})
     step = ServerStep.of(config)
     assert step is not None
     rng = np.random.default_rng(7)
