@@ -54,6 +54,9 @@ class Run:
             run_id=RUN, min_clients=2, min_per_round=2, min_updates=1, total_rounds=3, warmup_time=0,
             max_round_train_time=60, round_witness_time=0, cooldown_time=0, liveness_timeout=600, dataset_size=100,
             max_update_bytes=4096,
+            # no built-in task's (whose initial model's schema the config would take, `shared.initial_models`):
+            # the participants here offer and train MODEL
+            task="tests.unit.test_service_rules:MODEL",
         )
         self.config = RunConfig(**(settings | overrides))
         self.now = NOW
@@ -196,8 +199,9 @@ def test_a_join_delivered_twice_is_a_rejoin_not_a_new_member(run: Run) -> None:
 # --- updates --------------------------------------------------------------------------------------------------
 
 
-def test_an_update_is_accepted_and_counted_and_the_last_closes_the_round(run: Run) -> None:
-    # Given a round of two in training
+def test_an_update_is_accepted_and_counted_and_the_last_closes_the_round() -> None:
+    # Given a round of two in training, combined by FedAvg (whose weighting by sample count is checked here)
+    run = Run(strategy="fedavg")
     state = run.start(["alice", "bob"])
     assert state.phase is Phase.TRAIN and set(state.selected) == {"alice", "bob"}
     # When the first update lands, it is recorded, and no tick follows (it cannot close the round)
