@@ -35,6 +35,9 @@ def config(**overrides: Any) -> RunConfig:
     values: dict[str, Any] = dict(
         run_id="stack-test", min_clients=2, min_per_round=2, min_updates=1, total_rounds=3, warmup_time=0,
         max_round_train_time=30, cooldown_time=0, liveness_timeout=60, dataset_size=100,
+        # no built-in task's (whose initial model's schema the config would take, `shared.initial_models`): the
+        # simulated participants offer and train MODEL
+        task="tests.functional.test_local_stack:MODEL",
     )
     values.update(overrides)
     return RunConfig(**values)
