@@ -222,25 +222,27 @@ def training(remote: Remote, tmp_path: Path) -> tuple[Training, Workload]:
 def test_a_replaced_global_model_is_detected_by_its_digest_and_never_used(
     server: LocalServer, s3: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Given the round's global model, and a participant's training duty with its cache in its state directory
+    # Given the round's global model (round 1's: round 0's must also be the initial model the task builds from the
+    # run's seed, `Training.check_initial_model`), and a participant's training duty with its cache in its state
+    # directory
     remote = make_remote(server)
     duty, work = training(remote, tmp_path)
     good = save_model(digits.build_model(1), tmp_path / "good.safetensors")
     other = save_model(digits.build_model(2), tmp_path / "other.safetensors")
     want = digest_file(good)
-    key = keys.global_key(RUN, 0, want)
+    key = keys.global_key(RUN, 1, want)
     # When the object at the model's key is replaced by other bytes before the participant fetches it
     remote.upload_file(key, good, "uploading")
     remote.upload_file(key, other, "replacing")
     with caplog.at_level("WARNING", logger="participant"):
-        fetched = duty.fetch_file(work, Fetch(0, want))
+        fetched = duty.fetch_file(work, Fetch(1, want))
     # Then the download is refused by its digest: nothing is held or cached
     assert fetched is None
     assert any("the run says" in r.getMessage() for r in caplog.records)
     assert list(duty.cache_dir.iterdir()) == []
     # When the model's bytes are back, it is fetched, cached under its digest and loads into the task's model
     remote.upload_file(key, good, "restoring")
-    fetched = duty.fetch_file(work, Fetch(0, want))
+    fetched = duty.fetch_file(work, Fetch(1, want))
     assert fetched == duty.cache_dir / f"{want}.safetensors" and digest_file(fetched) == want
     model = load_into(digits.build_model(0), fetched)
     assert all(torch.equal(t, digits.build_model(1).state_dict()[n]) for n, t in model.state_dict().items())
@@ -251,7 +253,7 @@ def test_a_replaced_global_model_is_detected_by_its_digest_and_never_used(
         f.write(b"\xff\xff\xff\xff")
     again, _ = training(remote, tmp_path)
     with caplog.at_level("WARNING", logger="participant"):
-        refetched = again.fetch_file(work, Fetch(0, want))
+        refetched = again.fetch_file(work, Fetch(1, want))
     assert refetched == fetched and digest_file(fetched) == want
     assert any("is corrupt" in r.getMessage() for r in caplog.records)
 
