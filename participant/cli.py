@@ -394,8 +394,8 @@ def _run(conn: Connection, options: Options, reporter: Reporter, credentials: Cr
     try:
         outcome = Daemon(conn, options, stop, reporter).run()
     except (ParticipantError, FatalRemoteError) as exc:
-        if credentials is not None and credentials.session.refused:
-            _fail(f"stopped: {credentials.session.refused}")
+        if credentials is not None and isinstance(exc, FatalRemoteError) and (refused := credentials.session.refusal()):
+            _fail(f"stopped: {refused} ({exc})")  # (a revoked host's session is cut first: the endpoint says why)
         _fail(str(exc))
     if credentials is not None and credentials.session.refused:
         _fail(f"stopped: {credentials.session.refused}")

@@ -224,6 +224,20 @@ class HostSession:
             self._failures, self._retry_at, self._failure = 0, 0.0, None
             return self._answer
 
+    def refusal(self) -> str:
+        """Why the endpoint refuses this host for good, asking it now if it has not said so yet ("" if it does not
+        refuse it, or cannot be asked). For a participant stopped by a denial it cannot explain: a revocation cuts
+        the live session by IAM before any renewal is refused, and only the endpoint knows its reason."""
+        with self._lock:
+            if not self.refused and self._redeemed():
+                try:
+                    self._renew()
+                except HostRefused as exc:
+                    self.refused = str(exc)
+                except EndpointUnavailable:
+                    pass
+            return self.refused
+
     def _held(self, now: float, failure: EndpointUnavailable) -> CredentialAnswer:
         """The session held while it is valid (botocore keeps using it); the failure once it is not."""
         if self._answer is not None and self._left(now) > 0:

@@ -120,6 +120,21 @@ def test_the_session_is_served_to_botocore_and_a_revocation_ends_it(endpoint: En
         server.stop()
 
 
+def test_a_host_whose_live_session_was_cut_learns_why_from_the_endpoint(endpoint: Endpoint, url: str,  # noqa: F811
+                                                                       tmp_path: Path) -> None:
+    # Given a host holding a session with most of its lifetime left
+    session = HostSession(Invite(url, "gpu-6", endpoint.invite("gpu-6"), int(endpoint.now) + 3600), tmp_path / "host")
+    session.answer()
+    # While it is not refused, asking says so (and costs one renewal)
+    assert session.refusal() == "" and session.renewals == 1
+    # When it is revoked, IAM cuts its session before any renewal is due: the participant stops on a denial
+    endpoint.store.revoke("gpu-6", "key leaked", time.time())
+    # Then asking the endpoint gives the revocation's reason, kept from then on
+    assert "host is revoked: key leaked" in session.refusal() and session.renewals == 1
+    with pytest.raises(HostRefused, match="key leaked"):
+        session.answer()
+
+
 def test_a_temporary_refusal_keeps_the_session_and_is_tried_again_after_a_backoff(
         endpoint: Endpoint, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     monkeypatch.setenv(ENV_HOST_RATE, "1")  # the redemption spends the host's minute
