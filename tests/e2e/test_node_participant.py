@@ -115,4 +115,6 @@ def test_a_node_torchrun_started_trains_and_its_agent_restarts_it_after_a_lost_r
     # and only rank 0 spoke to the coordinator: one join per start of the node, the lost rank named
     text = log.read_text()
     assert text.count("join request sent") == 2 and text.count("node of 2 ranks (gloo, torchrun) up") == 2
-    assert "the node lost a rank" in text
+    # (rank 0 names it when the loss breaks a collective it is in; when rank 0 is between collectives, torchrun's
+    # agent sees the dead worker first, names it and stops rank 0: which comes first is a race, both name the rank)
+    assert "the node lost a rank" in text or "failed (exitcode: -9) local_rank: 1" in text
