@@ -66,6 +66,7 @@ def flood_config() -> RunConfig:
         min_updates=len(HONEST), total_rounds=5, rounds_per_epoch=4, warmup_time=10, max_round_train_time=15,
         round_witness_time=0, cooldown_time=15, liveness_timeout=30, heartbeat_interval=3, dataset_size=1000,
         max_participants=2 * FLOOD, max_admissions_per_epoch=ADMISSIONS,
+        task="tests.e2e.load_support:tiny_model",  # what SimParticipant offers and trains (no built-in task's)
     )
 
 
