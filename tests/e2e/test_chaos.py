@@ -74,6 +74,7 @@ def chaos_config():  # type: ignore[no-untyped-def]
     return e2e_config(
         run_id="chaos", min_clients=3, fraction_per_round=1.0, min_per_round=3, min_updates=2, total_rounds=8,
         rounds_per_epoch=4, warmup_time=5, max_round_train_time=25, cooldown_time=0, liveness_timeout=30,
+        strategy="fedavg",  # each round is recomputed below by an independent FedAvg
     )
 
 
