@@ -687,14 +687,14 @@ if __name__ == "__main__":
 
 
 HOST_ARG_HELP = "The host's participant id: 1-63 letters, digits, '_' or '-'."
+EXPIRES_HELP = "How long the invite may be redeemed: e.g. 30m, 24h, 7d (at most 30d)."
 
 
 @hosts_app.command("invite")
 @as_operator
 def hosts_invite(
     host: str = typer.Argument(..., metavar="ID", help=HOST_ARG_HELP),
-    expires: str = typer.Option("24h", "--expires", metavar="DURATION",
-                                help="How long the invite may be redeemed: e.g. 30m, 24h, 7d (at most 30d)."),
+    expires: str = typer.Option("24h", "--expires", metavar="DURATION", help=EXPIRES_HELP),
     connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
     stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
     region: str | None = typer.Option(None, "--region", help=REGION_HELP),
@@ -776,8 +776,7 @@ def hosts_revoke(
 @as_operator
 def hosts_reinstate(
     host: str = typer.Argument(..., metavar="ID", help=HOST_ARG_HELP),
-    expires: str = typer.Option("24h", "--expires", metavar="DURATION",
-                                help="How long the invite may be redeemed: e.g. 30m, 24h, 7d (at most 30d)."),
+    expires: str = typer.Option("24h", "--expires", metavar="DURATION", help=EXPIRES_HELP),
     connection_file: Path | None = typer.Option(None, "--connection", help=CONNECTION_HELP),
     stack: str | None = typer.Option(None, "--stack", help=STACK_HELP),
     region: str | None = typer.Option(None, "--region", help=REGION_HELP),

@@ -62,7 +62,7 @@ from store.connection import Connection
 from store.push import LONG_POLL_SECONDS, Pushed, StateQueue
 from store.rosters import Rosters, state_of_item
 from store.views import ParticipantRecord, UpdateRecord
-from tests.e2e.chaos_support import child_process
+from tests.e2e.chaos_support import DispatcherPlan, DispatcherProcess, child_process
 
 
 @contextmanager
@@ -468,3 +468,17 @@ class SimParticipant(Participant):
             self.feed.close()
         self.finished_digest = action.digest
         return ParticipantExit(True, self.me.rounds_uploaded)
+
+
+def honest_fleet(stack: StackProcess, config: RunConfig, pids: list[str], train_seconds: float, timeout: float,
+                 log: Path) -> tuple[RequestCounter, list[SimParticipant], DispatcherProcess]:
+    """The flood tests' honest side: simulated participants heartbeating and training as `config` says, their
+    requests counted, and a dispatcher process (not started) delivering the run's events."""
+    conn, counter = stack.connection, RequestCounter()
+    clients = Clients(conn, counter, pool=32)
+    honest = [SimParticipant(pid, conn, clients, counter, config.dataset_size, poll_max=0.5, timeout=timeout,
+                             heartbeat_every=config.heartbeat_every,
+                             heartbeat_after_update=config.heartbeat_after_update, train_seconds=train_seconds)
+              for pid in pids]
+    plan = DispatcherPlan(tick_interval=1.0, visibility_timeout=60)
+    return counter, honest, DispatcherProcess(stack.resources, plan, log)

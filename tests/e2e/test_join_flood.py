@@ -43,8 +43,7 @@ from shared.signing import Signer
 from shared.state import MemberStatus, Phase
 from store.connection import Connection
 from store.table import StateStore
-from tests.e2e.chaos_support import DispatcherPlan, DispatcherProcess
-from tests.e2e.load_support import Clients, RequestCounter, SimParticipant, StackProcess, stack_process
+from tests.e2e.load_support import SimParticipant, StackProcess, honest_fleet, stack_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -124,14 +123,8 @@ def test_a_flood_of_signed_joins_neither_slows_rounds_nor_drops_members_nor_buys
     config = flood_config()
     conn = stack.connection
     store = store_for(conn)
-    counter = RequestCounter()
-    clients = Clients(conn, counter, pool=32)
-    honest = [SimParticipant(pid, conn, clients, counter, config.dataset_size, poll_max=0.5, timeout=RUN_TIMEOUT,
-                             heartbeat_every=config.heartbeat_every,
-                             heartbeat_after_update=config.heartbeat_after_update, train_seconds=TRAIN_SECONDS)
-              for pid in HONEST]
-    dispatcher = DispatcherProcess(stack.resources, DispatcherPlan(tick_interval=1.0, visibility_timeout=60),
-                                   tmp_path / "dispatcher.log")
+    counter, honest, dispatcher = honest_fleet(stack, config, HONEST, TRAIN_SECONDS, RUN_TIMEOUT,
+                                               tmp_path / "dispatcher.log")
     flood = Flood(conn, FLOOD)  # (the keys are made before the clock starts)
     progress: dict[str, object] = {}
     began, began_at = time.monotonic(), time.time()
