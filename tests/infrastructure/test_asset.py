@@ -147,6 +147,8 @@ def sandbox_config() -> RunConfig:
         run_id="sandbox-run", min_clients=2, min_per_round=2, min_updates=2, total_rounds=2, warmup_time=0,
         max_round_train_time=300, round_witness_time=0, cooldown_time=0, liveness_timeout=600, dataset_size=100,
         max_update_bytes=64 * MB, shard_bytes=PIECE_BYTES,
+        task="tests.infrastructure.test_asset:model",  # what the members offer (no built-in task's model)
+        strategy="fedavg",  # the global is checked below against FedAvg's weighted mean
     )  # fmt: skip
 
 
