@@ -95,6 +95,7 @@ def load_config() -> RunConfig:
         liveness_timeout=LIVENESS, stuck_timeout=RUN_TIMEOUT, min_round_train_time=ROUND_DEADLINE,
         dataset_size=100 * N, max_participants=2 * N, max_admissions_per_epoch=N,
         task="tests.e2e.load_support:tiny_model",  # what SimParticipant offers and trains (no built-in task's)
+        strategy="fedavg",  # the final global is checked below against FedAvg of the last round's updates
     )
 
 
