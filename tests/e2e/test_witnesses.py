@@ -63,9 +63,10 @@ def test_a_participant_that_stops_working_is_dropped_through_the_health_path(loc
     # Given four participants, three witnesses, and p4 whose training blocks from its second round on (its
     # heartbeats go on, so the liveness check never drops it)
     # (every member is selected each round; p4 stalls in round 1, and the members' reports about it, sent once round
-    # 1 is witnessed, count only while the run is live: 5 rounds leave three rounds' witness windows, 12 s or more,
-    # for them to arrive, where with 3 a loaded machine once finished round 2 first and p4 stayed a member)
-    config = e2e_config(min_clients=3, min_per_round=3, min_updates=2, total_rounds=5, witness_nodes=3,
+    # 1 is witnessed, count only while the run is live: 8 rounds leave six rounds' witness windows, 24 s or more,
+    # for them to arrive, where with 3, and once with 5, a loaded machine finished the run first and p4 stayed a
+    # member)
+    config = e2e_config(min_clients=3, min_per_round=3, min_updates=2, total_rounds=8, witness_nodes=3,
                         witness_tolerance=0.5, round_witness_time=4, max_round_train_time=20, liveness_timeout=15,
                         health_strikes=1)
     run = local_run(config)
