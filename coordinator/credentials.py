@@ -43,6 +43,7 @@ from shared.hosts import (
     secret_hash,
     session_tag,
     skew_refusal,
+    status_refusal,
 )
 from shared.keys import KeyError_, validate_participant_id
 from shared.messages import MessageError, RedeemRequest, RenewRequest, parse_message
@@ -128,10 +129,10 @@ def _renew(deps: CredentialDeps, record: HostRecord | None, request: RenewReques
     spent = _spend(deps, request.host, now)
     if spent is not None:
         return spent
-    reason = renew_refusal(record, request, now, deps.limits)
+    assert record is not None  # (verified: its key, in its time window; the signature is not checked again)
+    reason = status_refusal(record)
     if reason is not None:
         return _refused(deps, request.host, reason, now)
-    assert record is not None  # (verified)
     return _credentials(deps, request.host, record.generation, now)
 
 

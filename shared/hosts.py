@@ -284,6 +284,11 @@ def renew_refusal(record: HostRecord | None, request: RenewRequest, now: float, 
         return stale
     if not verify_renewal(record.public_key, request):
         return "signature does not match the host's registered key"
+    return status_refusal(record)
+
+
+def status_refusal(record: HostRecord) -> str | None:
+    """Why a host that proved itself is refused all the same (revoked, not active), or None."""
     if record.status is HostStatus.REVOKED:
         return "host is revoked" + (f": {record.revoke_reason}" if record.revoke_reason else "")
     if record.status is not HostStatus.ACTIVE:
