@@ -25,7 +25,6 @@ import boto3
 from botocore.config import Config
 
 from shared.hosts import (
-    HOST_TAG,
     NOT_ACCEPTED,
     REDEEM_PATH,
     RENEW_PATH,
@@ -47,7 +46,7 @@ from shared.hosts import (
 )
 from shared.keys import KeyError_, validate_participant_id
 from shared.messages import MessageError, RedeemRequest, RenewRequest, parse_message
-from shared.naming import PARTICIPANT_TAG
+from shared.naming import HOST_TAG, PARTICIPANT_TAG
 from shared.table_keys import ALL_HOSTS, UNVERIFIED
 from store.hosts import HostStore
 

@@ -39,10 +39,11 @@ from botocore.exceptions import ClientError
 from infra import layout
 from shared import keys
 from shared.config import RunConfig
-from shared.hosts import HOST_TAG, session_tag
+from shared.hosts import session_tag
 from shared.naming import (
     ENV_CONFIG,
     ENV_SHARD_RUNNER,
+    HOST_TAG,
     OUTPUT_BUCKET,
     OUTPUT_OPERATOR_POLICY,
     OUTPUT_PARTICIPANT_ROLE,

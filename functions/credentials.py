@@ -18,7 +18,7 @@ from typing import Any
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from coordinator.credentials import answer
-from functions.observability import logger, metrics, traced
+from functions.observability import logger, metrics
 from functions.settings import credential_deps_from_env
 from shared.hosts import error_body
 
@@ -47,7 +47,6 @@ def response(status: int, payload: dict[str, Any]) -> dict[str, Any]:
 
 @logger.inject_lambda_context
 @metrics.log_metrics
-@traced
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     method, path, body = request_of(event)
     try:

@@ -26,9 +26,8 @@ from infra.nag import acknowledge, arn_ref
 from infra.notifications import subscribe_conditions
 from infra.settings import DeploySettings
 from shared.config import RunConfig
-from shared.hosts import HOST_TAG
 from shared.keys import RESERVED_IDS
-from shared.naming import PARTICIPANT_POLICY, PARTICIPANT_TAG, participant_queue_prefix
+from shared.naming import HOST_TAG, PARTICIPANT_POLICY, PARTICIPANT_TAG, participant_queue_prefix
 from shared.table_keys import run_pk
 
 TAG = f"aws:PrincipalTag/{PARTICIPANT_TAG}"
@@ -177,7 +176,7 @@ class ParticipantAccess(Construct):
     def admit_issuer(self, issuer: iam.IRole) -> None:
         """Trust `issuer` (the credential endpoint's role, `infra.hosts`) to assume the role for a host: with the
         session tag naming a usable participant id, as every other principal, and the host's generation
-        (`shared.hosts.HOST_TAG`, which the deny on revoked generations reads: no other principal may set it); the
+        (`shared.naming.HOST_TAG`, which the deny on revoked generations reads: no other principal may set it); the
         conditions are written out here as well as in the deny statements, so this statement admits nothing on its
         own that they would refuse."""
         self._trust.add_statements(

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import ml_dtypes
 import numpy as np
 
 from shared import wire
@@ -35,7 +34,7 @@ def native(t: torch.Tensor) -> np.ndarray:
 
     t = t.detach().to("cpu")
     if t.dtype == torch.bfloat16:
-        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.contiguous().view(torch.int16).numpy().view(wire.bfloat16())
     return t.numpy()
 
 

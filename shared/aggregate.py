@@ -37,7 +37,7 @@ from shared.digest import PIECE_BYTES, combine, digest, piece_hash
 from shared.plan import PieceLayout, PiecePlan, store
 from shared.server_opt import ServerStep, decode_piece, encode_index, encode_piece, gather, new_state
 from shared.strategies import RowWise, WeightedSum, strategy_of
-from shared.wire import DTYPES, FLOAT_TAGS, SCHEMA_VERSION, Manifest, TensorSpec, tensor_view
+from shared.wire import FLOAT_TAGS, ITEMSIZE, SCHEMA_VERSION, Manifest, TensorSpec, numpy_dtype, tensor_view
 
 ROBUST_ROW_BYTES = 64 * 1024  # the least a row-wise strategy (or a pre-pass) reads of one input at a time
 BLOCK_BYTES = 256 * 1024  # the block of an input added into the accumulator at a time (numpy calls stay few)
@@ -106,7 +106,7 @@ def slice_blocks(plan: PiecePlan, begin: int, end: int) -> list[list[Block]]:
         blocks = []
         for seg in plan.segments(lo, hi):
             if seg.spec.dtype in FLOAT_TAGS:
-                item = DTYPES[seg.spec.dtype][1]
+                item = ITEMSIZE[seg.spec.dtype]
                 for b in range(seg.begin, seg.end, BLOCK_BYTES):
                     blocks.append((seg.spec.dtype, b - begin, (min(b + BLOCK_BYTES, seg.end) - b) // item, b - lo))
         out.append(blocks)
@@ -137,7 +137,7 @@ class ArraySource:
         layout = manifest.layout()
         self.data = bytearray(manifest.nbytes)
         for name, (begin, end) in layout.items():
-            raw = np.ascontiguousarray(arrays[name], DTYPES[manifest.tensors[name].dtype][0]).tobytes()
+            raw = np.ascontiguousarray(arrays[name], numpy_dtype(manifest.tensors[name].dtype)).tobytes()
             self.data[begin:end] = raw
 
     def readinto(self, begin: int, buf: memoryview) -> None:
@@ -313,7 +313,7 @@ class PieceAggregator:
         view = memoryview(self._slice)
         for j, lo in enumerate(range(begin, end, SLICE_BYTES)):
             part = view[: min(lo + SLICE_BYTES, end) - lo]
-            whole = sum(count * DTYPES[dtype][1] for dtype, _, count, _ in blocks[j]) == len(part)
+            whole = sum(count * ITEMSIZE[dtype] for dtype, _, count, _ in blocks[j]) == len(part)
             for k, stream in zip(group, streams, strict=True):
                 stream.readinto(part)
                 if k == 0 and not whole:  # tensors not averaged (integer counters, flags) come from the first input
@@ -438,7 +438,7 @@ class _PieceState:
         """The index, among the piece's float elements, of the element at byte `offset` of its data."""
         k = bisect.bisect_right(self.starts, offset) - 1
         start, seg, first = self.layout.floats[k]
-        return first + (offset - start) // DTYPES[seg.dtype][1]
+        return first + (offset - start) // ITEMSIZE[seg.dtype]
 
     def finish_delta(self, encoding: Encoding, head: bytes, data: memoryview) -> bytes:
         """Write the piece's float elements as base + decoded delta (`shared.delta`: what every participant

@@ -29,10 +29,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-import ml_dtypes
 import numpy as np
 
-from shared.wire import DTYPES, FLOAT_TAGS, Manifest, TensorSpec, tensor_view
+from shared.wire import FLOAT_TAGS, ITEMSIZE, Manifest, TensorSpec, bfloat16, is_float, tensor_view
 
 SCALE_SUFFIX = ".__scale__"
 ENCODINGS = ("weights", "bf16", "int8")
@@ -153,14 +152,14 @@ def encode_delta(trained: dict[str, np.ndarray], base: dict[str, np.ndarray], en
     out: dict[str, np.ndarray] = {}
     lost: dict[str, np.ndarray] = {}
     for name, value in trained.items():
-        if value.dtype.kind != "f" and value.dtype != np.dtype(ml_dtypes.bfloat16):
+        if not is_float(value.dtype):
             out[name] = value
             continue
         delta = value.astype(np.float32) - base[name].astype(np.float32)
         if residual is not None and name in residual:
             delta += residual[name]
         if encoding.kind == "bf16":
-            sent = delta.astype(ml_dtypes.bfloat16)
+            sent = delta.astype(bfloat16())
             out[name], lost[name] = sent, delta - sent.astype(np.float32)
         else:
             codes, scales = quantize(delta, encoding.block)
@@ -178,7 +177,7 @@ def decode_arrays(
     out: dict[str, np.ndarray] = {}
     for name, ref in base.items():
         value = encoded[name]
-        if ref.dtype.kind != "f" and ref.dtype != np.dtype(ml_dtypes.bfloat16):
+        if not is_float(ref.dtype):
             out[name] = value
             continue
         if encoding.kind == "bf16":
@@ -250,7 +249,7 @@ class DecodedSource:
             if b <= lo:
                 continue
             spec = self.manifest.tensors[name]
-            size = DTYPES[spec.dtype][1]
+            size = ITEMSIZE[spec.dtype]
             first, last = (max(a, lo) - a) // size, (min(b, hi) - a) // size
             at = self.encoded_layout[name][0]
             scales_at = self.encoded_layout.get(name + SCALE_SUFFIX, (0, 0))[0]
@@ -274,7 +273,7 @@ class _Part:
 def _encoded_spans(spec: TensorSpec, at: int, scales_at: int, first: int, last: int,
                    encoding: Encoding) -> tuple[tuple[int, int], ...]:
     if spec.dtype not in FLOAT_TAGS:
-        size = DTYPES[spec.dtype][1]
+        size = ITEMSIZE[spec.dtype]
         return ((at + first * size, at + last * size),)
     if encoding.kind == "bf16":
         return ((at + 2 * first, at + 2 * last),)
@@ -294,7 +293,7 @@ def _decode_into(part: _Part, out: bytearray, lo: int, fetched: _Fetched, encodi
         out[begin : begin + flat.nbytes] = fetched.get(part.spans[0])
         return
     if encoding.kind == "bf16":
-        delta = np.frombuffer(fetched.get(part.spans[0]), ml_dtypes.bfloat16).astype(np.float32)
+        delta = np.frombuffer(fetched.get(part.spans[0]), bfloat16()).astype(np.float32)
     else:
         codes = np.frombuffer(fetched.get(part.spans[0]), np.int8)
         scales = np.frombuffer(fetched.get(part.spans[1]), "<f4")

@@ -32,14 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import ml_dtypes
 import numpy as np
 
 from shared.compress import Encoding, dequantize, quantize
 from shared.digest import combine
 from shared.keys import DIGEST_PATTERN
 from shared.plan import PieceLayout
-from shared.wire import Manifest, WireError, decode, encode, header_length, parse_header_prefix
+from shared.wire import Manifest, WireError, bfloat16, decode, encode, header_length, parse_header_prefix
 
 INDEX_SCHEMA = 1
 MAX_INDEX_BYTES = 16 * 1024 * 1024  # ~120,000 pieces: a 1 TB model
@@ -52,7 +51,7 @@ class DeltaError(ValueError):
 def codes_of(step: np.ndarray, encoding: Encoding) -> tuple[np.ndarray, np.ndarray]:
     """`step` (float32, one per float element of a piece) encoded: codes and (int8) scales."""
     if encoding.kind == "bf16":
-        return step.astype(ml_dtypes.bfloat16), np.zeros(0, np.float32)
+        return step.astype(bfloat16()), np.zeros(0, np.float32)
     if encoding.kind == "int8":
         return quantize(step, encoding.block)
     raise DeltaError(f"{encoding.kind} is not a delta encoding")
@@ -93,7 +92,7 @@ def decode_delta_piece(data: bytes, index: int, encoding: Encoding) -> DeltaPiec
         raise DeltaError(f"delta piece {index}: the file is {meta.get('fed.kind')!r} piece {meta.get('fed.piece')!r}")
     if Encoding.of_metadata(meta) != encoding:
         raise DeltaError(f"delta piece {index} is in {Encoding.of_metadata(meta)}, the index says {encoding}")
-    code_dtype = np.dtype(ml_dtypes.bfloat16) if encoding.kind == "bf16" else np.dtype(np.int8)
+    code_dtype = bfloat16() if encoding.kind == "bf16" else np.dtype(np.int8)
     wanted = {"head": np.dtype(np.uint8), "others": np.dtype(np.uint8), "codes": code_dtype}
     if encoding.kind == "int8":
         wanted["scales"] = np.dtype(np.float32)

@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from shared.keys import KeyError_, validate_participant_id
 from shared.messages import NONCE_PATTERN, SECRET_PATTERN, CredentialAnswer, RedeemRequest, RenewRequest
+from shared.naming import HOST_TAG
 
 INVITE_PREFIX: Final = "fed-invite-v1."
 REDEEM_PATH: Final = "/redeem"  # the endpoint's two paths (POST), after the invite's endpoint URL
@@ -53,7 +54,6 @@ MAX_ROLE_POLICY_CHARS: Final = 10240  # IAM: a role's inline policies together, 
 # The most the participant role's own inline policy may take (tests/infrastructure checks the template's): the deny
 # policy has the rest, whatever the number of revocations in DENY_SECONDS (`fed.hosts.deny_sessions` measures both).
 PARTICIPANT_POLICY_BUDGET: Final = 6000
-HOST_TAG: Final = "fed-host"  # a host session's second tag: <host id>.<generation>
 RATE_WINDOW_SECONDS: Final = 60  # the rate limits count requests per minute
 REFUSAL_SECONDS: Final = 7 * 24 * 3600  # how long a refusal's record is kept
 UNKNOWN_HOST: Final = "?"  # what a refusal records when the request names no valid host id

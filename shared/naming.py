@@ -155,3 +155,4 @@ PARTICIPANT_POLICY = "participant"
 
 # The session tag naming a participant; IAM policy variables use it to scope its keys.
 PARTICIPANT_TAG = "participant"
+HOST_TAG = "fed-host"  # an invited host session's second tag: <host id>.<generation> (`shared.hosts.session_tag`)

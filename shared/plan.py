@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.digest import PIECE_BYTES
-from shared.wire import DTYPES, FLOAT_TAGS, Manifest, TensorSpec, encode_header, tensor_view
+from shared.wire import FLOAT_TAGS, ITEMSIZE, Manifest, TensorSpec, encode_header, numpy_dtype, tensor_view
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Segment:
 
     @property
     def count(self) -> int:
-        return (self.end - self.begin) // DTYPES[self.spec.dtype][1]
+        return (self.end - self.begin) // ITEMSIZE[self.spec.dtype]
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class PiecePlan:
         for name, (a, b) in self.manifest.layout().items():
             spec = self.manifest.tensors[name]
             if spec.dtype in FLOAT_TAGS and a < data_offset:
-                before += (min(b, data_offset) - a) // DTYPES[spec.dtype][1]
+                before += (min(b, data_offset) - a) // ITEMSIZE[spec.dtype]
         return before
 
 
@@ -152,6 +152,6 @@ class PieceLayout:
 
 def store(out: memoryview, offset: int, spec: TensorSpec, values: np.ndarray) -> None:
     """Write `values` into `out` at `offset` in the dtype of `spec` (little-endian)."""
-    dtype = DTYPES[spec.dtype][0].newbyteorder("<")
+    dtype = numpy_dtype(spec.dtype).newbyteorder("<")
     target = np.frombuffer(out, dtype=dtype, count=spec.numel, offset=offset)
     np.copyto(target, values, casting="unsafe")

@@ -14,6 +14,7 @@ Update metadata lives in the safetensors header (`__metadata__`, strings only):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -21,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from shared.digest import digest
@@ -32,22 +32,45 @@ SCHEMA_VERSION = "1"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_METRICS_BYTES = 4096
 
-# safetensors dtype tag -> (numpy dtype, bytes per element), in safetensors' own dtype order: a file lays its
-# tensors out by this order descending, then by name, so every tensor starts at a multiple of its element size
-# (see `canonical_layout`)
-DTYPES: dict[str, tuple[np.dtype[Any], int]] = {
-    "BOOL": (np.dtype("bool"), 1),
-    "U8": (np.dtype("uint8"), 1),
-    "I8": (np.dtype("int8"), 1),
-    "I16": (np.dtype("int16"), 2),
-    "F16": (np.dtype("float16"), 2),
-    "BF16": (np.dtype(ml_dtypes.bfloat16), 2),
-    "I32": (np.dtype("int32"), 4),
-    "F32": (np.dtype("float32"), 4),
-    "F64": (np.dtype("float64"), 8),
-    "I64": (np.dtype("int64"), 8),
+# safetensors dtype tag -> bytes per element, in safetensors' own dtype order: a file lays its tensors out by this
+# order descending, then by name, so every tensor starts at a multiple of its element size (see `canonical_layout`)
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "F16": 2, "BF16": 2, "I32": 4, "F32": 4, "F64": 8, "I64": 8,
 }
-_RANK = {tag: i for i, tag in enumerate(DTYPES)}
+_RANK = {tag: i for i, tag in enumerate(ITEMSIZE)}
+_NUMPY_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "F16": "float16", "I32": "int32",
+                "F32": "float32", "F64": "float64", "I64": "int64"}  # and BF16: `bfloat16()`
+_TAG_OF = {np.dtype(name): tag for tag, name in _NUMPY_NAMES.items()}
+
+
+@functools.cache
+def bfloat16() -> np.dtype[Any]:
+    """numpy's bfloat16 (from ml_dtypes), imported on first use: the import costs about 0.6 s of CPU, which every
+    Lambda cold start, CLI call and participant would pay though most runs never hold a bfloat16 tensor."""
+    import ml_dtypes
+
+    dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return dtype
+
+
+def numpy_dtype(tag: str) -> np.dtype[Any]:
+    """The numpy dtype of a safetensors dtype tag (one of `ITEMSIZE`)."""
+    return bfloat16() if tag == "BF16" else np.dtype(_NUMPY_NAMES[tag])
+
+
+def is_float(dtype: np.dtype[Any]) -> bool:
+    """Whether a numpy dtype holds floats: numpy's own, or ml_dtypes' bfloat16 (its kind is "V")."""
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+def tag_of(dtype: np.dtype[Any]) -> str | None:
+    """The safetensors tag of a numpy dtype, or None if a file cannot hold it. (An array of bfloat16 exists only
+    once ml_dtypes is imported, so asking for `bfloat16()` here imports nothing new.)"""
+    if dtype.name == "bfloat16" and dtype == bfloat16():
+        return "BF16"
+    return _TAG_OF.get(dtype)
+
+
 FLOAT_TAGS = frozenset({"F64", "F32", "F16", "BF16"})
 
 
@@ -67,7 +90,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPES[self.dtype][1]
+        return self.numel * ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -120,7 +143,7 @@ def parse_header_prefix(prefix: bytes, total: int) -> Header:
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise WireError(f"malformed header entry for tensor {name!r}")
         tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if tag not in DTYPES:
+        if tag not in ITEMSIZE:
             raise WireError(f"tensor {name!r}: unsupported dtype {tag!r}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise WireError(f"tensor {name!r}: malformed shape {shape!r}")
@@ -133,7 +156,7 @@ def parse_header_prefix(prefix: bytes, total: int) -> Header:
                 f"truncated or corrupt file: tensor {name!r} data offsets {offsets} "
                 f"outside the {body}-byte data section"
             )
-        if end - begin != spec.numel * DTYPES[tag][1]:
+        if end - begin != spec.numel * ITEMSIZE[tag]:
             raise WireError(f"tensor {name!r}: header and data lengths disagree")
         tensors[name] = spec
         spans.append((begin, end, name))
@@ -146,9 +169,6 @@ def parse_header_prefix(prefix: bytes, total: int) -> Header:
     if position != body:
         raise WireError(f"header and data lengths disagree: {body - position} trailing bytes")
     return Header(tensors, dict(metadata), 8 + n, placed)
-
-
-_TAG_OF = {dtype: tag for tag, (dtype, _) in DTYPES.items()}
 
 
 def canonical_layout(tensors: dict[str, TensorSpec]) -> dict[str, tuple[int, int]]:
@@ -176,9 +196,10 @@ def encode_header(tensors: dict[str, TensorSpec], metadata: dict[str, str] | Non
 
 
 def spec_of(name: str, arr: np.ndarray) -> TensorSpec:
-    if arr.dtype not in _TAG_OF:
+    tag = tag_of(arr.dtype)
+    if tag is None:
         raise WireError(f"tensor {name!r}: dtype {arr.dtype} cannot be stored")
-    return TensorSpec(_TAG_OF[arr.dtype], tuple(arr.shape))
+    return TensorSpec(tag, tuple(arr.shape))
 
 
 def encode(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
@@ -204,7 +225,7 @@ def decode(data: bytes | memoryview) -> tuple[dict[str, np.ndarray], Header]:
 
 
 def tensor_view(buffer: bytes | memoryview | bytearray, offset: int, spec: TensorSpec) -> np.ndarray:
-    dtype = DTYPES[spec.dtype][0].newbyteorder("<")
+    dtype = numpy_dtype(spec.dtype).newbyteorder("<")
     return np.frombuffer(buffer, dtype=dtype, count=spec.numel, offset=offset).reshape(spec.shape)
 
 

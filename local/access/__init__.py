@@ -20,13 +20,15 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from local.access.control import AccessControl, control_for, shared_evaluator, shared_ledger
 from local.access.evaluator import available
 from local.access.model import LOCAL_ACCOUNT, AccessModel, Binding, build_model
-from shared.config import RunConfig
 from shared.naming import join_queue_name, local_bucket_name, shard_queue_name, state_topic_name, table_name
+
+if TYPE_CHECKING:
+    from shared.config import RunConfig
 
 ENV_CHECK = "FED_ACCESS_CHECK"
 ENFORCE, RECORD, OFF = "enforce", "record", "off"

@@ -30,8 +30,7 @@ from local.access.evaluator import Decision, Evaluator
 from local.access.ledger import CallKey, Denial, Ledger
 from local.access.model import FUNCTION, OPERATOR, PARTICIPANT, AccessModel, participant_context
 from local.access.requests import HttpCall, Need, Request, Unmapped, credential, parse
-from shared.hosts import HOST_TAG
-from shared.naming import REVOKED_HOSTS_POLICY
+from shared.naming import HOST_TAG, REVOKED_HOSTS_POLICY
 from store.trace import HEADER_CALLER, HEADER_PRINCIPAL, HEADER_TEST
 
 Response = tuple[int, dict[str, str], bytes]

@@ -15,7 +15,6 @@ from fed.hosts import HostsError, duration_seconds, invite, listing, reinstate, 
 from local.resources import create_resources
 from shared.hosts import (
     DENY_SECONDS,
-    HOST_TAG,
     MAX_ROLE_POLICY_CHARS,
     UNKNOWN_HOST,
     HostStatus,
@@ -25,7 +24,7 @@ from shared.hosts import (
     policy_chars,
     secret_hash,
 )
-from shared.naming import PARTICIPANT_POLICY, REVOKED_HOSTS_POLICY
+from shared.naming import HOST_TAG, PARTICIPANT_POLICY, REVOKED_HOSTS_POLICY
 from store.connection import Connection
 from store.hosts import HostStore
 

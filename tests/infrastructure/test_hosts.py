@@ -20,7 +20,7 @@ from infra.nag import FED_PACK, URL_AUTH, FedChecks
 from infra.participants import FORBIDDEN_IN_ID
 from infra.settings import DeploySettings, FunctionSettings, load_deploy
 from shared.config import ConfigError
-from shared.hosts import HOST_TAG, PARTICIPANT_POLICY_BUDGET, policy_chars
+from shared.hosts import PARTICIPANT_POLICY_BUDGET, policy_chars
 from shared.keys import RESERVED_IDS
 from shared.naming import (
     ENV_ALL_HOSTS_RATE,
@@ -32,6 +32,7 @@ from shared.naming import (
     ENV_RUN_ID,
     ENV_STATE_TOPIC,
     ENV_TABLE,
+    HOST_TAG,
     METRICS_NAMESPACE,
     OUTPUT_CREDENTIAL_ENDPOINT,
     PARTICIPANT_POLICY,
