@@ -28,8 +28,8 @@ POLL_MAX = 0.5  # participants re-read the state at least this often: rounds fol
 def participant_environment() -> dict[str, str]:
     """What a participant process gets: this process's environment, for the local endpoint."""
     return {
-        # pyarrow (which pandas imports where installed, and scikit-learn imports pandas) starts jemalloc's background
-        # thread at import: the zygote, which imports scikit-learn, could then not fork safely (fed/zygote.py)
+        # pyarrow (which pandas imports where installed, and the datasets extra brings) starts jemalloc's background
+        # thread at import: a zygote that imported it could then not fork safely (fed/zygote.py)
         "JE_ARROW_MALLOC_CONF": "background_thread:false",
         **os.environ,
         **client_environment(),

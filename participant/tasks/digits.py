@@ -21,6 +21,7 @@ from torch import nn
 from participant.splits import label_counts, parse_split, partition
 from participant.task import Progress, local_batches
 from participant.tasks import digits_meta
+from participant.tasks.digits_data import load_digits_arrays
 from shared.config import RunConfig
 
 log = logging.getLogger("participant")
@@ -37,11 +38,9 @@ class Digits:
 
     @cached_property
     def _data(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        from sklearn.datasets import load_digits  # imported lazily: about a second
-
-        digits = load_digits()
-        x = torch.from_numpy(np.asarray(digits.data, dtype=np.float32) / 16.0)
-        y = torch.from_numpy(np.asarray(digits.target, dtype=np.int64))
+        data, target = load_digits_arrays()
+        x = torch.from_numpy(np.asarray(data, dtype=np.float32) / 16.0)
+        y = torch.from_numpy(np.asarray(target, dtype=np.int64))
         if len(x) != digits_meta.TOTAL_SIZE:
             raise RuntimeError(f"scikit-learn's digits has {len(x)} samples, expected {digits_meta.TOTAL_SIZE}")
         order = torch.from_numpy(np.random.RandomState(digits_meta.SPLIT_SEED).permutation(len(x)))

@@ -42,6 +42,7 @@ from participant.splits import parse_split
 from participant.task import Progress
 from participant.tasks import flower_digits_meta as meta
 from participant.tasks.digits import Digits
+from participant.tasks.digits_data import load_digits_arrays, stratified_split
 from shared.config import DataMode, RunConfig
 
 log = logging.getLogger("participant")
@@ -59,15 +60,13 @@ def batch_seed(flower_round: int, shard: int) -> int:
 
 
 def load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(x_train, y_train, x_test, y_test) as the recipe makes them: float32 pixels / 16, int64 labels."""
-    from sklearn.datasets import load_digits  # imported lazily: about a second
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = (np.asarray(digits.data) / 16.0).astype(np.float32)
-    y = np.asarray(digits.target, dtype=np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=meta.SPLIT_STATE,
-                                                        stratify=y)
+    """(x_train, y_train, x_test, y_test) as the recipe makes them: float32 pixels / 16, int64 labels (the split is
+    `train_test_split`'s, replayed without importing scikit-learn: participant.tasks.digits_data)."""
+    data, target = load_digits_arrays()
+    x = (data / 16.0).astype(np.float32)
+    y = np.asarray(target, dtype=np.int64)
+    train, test = stratified_split(y, test_size=0.25, seed=meta.SPLIT_STATE)
+    x_train, x_test, y_train, y_test = x[train], x[test], y[train], y[test]
     if len(x_train) != meta.TRAIN_SIZE or len(x_test) != meta.TEST_SIZE:
         raise RuntimeError(f"the split has {len(x_train)} training and {len(x_test)} test examples, expected "
                            f"{meta.TRAIN_SIZE} and {meta.TEST_SIZE}")
