@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from coordinator.deps import Deps, ShardRunner
-from coordinator.model_files import GlobalModel, read_global, read_header
+from coordinator.model_files import GlobalModel, read_global, read_header, written_global
 from coordinator.optimizer_state import StoredState
 from shared import keys
 from shared.aggregate import PieceAggregator, PieceOutput, RangeSource, StateSource, WeightedInput, round_plan
@@ -122,8 +122,7 @@ def write_aggregate(deps: Deps, effect: Aggregate, lease: RoundLease | None = No
     """Compute and store the global model of `effect.round + 1` and, with a server optimizer, the state its
     step leaves (its piece files, then its index); their digests ("" for no state). With `lease`, the round's
     lease stays held when this returns (the caller releases it after its commit); without, it is released here."""
-    head = deps.bucket.head(keys.global_key(deps.config.run_id, effect.round, effect.base_digest))
-    size = int(head["ContentLength"]) if head else 0
+    size = read_global(deps, effect.round, effect.base_digest).size  # (authenticated once per warm function)
     if size <= PIECE_BYTES and len(effect.inputs) <= UNLEASED_INPUTS:  # a moment's work: a second tick costs little
         return _write_aggregate(deps, effect)
     held = lease or RoundLease()
@@ -154,6 +153,7 @@ def _write_aggregate(deps: Deps, effect: Aggregate) -> tuple[str, str]:
         made = worker.piece_output(0)
         written = digest(made.data)
         deps.bucket.put(keys.global_key(deps.config.run_id, effect.round + 1, written), made.data)
+        written_global(deps, effect.round + 1, written, made.data)
         done = _side_files(deps, effect.round + 1, 0, "", piece_hash(made.data), made)
         return _finish(deps, effect, plan, written, [done])
     return _write_in_shards(deps, effect, plan, base)

@@ -52,6 +52,15 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class Verified:
+    """A version authenticated by its digest: its id, its size, and its bytes where they were kept."""
+
+    version_id: str
+    size: int
+    data: bytes | None = None
+
+
+@dataclass(frozen=True)
 class Blob:
     data: bytes
     etag: str
@@ -225,10 +234,16 @@ class Bucket:
         """(version id, size) of the version of `key` whose digest is `want`, hashed as it streams (memory: one
         chunk). Objects the coordinator wrote are read back only this way (or by `read_verified`), so bytes written
         over them (locally nothing stops anyone; on AWS, IAM does) are never taken for the coordinator's own."""
+        found = self.verified_read(key, want, 0, version_id)
+        return found.version_id, found.size
 
-        def read(version: str) -> tuple[tuple[str, int] | None, str, str]:
-            found, got, size = self.digest_of(key, version)
-            return (got, size), got, found
+    def verified_read(self, key: str, want: str, keep: int, version_id: str = "") -> Verified:
+        """As `verified_version`, and the bytes too where the version is at most `keep` bytes long: one GET, where
+        reading a small object's bytes after authenticating it would take another."""
+
+        def read(version: str) -> tuple[Verified | None, str, str]:
+            found, got, size, data = self.digest_of(key, version, keep)
+            return Verified(got, size, data), got, found
 
         return self._verified(key, want, version_id, read)
 
@@ -287,13 +302,18 @@ class Bucket:
         raise Tampered(f"no version of {key[:200]} matches its digest {want[:64]} (the current one and "
                        f"{len(older)} of the {listed} listed were tried)")
 
-    def digest_of(self, key: str, version_id: str = "") -> tuple[str, str, int]:
-        """(content digest, version id, size) of an object version, hashed as it streams."""
+    def digest_of(self, key: str, version_id: str = "", keep: int = 0) -> tuple[str, str, int, bytes | None]:
+        """(content digest, version id, size, the bytes where there are at most `keep` of them, else None) of an
+        object version, hashed as it streams (memory: one chunk, or `keep` bytes)."""
         resp, chunks = self.stream(key, version_id)
         hasher = TreeHasher()
+        kept: bytearray | None = bytearray() if int(resp.get("ContentLength", keep + 1)) <= keep else None
         for chunk in chunks:
             hasher.update(chunk)
-        return hasher.hexdigest(), resp.get("VersionId") or "", hasher.size
+            if kept is not None:
+                kept += chunk
+        data = bytes(kept) if kept is not None and len(kept) == hasher.size else None
+        return hasher.hexdigest(), resp.get("VersionId") or "", hasher.size, data
 
     # --- multipart: a large object written in parts, by several writers ----------------------------------
 

@@ -16,6 +16,7 @@ import pytest
 from coordinator import model_files as models
 from coordinator.verify import verify_run
 from shared import keys, wire
+from store.blobs import Verified
 from tests.functional.conftest import MODEL, Harness
 
 
@@ -60,15 +61,15 @@ def test_updates_ingested_together_authenticate_the_global_model_once(harness: H
     harness.deps.models.held.clear()
     together = threading.Barrier(4, timeout=0.5)
     calls: list[str] = []
-    verified_version = harness.deps.bucket.verified_version
+    verified_read = harness.deps.bucket.verified_read
 
-    def held_back(key: str, want: str) -> tuple[str, int]:
+    def held_back(key: str, want: str, keep: int) -> Verified:
         calls.append(key)
         with contextlib.suppress(threading.BrokenBarrierError):
             together.wait()
-        return verified_version(key, want)
+        return verified_read(key, want, keep)
 
-    monkeypatch.setattr(harness.deps.bucket, "verified_version", held_back)
+    monkeypatch.setattr(harness.deps.bucket, "verified_read", held_back)
     # When four ingests read it at once, as a round's updates arriving together are
     read: list[models.GlobalModel] = []
 
