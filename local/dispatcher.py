@@ -97,6 +97,11 @@ class FaultPlan(Protocol):
     def delivery(self, event: dict[str, Any], receive_count: int) -> Delivery: ...
 
 
+# One invocation: the function (its local name), the object key its event announced ("" for a scheduled tick or a
+# shard task), and when it began and ended (epoch seconds)
+Span = tuple[str, str, float, float]
+
+
 @dataclass
 class DispatchStats:
     """What the dispatcher has done so far (read by tests and `fed local`'s shutdown line)."""
@@ -261,12 +266,14 @@ class Dispatcher:
         join_workers: int = 1,
         join: Handler | None = None,
         shard_workers: int | None = None,
+        record_spans: bool = False,
     ) -> None:
         """`ingest` and `join` take one "Object Created" event each (default: the ingest function, and the join
         function given it as a batch of one); `faults` applies to both lanes. The shard lane delivers the shard
         queue's tasks to the shard-worker function on `shard_workers` worker processes (default: one a core; 0: no
         shard lane, for functions whose environment names no shard queue: their ticks aggregate on their own
-        threads)."""
+        threads). With `record_spans`, every invocation is kept in `spans` (`make bench-rounds` times a round's
+        steps with them)."""
         if tick_interval <= 0:
             raise ValueError("tick_interval must be positive")
         self.resources = resources
@@ -290,6 +297,7 @@ class Dispatcher:
                                    "fed-local-shard", principal=FUNCTION_SHARD, polls_as=FUNCTION_SHARD, faulty=False))
         self.faults = faults
         self.stats = DispatchStats()
+        self.spans: list[Span] | None = [] if record_spans else None
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()  # held by each tick, and by `release` while held joins are drained
         self._threads: list[threading.Thread] = []
@@ -440,7 +448,12 @@ class Dispatcher:
             if plan.hold > 0:
                 self.in_flight.requeue(lane, message, plan.hold)  # late: later events overtake it
                 return
-            invoke(lane, event, plan.copies)
+            began = time.time()
+            try:
+                invoke(lane, event, plan.copies)
+            finally:
+                if self.spans is not None:
+                    self.spans.append((lane.function, _object_key(event), began, time.time()))
         except Exception as exc:
             self.in_flight.done(message)
             self.stats.add("failed", f"{lane.name}: {type(exc).__name__}: {exc}")
@@ -489,6 +502,9 @@ class Dispatcher:
         if schedule.enabled() is False:  # switched off by the run (finished, or paused): like EventBridge
             self.stats.add("ticks_skipped")
             return
+        began = time.time()
         with acting_as(FUNCTION_TICK):
             self._tick(scheduled_event(self.resources.region, rule), LocalContext(function_name="fed-local-tick"))
+        if self.spans is not None:
+            self.spans.append(("fed-local-tick", "", began, time.time()))
         self.stats.add("ticks")

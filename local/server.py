@@ -42,7 +42,8 @@ LOOPBACK = "127.0.0.1"
 SERVER_START_TIMEOUT = 60.0  # a server process's imports and start, on a loaded machine
 COUNTS_PATH = "/_fed/requests"  # GET: the request counts so far, as JSON [[service, operation, count], ...]
 OBJECTS_PATH = "/_fed/objects"  # GET: the S3 object requests so far by kind, as JSON [[operation, kind, count], ...]
-# GET: every request so far, as JSON [[epoch seconds, client address, service, operation, S3 PutObject path], ...]
+# GET: every request so far, as JSON [[epoch seconds, client address, service, operation, S3 object path, seconds
+# served], ...]
 EVENTS_PATH = "/_fed/events"
 DYNAMODB_TARGET_PREFIX = "DynamoDB_"  # X-Amz-Target of every DynamoDB API call ("DynamoDB_20120810.PutItem")
 
@@ -116,13 +117,16 @@ def object_kind(environ: dict[str, Any]) -> str:
         return "other"
 
 
-Event = tuple[float, str, str, str, str]  # epoch seconds, client address, service, operation, S3 PutObject path
+# When a request arrived (epoch seconds), the client's address, service, operation, the path of an S3 object request
+# ("" for any other), and the seconds the server took to answer it
+Event = tuple[float, str, str, str, str, float]
 
 
 class RequestCounter:
     """WSGI middleware: count requests by (service, operation), and S3 object requests by (operation, the object's
     kind); `snapshot()` and `objects()` read the counts so far; with `keep_events`, `events()` every request (its
-    time, the client's address, and which object an S3 PutObject wrote: `make bench-rounds` attributes them)."""
+    time, the client's address, which object an S3 object request named and how long it took to answer:
+    `make bench-rounds` attributes them and times each step of a round with them)."""
 
     def __init__(self, app: WSGIApp, keep_events: bool = False) -> None:
         self.app = app
@@ -148,10 +152,14 @@ class RequestCounter:
             self._counts[key] += 1
             if kind:
                 self._objects[(key[1], kind)] += 1
-            if self.keep_events:
-                self._events.append((time.time(), environ.get("REMOTE_ADDR", ""), *key,
-                                     path if key[1] == "PutObject" else ""))
-        return self.app(environ, start_response)
+        if not self.keep_events:
+            return self.app(environ, start_response)
+        arrived = time.time()
+        answer = self.app(environ, start_response)  # (moto answers whole: the body is built by now)
+        with self._lock:
+            self._events.append((arrived, environ.get("REMOTE_ADDR", ""), *key, path if kind else "",
+                                 time.time() - arrived))
+        return answer
 
     def events(self) -> list[Event]:
         with self._lock:
@@ -392,7 +400,7 @@ class RemoteCounter:
         return Counter({(a, b): n for a, b, n in self._get(OBJECTS_PATH)})
 
     def events(self) -> list[Event]:
-        return [(float(t), str(a), str(s), str(o), str(p)) for t, a, s, o, p in self._get(EVENTS_PATH)]
+        return [(float(t), str(a), str(s), str(o), str(p), float(d)) for t, a, s, o, p, d in self._get(EVENTS_PATH)]
 
     def _get(self, path: str) -> Any:
         with urllib.request.urlopen(f"{self.endpoint}{path}", timeout=30) as resp:  # noqa: S310 - our own server

@@ -121,7 +121,8 @@ class LocalStack:
     dispatch: bool = True  # False: no dispatcher in this process (another process delivers events and ticks)
     faults: FaultPlan | None = None  # the dispatcher's fault plan (chaos tests); None: deliver faithfully
     count_requests: bool = False  # True: the server counts requests by service (`server.requests`) and keeps each
-    # request (`server.requests.events()`: the demo's report carries them for `make bench-rounds`)
+    # request (`server.requests.events()`), the dispatcher each invocation (`dispatcher.spans`): the demo's report
+    # carries both for `make bench-rounds`
     server_process: bool = False  # True: the server runs in a process of its own (`local.server.ServerProcess`)
     server: LocalServer | ServerProcess | None = field(default=None, init=False)
     resources: LocalResources | None = field(default=None, init=False)
@@ -169,7 +170,8 @@ class LocalStack:
             self._previous_logs = route_function_logs(self.log_level, self._log_stream)
             if self.dispatch:
                 self.dispatcher = Dispatcher(self.resources, self.tick_interval, self.workers, faults=self.faults,
-                                             join_workers=self.join_workers, shard_workers=self.shard_workers)
+                                             join_workers=self.join_workers, shard_workers=self.shard_workers,
+                                             record_spans=self.count_requests)
                 self.dispatcher.start(deliver=not self.hold_events)
                 self.credentials = LocalCredentialEndpoint().start()
         except BaseException:

@@ -166,14 +166,15 @@ class RequestCounts(Protocol):
 
     def snapshot(self) -> Counter[tuple[str, str]]: ...
 
-    def events(self) -> list[tuple[float, str, str, str, str]]: ...
+    def events(self) -> list[tuple[float, str, str, str, str, float]]: ...
 
 
 def demo_report(config: RunConfig, opts: DemoOptions, rows: list[RoundRow], final: RunState,
                 final_eval: dict[str, float], wall: float, killed: list[str], speeds: dict[str, float],
-                counted: RequestCounts | None) -> dict[str, Any]:
+                counted: RequestCounts | None, timeline: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report JSON: the configuration, a row per round, the final model's figures, the wall time, who was
-    killed and throttled; with counted requests, every request the local server answered; with mixed speeds, the
+    killed and throttled; with counted requests, every request the local server answered (and the `timeline`:
+    start-up's milestones and every function invocation); with mixed speeds, the
     sizing per participant; for a task reported by its loss, the final held-out loss and perplexity."""
     report: dict[str, Any] = {
         "config": config.to_json_dict(),
@@ -189,8 +190,11 @@ def demo_report(config: RunConfig, opts: DemoOptions, rows: list[RoundRow], fina
     }
     if counted is not None:  # every request the local server answered, by service and operation
         report["requests"] = [[svc, op, n] for (svc, op), n in sorted(counted.snapshot().items())]
-        # and each request: [epoch seconds, client address, service, operation, S3 PutObject path]
+        # and each request: [epoch seconds, client address, service, operation, S3 object path, seconds served]
         report["request_events"] = [list(e) for e in counted.events()]
+        if timeline is not None and timeline["invocations"] is not None:
+            # start-up's milestones, and each invocation: [function, object key, began, ended] (`local.dispatcher`)
+            report["timeline"] = {"marks": timeline["marks"], "invocations": [list(s) for s in timeline["invocations"]]}
     if opts.mixed_speeds:
         report["sizing"] = sizing_summary(rows, speeds)
     if reports_loss(config.task):

@@ -48,6 +48,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
     config = resolve_config(opts)
     check_members(opts, config)
     started = time.monotonic()
+    marks = {"run_demo": time.time()}  # start-up's milestones, epoch seconds (the report's "timeline")
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="fed-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     # Events are held until every participant has asked to join only where the first epoch could start without
@@ -62,16 +63,19 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         connection_file = workdir / "connection.json"
         procs = Participants(connection_file, workdir, forked=True)  # (the zygote's imports overlap the stack's start)
         stack.start()
+        marks["stack_started"] = time.time()
         stack.connection.save(connection_file)
         _announce(console, opts, config, stack, workdir, connection_file)
         names = [f"p{i}" for i in range(1, opts.participants + 1)]
         speeds = throttles(names, opts.mixed_speeds)
         invites = {n: invite(stack.connection, n, INVITE_SECONDS) for n in names} if opts.invites else None
         procs.spawn(names, _participant_args(names, speeds, opts.split, console), invites)
+        marks["participants_started"] = time.time()  # (forked once the zygote's imports are done)
         evaluator = Evaluator(config, connection_file, workdir / "logs" / "evaluator.log",
                               lambda args, log: procs.start_helper("fed.evaluation", args, log))
         with console.status(f"starting {len(names)} participant processes"):
             await_joins(stack, names, procs)
+        marks["joins_seen"] = time.time()
         if hold:
             stack.release_events()  # every participant has asked to join: the first epoch admits them all
         by_loss = reports_loss(config.task)
@@ -82,7 +86,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
         wall = time.monotonic() - started
         report = demo_report(config, opts, rows, final, final_eval, wall,
                              [p.name for p in procs.procs.values() if p.killed], speeds,
-                             stack.server.requests if stack.server is not None else None)
+                             stack.server.requests if stack.server is not None else None,
+                             {"marks": marks, "invocations": stack.dispatcher.spans} if stack.dispatcher else None)
         if opts.mixed_speeds:
             print_sizing(console, report["sizing"])
         if opts.report is not None:

@@ -154,14 +154,15 @@ def test_a_server_process_serves_counts_and_keeps_every_request_and_ends_with_it
         update = keys.update_key("r-1", 3, "alice")
         s3.put_object(Bucket="bucket", Key=update, Body=b"x")
         assert s3.get_object(Bucket="bucket", Key=update)["Body"].read() == b"x"
-        # Then its counts and each request (time, client address, service, operation, the path a PutObject wrote)
-        # are read from its endpoint
+        # Then its counts and each request (time, client address, service, operation, the object's path, seconds
+        # served) are read from its endpoint
         assert srv.requests is not None
         assert srv.requests.snapshot()[("s3", "GetObject")] == 1
         assert srv.requests.objects()[("PutObject", "update")] == 1
         events = srv.requests.events()
         assert [(e[2], e[3]) for e in events][-2:] == [("s3", "PutObject"), ("s3", "GetObject")]
-        assert events[-2][1] == "127.0.0.1" and events[-2][4] == f"/bucket/{update}"
+        assert events[-2][1] == "127.0.0.1" and events[-2][4] == events[-1][4] == f"/bucket/{update}"
+        assert all(e[5] >= 0 for e in events) and events[0][4] == ""  # (the bucket's creation names no object)
         process = srv._process
         assert process is not None and process.poll() is None
     finally:
