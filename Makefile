@@ -5,7 +5,7 @@ NODE_STAMP := node_modules/.installed
 PARTICIPANTS ?= 4
 DEMO_ARGS ?=  # e.g. make demo DEMO_ARGS=--mixed-speeds
 
-.PHONY: venv demo test test-slow test-load bench bench-big bench-hf bench-learning bench-lm-outer bench-rounds synth lint clean
+.PHONY: venv demo test test-slow test-load bench bench-big bench-hf bench-learning bench-lm-outer bench-rounds bench-cold synth lint clean
 
 venv: $(STAMP)
 
@@ -78,6 +78,11 @@ bench-big: $(STAMP)
 bench-rounds: $(STAMP)
 	mkdir -p reports
 	FED_ACCESS_CHECK=off $(PY) benchmarks/rounds.py --out reports/bench-rounds.json
+
+# Cold starts: each Lambda handler's import, `fed --help` and `fed-participant --help`, 5 fresh processes each, beside
+# `python -c pass` and against the targets (0.5 s, 1 s); the heaviest handler's costliest packages (-X importtime).
+bench-cold: $(STAMP)
+	FED_ACCESS_CHECK=off $(PY) benchmarks/cold_imports.py
 
 # ruff, mypy (strict on the core) and the layer contracts in pyproject.toml (import-linter).
 lint: $(STAMP)
