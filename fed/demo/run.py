@@ -80,9 +80,12 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
             stack.release_events()  # every participant has asked to join: the first epoch admits them all
         by_loss = reports_loss(config.task)
         rows = _follow(stack, config, opts, procs, evaluator, console, started, by_loss)
+        marks["finished_seen"] = time.time()
         final = store_for(stack.connection).read_state()
         final_eval = evaluate(evaluator, final.round, final.global_digest)
+        marks["final_evaluated"] = time.time()
         procs.wait_exit(EXIT_GRACE)
+        marks["participants_exited"] = time.time()
         wall = time.monotonic() - started
         report = demo_report(config, opts, rows, final, final_eval, wall,
                              [p.name for p in procs.procs.values() if p.killed], speeds,
