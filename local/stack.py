@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -187,12 +188,17 @@ class LocalStack:
 
     def stop(self) -> None:
         """Stop delivering, stop the server, give the environment back. Safe to call twice."""
-        if self.credentials is not None:
-            self.credentials.stop()
-            self.credentials = None
+        # The credential endpoint's and the dispatcher's stops each wait out a poll (0.5 s, and a 1 s long poll of
+        # the queues): together, not one after the other
+        closing = threading.Thread(target=self.credentials.stop, name="credentials-stop") if self.credentials else None
+        if closing is not None:
+            closing.start()
         if self.dispatcher is not None:
             self.dispatcher.stop()
             self.dispatcher = None
+        if closing is not None:
+            closing.join()
+            self.credentials = None
         if self.server is not None:
             self.server.stop()
             self.server = None
