@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 PARTICIPANTS = 4  # the anchor's (participant.tasks.flower_digits_meta.SHARDS)
 PARTICIPANT, STACK, SHARD_WORKERS = "participants", "stack", "shard workers"  # who sent a request, by address
+EVALUATOR = "the demo's evaluator"  # (a helper forked from the zygote, as the participants are, with its own key)
 RECORDED = ROOT / "benchmarks" / "rounds_recorded.json"  # the last recorded figures (`--record` writes them)
 
 # The same work measured before (2026-11-23, the anchor document): the project while participants polled the run
@@ -67,7 +68,9 @@ TARGETS = {"wall": 0.03, "launch_to_first_round": 0.25, "median_round": 0.01}
 # the run it measures. Instead every socket this process connects to the loopback server leaves from a second
 # loopback address, and every one its shard workers connect (spawned: they run this module's top level again, and so
 # this patch) from a third; the participant processes connect from 127.0.0.1 as usual. The server tells them apart
-# by the client's address alone. Within this process, a botocore hook notes who made each call: the coordinator
+# by the client's address alone, and the participants from the demo's evaluator (forked from the same zygote) by
+# the access key that signed the request (participant-<id>: `participant.cli.use_local_credentials`). Within this
+# process, a botocore hook notes who made each call: the coordinator
 # function acting (`store.trace.acting_as`, which the local stack sets around each invocation), else the thread's
 # role. Nothing about the requests changes.
 
@@ -92,8 +95,10 @@ def _connect_from_own_source(self: socket.socket, address: Any) -> None:
 socket.socket.connect = _connect_from_own_source  # type: ignore[method-assign,assignment]
 
 
-def sender(address: str) -> str:
-    return {STACK_SOURCE: STACK, SHARD_SOURCE: SHARD_WORKERS}.get(address, PARTICIPANT)
+def sender(address: str, access_key: str) -> str:
+    if address in (STACK_SOURCE, SHARD_SOURCE):
+        return STACK if address == STACK_SOURCE else SHARD_WORKERS
+    return PARTICIPANT if access_key.startswith("participant-") else EVALUATOR
 
 
 OBSERVER = "the demo's observer"
@@ -131,6 +136,33 @@ if _SOURCE == STACK_SOURCE:  # (before any botocore session exists: each copies 
     import botocore.handlers
 
     botocore.handlers.BUILTIN_HANDLERS.append(("before-call.*.*", _note_call))
+
+
+class CpuSampler:
+    """This process's CPU seconds (all its threads: the functions, the dispatcher, the observer) sampled every 0.05 s,
+    to tell how much of a round the process that hosts every function spends on the CPU under one interpreter lock."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append((time.time(), time.process_time()))
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, start: float, end: float) -> float:
+        """CPU seconds used between two moments (to the nearest samples)."""
+        inside = [cpu for t, cpu in self.samples if start <= t <= end]
+        return inside[-1] - inside[0] if len(inside) > 1 else float("nan")
 
 
 def process_started_at() -> float:
@@ -339,6 +371,16 @@ def print_against(figures: dict[str, float], flower: dict[str, Any], flower_sour
 # --- the requests ---------------------------------------------------------------------------------------
 
 
+def object_kind(path: str) -> str:
+    """The kind of run object an S3 request's path (/bucket/key) names (`shared.keys.ObjectKind`), or "other"."""
+    from shared import keys
+
+    try:
+        return keys.parse_key(path.split("/", 2)[2]).kind.value
+    except (IndexError, keys.KeyError_):
+        return "other"
+
+
 def request_counts(report: dict[str, Any], done: list[dict[str, Any]], events: list[Event]
                    ) -> tuple[dict[str, Counter[tuple[str, str]]], dict[str, Counter[tuple[str, str]]]]:
     """Per caller, (service, operation) counts over the whole run and in the steady state (round 0's start to the
@@ -347,11 +389,12 @@ def request_counts(report: dict[str, Any], done: list[dict[str, Any]], events: l
     start, end = report["rounds"][0]["started"], done[-1]["ended"]
     whole: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
     steady: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
-    for at, who, svc, op, *_ in events:
+    for at, who, svc, op, path, _ in events:
         if who != STACK:
-            whole[who][(svc, op)] += 1
+            what = f"{op} {object_kind(path)}" if path else op
+            whole[who][(svc, what)] += 1
             if start <= at <= end:
-                steady[who][(svc, op)] += 1
+                steady[who][(svc, what)] += 1
     for at, who, svc, op in _calls:
         whole[who][(svc, op)] += 1
         if start <= at <= end:
@@ -386,13 +429,14 @@ def print_request_counts(report: dict[str, Any], done: list[dict[str, Any]], eve
                           PARTICIPANTS * rounds)
     coordinator = 0.0
     for who in sorted(steady):
-        if who in (PARTICIPANT, OBSERVER):
+        if who in (PARTICIPANT, OBSERVER, EVALUATOR):
             continue
         totals[who] = print_requests(who, steady[who], rounds)
         coordinator += totals[who]
     print(f"  {coordinator:7.2f}  the coordinator side: every caller above but the participants")
-    totals[OBSERVER] = print_requests(f"{OBSERVER} (not part of the system; not counted above)", steady[OBSERVER],
-                                      rounds, detail=False)
+    for who in (OBSERVER, EVALUATOR):
+        totals[who] = print_requests(f"{who} (the demo's, not the system's; not counted above)", steady[who],
+                                     rounds, detail=False)
     whole_part = sum(whole[PARTICIPANT].values()) / (PARTICIPANTS * rounds)
     print(f"  (a participant's requests per round over the whole run, joining and exit included: {whole_part:.2f})")
     return totals, whole[PARTICIPANT], part, coordinator
@@ -429,13 +473,14 @@ def main() -> int:
                        timeout=args.timeout)
     called = time.time()
     try:
-        report = run_demo(opts, Console())
+        with CpuSampler() as cpu:
+            report = run_demo(opts, Console())
     except DemoFailed as exc:
         print(f"bench-rounds: the run failed: {exc}", file=sys.stderr)
         return 1
     returned = time.time()
-    events: list[Event] = [(t, sender(address), svc, op, path, served)
-                           for t, address, svc, op, path, served in report.pop("request_events")]
+    events: list[Event] = [(t, sender(address, key), svc, op, path, served)
+                           for t, address, svc, op, path, served, key in report.pop("request_events")]
     spans: list[Span] = [(str(f), str(k), float(b), float(e)) for f, k, b, e in report["timeline"]["invocations"]]
     rows = report["rounds"]
     done, problems = check(report, rounds)
@@ -450,6 +495,10 @@ def main() -> int:
     print_round_steps(steps)
     print_phases("after the last round", ending_phases(report, done, launched, returned))
     callers, participant_whole, per_participant, coordinator = print_request_counts(report, done, events)
+    used = cpu.between(done[0]["started"], done[-1]["ended"])
+    print(f"\nthis process's CPU in the steady state (every function, the dispatcher and the observer, under one "
+          f"interpreter lock): {used / len(done):.3f} s a round, {used / (done[-1]['ended'] - done[0]['started']):.2f} "
+          "of a core")
     if not participant_whole:
         problems.append("no request was counted from a participant process")
 

@@ -44,7 +44,7 @@ SERVER_START_TIMEOUT = 60.0  # a server process's imports and start, on a loaded
 COUNTS_PATH = "/_fed/requests"  # GET: the request counts so far, as JSON [[service, operation, count], ...]
 OBJECTS_PATH = "/_fed/objects"  # GET: the S3 object requests so far by kind, as JSON [[operation, kind, count], ...]
 # GET: every request so far, as JSON [[epoch seconds, client address, service, operation, S3 object path, seconds
-# served], ...]
+# served, access key id], ...]
 EVENTS_PATH = "/_fed/events"
 DYNAMODB_TARGET_PREFIX = "DynamoDB_"  # X-Amz-Target of every DynamoDB API call ("DynamoDB_20120810.PutItem")
 
@@ -71,14 +71,14 @@ class SerialDynamoDB:
                     close()
 
 
-_CREDENTIAL_SCOPE = re.compile(r"Credential=[^/,]+/\d{8}/[^/,]+/([^/,]+)/aws4_request")
+_CREDENTIAL_SCOPE = re.compile(r"Credential=([^/,]+)/\d{8}/[^/,]+/([^/,]+)/aws4_request")
 
 
 def classify(environ: dict[str, Any]) -> tuple[str, str]:
     """(service, operation) of one request, from its SigV4 credential scope and its target or S3 shape."""
     auth = environ.get("HTTP_AUTHORIZATION", "") or environ.get("QUERY_STRING", "").replace("X-Amz-", "")
     match = _CREDENTIAL_SCOPE.search(auth.replace("%2F", "/"))
-    service = match.group(1) if match else "other"
+    service = match.group(2) if match else "other"
     target = environ.get("HTTP_X_AMZ_TARGET", "")
     if target:
         return service, target.rsplit(".", 1)[-1]
@@ -119,8 +119,8 @@ def object_kind(environ: dict[str, Any]) -> str:
 
 
 # When a request arrived (epoch seconds), the client's address, service, operation, the path of an S3 object request
-# ("" for any other), and the seconds the server took to answer it
-Event = tuple[float, str, str, str, str, float]
+# ("" for any other), the seconds the server took to answer it, and the access key id that signed it
+Event = tuple[float, str, str, str, str, float, str]
 
 
 class RequestCounter:
@@ -157,9 +157,11 @@ class RequestCounter:
             return self.app(environ, start_response)
         arrived = time.time()
         answer = self.app(environ, start_response)  # (moto answers whole: the body is built by now)
+        auth = environ.get("HTTP_AUTHORIZATION", "") or environ.get("QUERY_STRING", "").replace("X-Amz-", "")
+        signed = _CREDENTIAL_SCOPE.search(auth.replace("%2F", "/"))
         with self._lock:
             self._events.append((arrived, environ.get("REMOTE_ADDR", ""), *key, path if kind else "",
-                                 time.time() - arrived))
+                                 time.time() - arrived, signed.group(1) if signed else ""))
         return answer
 
     def events(self) -> list[Event]:
@@ -401,7 +403,8 @@ class RemoteCounter:
         return Counter({(a, b): n for a, b, n in self._get(OBJECTS_PATH)})
 
     def events(self) -> list[Event]:
-        return [(float(t), str(a), str(s), str(o), str(p), float(d)) for t, a, s, o, p, d in self._get(EVENTS_PATH)]
+        return [(float(t), str(a), str(s), str(o), str(p), float(d), str(k))
+                for t, a, s, o, p, d, k in self._get(EVENTS_PATH)]
 
     def _get(self, path: str) -> Any:
         with urllib.request.urlopen(f"{self.endpoint}{path}", timeout=30) as resp:  # noqa: S310 - our own server

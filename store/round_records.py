@@ -74,6 +74,11 @@ class RoundRecords:
             return None
         return update_record(item)
 
+    def round_updates(self, round_no: int) -> dict[str, UpdateRecord]:
+        """Every update record of one round, by participant (one query)."""
+        items = self.m.update.query(self.pk, self.m.update.sk.startswith(update_sk(round_no)), consistent_read=True)
+        return {rec.pid: rec for rec in map(update_record, items)}
+
     def all_updates(self) -> list[UpdateRecord]:
         """Every update record of the run, every round."""
         items = self.m.update.query(self.pk, self.m.update.sk.startswith("U#"), consistent_read=True)

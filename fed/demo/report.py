@@ -93,10 +93,13 @@ def format_sizing(r: RoundRow) -> str:
     return "       share, training seconds: " + ", ".join(parts)
 
 
-def download_bytes(bucket: Bucket, run_id: str, round_no: int, model_digest: str) -> int:
+def download_bytes(bucket: Bucket, run_id: str, round_no: int, model_digest: str, delta: bool = True) -> int:
     """What a participant holding the previous round's global model downloads to get this one: the delta's index
-    and pieces where the round wrote a delta (`download_encoding`), else the whole model."""
+    and pieces where the round wrote a delta (`download_encoding`; not looked for unless `delta`), else the whole
+    model."""
     try:
+        if not delta:
+            raise NotFound(keys.delta_key(run_id, round_no, model_digest))
         raw = bucket.get(keys.delta_key(run_id, round_no, model_digest), MAX_INDEX_BYTES).data
     except NotFound:
         head = bucket.head(keys.global_key(run_id, round_no, model_digest))
@@ -114,9 +117,11 @@ def evaluate(evaluator: Evaluator, round_no: int, model_digest: str) -> dict[str
         raise DemoFailed(str(exc)) from exc
 
 
-def round_row(summary: RoundSummary, evaluator: Evaluator, by_loss: bool = False, store: Any = None) -> RoundRow:
+def round_row(summary: RoundSummary, evaluator: Evaluator, by_loss: bool = False, store: Any = None,
+              delta: bool = True) -> RoundRow:
     """A recorded round as the demo reports it: the coordinator's summary, the evaluation of the global model it
-    made and, with the run's `store`, the bytes to download it and each participant's training seconds."""
+    made and, with the run's `store`, the bytes to download it (a delta where the run writes them: `delta`) and each
+    participant's training seconds."""
     evaluation = evaluate(evaluator, summary.round + 1, summary.global_digest)
     weight = sum(summary.shares.values())
     row = RoundRow(summary.round, len(summary.selected), len(summary.counted), len(summary.refused), summary.loss,
@@ -126,10 +131,11 @@ def round_row(summary: RoundSummary, evaluator: Evaluator, by_loss: bool = False
                    finished=dict(summary.finished), started=summary.started, ended=summary.ended)
     if summary.global_digest and store is not None:
         row.download_bytes = download_bytes(store.rosters.bucket, store.run_id, summary.round + 1,
-                                            summary.global_digest)
+                                            summary.global_digest, delta)
     if store is not None:
+        recorded = store.round_updates(summary.round)
         for pid in summary.shares:
-            rec = store.update_record(summary.round, pid)
+            rec = recorded.get(pid)
             if rec is not None and rec.accepted:
                 row.upload_bytes += rec.size
                 if "train_seconds" in rec.metrics:
@@ -166,7 +172,7 @@ class RequestCounts(Protocol):
 
     def snapshot(self) -> Counter[tuple[str, str]]: ...
 
-    def events(self) -> list[tuple[float, str, str, str, str, float]]: ...
+    def events(self) -> list[tuple[float, str, str, str, str, float, str]]: ...
 
 
 def demo_report(config: RunConfig, opts: DemoOptions, rows: list[RoundRow], final: RunState,
@@ -190,7 +196,8 @@ def demo_report(config: RunConfig, opts: DemoOptions, rows: list[RoundRow], fina
     }
     if counted is not None:  # every request the local server answered, by service and operation
         report["requests"] = [[svc, op, n] for (svc, op), n in sorted(counted.snapshot().items())]
-        # and each request: [epoch seconds, client address, service, operation, S3 object path, seconds served]
+        # and each request: [epoch seconds, client address, service, operation, S3 object path, seconds served,
+        # access key id]
         report["request_events"] = [list(e) for e in counted.events()]
         if timeline is not None and timeline["invocations"] is not None:
             # start-up's milestones, and each invocation: [function, object key, began, ended] (`local.dispatcher`)

@@ -147,7 +147,7 @@ def _follow(stack: LocalStack, config: RunConfig, opts: DemoOptions, procs: Part
 
     def record_new_rounds() -> None:
         for summary in follower.new():
-            row = round_row(summary, evaluator, by_loss, store)
+            row = round_row(summary, evaluator, by_loss, store, config.download.is_delta)
             rows.append(row)
             console.print(format_row(row))
             if opts.mixed_speeds:

@@ -163,6 +163,7 @@ def test_a_server_process_serves_counts_and_keeps_every_request_and_ends_with_it
         assert [(e[2], e[3]) for e in events][-2:] == [("s3", "PutObject"), ("s3", "GetObject")]
         assert events[-2][1] == "127.0.0.1" and events[-2][4] == events[-1][4] == f"/bucket/{update}"
         assert all(e[5] >= 0 for e in events) and events[0][4] == ""  # (the bucket's creation names no object)
+        assert len({e[6] for e in events}) == 1 and events[-1][6]  # (the access key id that signed them)
         process = srv._process
         assert process is not None and process.poll() is None
     finally:
