@@ -18,8 +18,8 @@ keeping every request and the dispatcher every invocation, then prints:
   upload's event and its ingest, the last ingest (with the tick that closes the round), and what the local server
   spent answering the round's requests;
 - the median round, the 15 rounds, launch to the first round and the whole run, beside Flower's (a run of the same
-  work in this session with `--flower FILE`, else the anchor document's figures) with the issue's targets, and
-  beside the last recorded figures (benchmarks/rounds_recorded.json) as ratios;
+  work in this session with `--flower FILE`, else the last recorded Flower run, else the anchor document's) with the
+  issue's targets, and beside the last recorded figures (benchmarks/rounds_recorded.json) as ratios;
 - the AWS requests per round in the steady state by caller: the participants, each coordinator function, the shard
   workers, the event delivery (EventBridge and Lambda's pollers: the local dispatcher) and the demo's observer
   (not part of the system: it watches the run to print it).
@@ -459,7 +459,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="Give up on the run after this many seconds.")
     parser.add_argument("--flower", type=Path, default=None,
                         help="A Flower run of the same work in this session: JSON with median_round, rounds_seconds, "
-                             "launch_to_first_round and wall (seconds). Default: the anchor document's figures.")
+                             "launch_to_first_round and wall (seconds). Default: the Flower run recorded in "
+                             f"{RECORDED.name}, else the anchor document's figures.")
     parser.add_argument("--record", action="store_true",
                         help=f"Write this run's figures to {RECORDED.relative_to(ROOT)} as the last recorded ones.")
     args = parser.parse_args()
@@ -508,9 +509,15 @@ def main() -> int:
     flower = load_json(args.flower) if args.flower else None
     if args.flower and flower is None:
         print(f"warning: {args.flower} could not be read: Flower's figures are the anchor document's", file=sys.stderr)
-    source = f"{args.flower} (this session)" if flower else "the anchor document, 2026-11-23"
     recorded = load_json(RECORDED)
-    print_against(figures, flower or FLOWER_ANCHOR, source, recorded)
+    flower_recorded = (recorded or {}).get("flower")
+    if flower:
+        source = f"{args.flower} (this session)"
+    elif flower_recorded:
+        flower, source = flower_recorded["figures"], f"recorded {flower_recorded['date']}, {flower_recorded['machine']}"
+    else:
+        flower, source = FLOWER_ANCHOR, "the anchor document, 2026-11-23"
+    print_against(figures, flower, source, recorded)
     print("definitions: a round's seconds = ended - started of its round record; launch = this process's start (the "
           "kernel's process start time); first round = round 0's start in its record; whole run = launch to "
           "run_demo's return (the participants have exited, the stack has stopped)")
@@ -528,8 +535,14 @@ def main() -> int:
         print("bench-rounds FAILED: " + "; ".join(problems), file=sys.stderr)
         return 1
     if args.record:
-        RECORDED.write_text(json.dumps({"date": datetime.date.today().isoformat(), "machine": "dev machine",
-                                        "figures": {k: round(v, 4) for k, v in figures.items()}}, indent=1) + "\n")
+        record = {"date": datetime.date.today().isoformat(), "machine": "dev machine",
+                  "figures": {k: round(v, 4) for k, v in figures.items()}}
+        if args.flower and load_json(args.flower):
+            record["flower"] = {"date": record["date"], "machine": "dev machine", "source": str(args.flower),
+                                "figures": flower}
+        elif flower_recorded:
+            record["flower"] = flower_recorded
+        RECORDED.write_text(json.dumps(record, indent=1) + "\n")
         print(f"recorded: {RECORDED.relative_to(ROOT)}")
     return 0
 

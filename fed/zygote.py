@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,12 @@ from typing import Any
 # without one still gets the rest preloaded). Not scikit-learn: the digits tasks read its bundled CSV without
 # importing it (participant.tasks.digits_data): about 1 s less CPU here (3.4 -> 2.4 s measured)
 PRELOAD = (
-    "torch", "torch._dynamo", "torch.optim", "participant.cli", "participant.daemon", "participant.training",
-    "participant.tasks.digits", "participant.tasks.flower_digits", "participant.tasks.lm",
+    "torch", "participant.cli", "participant.daemon", "participant.training", "participant.tasks.digits",
+    "participant.tasks.flower_digits", "participant.tasks.lm",
 )
+# And, for participants whose task steps with torch.optim (whose first optimizer imports torch's compiler stack:
+# ~1.3 s of CPU), that stack too; the digits tasks step without it (`participant.sgd`), and their zygote skips it
+OPTIMIZERS = ("torch._dynamo", "torch.optim")
 READY_TIMEOUT = 120.0  # the imports, on a loaded machine
 PR_SET_PDEATHSIG = 1
 
@@ -105,8 +108,9 @@ class ZygoteError(RuntimeError):
 class Zygote:
     """The zygote process, and the participants it forked."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.env, self.log = env, log
+    def __init__(self, env: dict[str, str], log: Path, optimizers: bool = True) -> None:
+        """`optimizers`: also preload torch.optim's compiler stack (`OPTIMIZERS`), for tasks that step with it."""
+        self.env, self.log, self.optimizers = env, log, optimizers
         self.process: subprocess.Popen[bytes] | None = None
         self._children: dict[int, Forked] = {}
         self._replies: list[dict[str, Any]] = []
@@ -122,7 +126,8 @@ class Zygote:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "fed.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                [sys.executable, "-m", "fed.zygote", *(OPTIMIZERS if self.optimizers else ())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                 env=self.env, start_new_session=True, preexec_fn=die_with_parent,  # noqa: PLW1509
             )
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
@@ -202,8 +207,8 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def serve() -> None:
-    """Import PRELOAD, then fork a participant per request until stdin closes.
+def serve(extra: Sequence[str] = ()) -> None:
+    """Import PRELOAD (and `extra`), then fork a participant per request until stdin closes.
 
     The imports' objects are moved out of the garbage collector's reach (`gc.freeze`) before any fork: a child's
     first full collection would otherwise walk every object torch and the tasks made, writing to each one's header,
@@ -214,7 +219,7 @@ def serve() -> None:
     began = time.perf_counter()
     loaded = []
     gc.disable()
-    for name in PRELOAD:
+    for name in (*PRELOAD[:1], *extra, *PRELOAD[1:]):  # (heaviest first)
         try:
             importlib.import_module(name)
             loaded.append(name)
@@ -321,7 +326,7 @@ def _child(argv: list[str], env: dict[str, str], log: int, private: tuple[int, .
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:])
     # Nothing to flush or keep: leave without the interpreter's teardown of everything torch made (0.27 s of every
     # demo's end, measured with `make bench-rounds`)
     sys.stdout.flush()

@@ -50,6 +50,8 @@ class Task(Protocol):
     - optional: `identity`: names to digests of what the model is built from (a Hugging Face run: config,
       tokenizer, base); every update names them, and ingest refuses one that differs from the run's record.
     - optional: `train` may take a keyword `round_no` (the round being trained), for schedules that span rounds.
+    - optional: `torch_optimizers = False`: `train` does not step with `torch.optim` (whose first use imports
+      `torch._dynamo`, ~1.3 s of CPU), so start-up's warm-up does not import it either (`participant.sgd`).
     """
 
     train_size: int

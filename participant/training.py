@@ -71,16 +71,19 @@ def resolve_device(name: str) -> Any:
     return torch.device(name)
 
 
-def warm_up_autograd(device: Any) -> None:
+def warm_up_autograd(device: Any, torch_optimizers: bool = True) -> None:
     """One backward pass and optimizer step on a throwaway layer: torch initialises autograd and the optimizers
     lazily, which costs about a second on a CPU (several on a busy one). Paid here, at start-up, it does not
-    make the first round slower than the others (and miss a tight deadline)."""
+    make the first round slower than the others (and miss a tight deadline). A task that does not step with
+    `torch.optim` (`torch_optimizers` False: the digits tasks, `participant.sgd`) does not pay for importing it."""
     import torch
 
+    from participant.sgd import MomentumSGD
     from participant.task import mixed_precision
 
     layer = torch.nn.Linear(4, 2).to(device)
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    opt: Any = (torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9) if torch_optimizers else
+                MomentumSGD(layer.parameters(), lr=0.1, momentum=0.9))
     with mixed_precision(device):
         loss = torch.nn.functional.cross_entropy(layer(torch.zeros(3, 4, device=device)),
                                                  torch.zeros(3, dtype=torch.long, device=device))
@@ -154,7 +157,7 @@ def load_workload(spec: str, config: RunConfig, device: str, threads: int, data:
     work = Workload(spec, config, task, resolve_device(device), specs_of(model), own, node)
     fresh = task.evaluate(model, work.device)  # loads the data now
     del model
-    warm_up_autograd(work.device)
+    warm_up_autograd(work.device, getattr(task, "torch_optimizers", True))
     log.info("task %s: %d training samples, data loaded in %.1fs (untrained model: test accuracy %.4f); "
              "device %s, %d torch thread(s)", spec, work.dataset_size, time.perf_counter() - started,
              fresh.get("test_accuracy", math.nan), work.device, torch.get_num_threads())

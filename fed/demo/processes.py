@@ -69,11 +69,13 @@ class Participants:
     extra_args: list[str] = field(default_factory=list)
     procs: dict[str, ParticipantProcess] = field(default_factory=dict)
     forked: bool = False
+    torch_optimizers: bool = True  # whether the task steps with torch.optim (the zygote then preloads it)
     zygote: Zygote | None = None
 
     def __post_init__(self) -> None:
         if self.forked and zygote_supported():
-            self.zygote = Zygote(participant_environment(), self.workdir / "logs" / "zygote.log")
+            self.zygote = Zygote(participant_environment(), self.workdir / "logs" / "zygote.log",
+                                 optimizers=self.torch_optimizers)
             self.zygote.start()  # (its imports overlap whatever the caller does until the first spawn)
 
     def spawn(self, names: list[str], extra: dict[str, list[str]] | None = None,

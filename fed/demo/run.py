@@ -29,7 +29,7 @@ from fed.demo.report import (
     round_row,
     write_report,
 )
-from fed.demo.tasks import reports_loss
+from fed.demo.tasks import reports_loss, steps_with_torch_optim
 from fed.evaluation import Evaluator
 from fed.hosts import invite
 from fed.localrun import RoundFollower, store_for
@@ -61,7 +61,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
     ok = False
     try:
         connection_file = workdir / "connection.json"
-        procs = Participants(connection_file, workdir, forked=True)  # (the zygote's imports overlap the stack's start)
+        procs = Participants(connection_file, workdir, forked=True,  # (the zygote's imports overlap the stack's start)
+                             torch_optimizers=steps_with_torch_optim(config.task))
         stack.start()
         marks["stack_started"] = time.time()
         stack.connection.save(connection_file)

@@ -29,6 +29,8 @@ class DemoTask:
     rounds: int
     settings: dict[str, Any]
     split: str | None = None  # a task that trains on local data: the --split its participants' data follows
+    torch_optimizers: bool = True  # False: it steps with participant.sgd (the task's `torch_optimizers`), so the
+    # demo's zygote does not preload torch.optim's compiler stack (fed.zygote.OPTIMIZERS)
 
 
 DEMO_TASKS: dict[str, DemoTask] = {
@@ -39,6 +41,7 @@ DEMO_TASKS: dict[str, DemoTask] = {
         # 24% at least (benchmarks/witness_errors.py, 30 rounds, IID and Dirichlet 0.5); 0.3 let such updates in
         dict(local_epochs=2, batch_size=32, learning_rate=0.1, witness_tolerance=0.2,
              initial_model_schema=digits_meta.MODEL_SCHEMA),
+        torch_optimizers=False,
     ),
     "lm": DemoTask(
         "lm", lm_meta.TASK, lm_meta.TRAIN_SIZE, 4,
@@ -54,7 +57,7 @@ DEMO_TASKS: dict[str, DemoTask] = {
         dict(local_epochs=flower_digits_meta.LOCAL_EPOCHS, batch_size=flower_digits_meta.BATCH_SIZE,
              learning_rate=flower_digits_meta.LEARNING_RATE, witness_nodes=0, work_sizing="equal", strategy="fedavg",
              initial_model_schema=flower_digits_meta.MODEL_SCHEMA),
-        split="iid",
+        split="iid", torch_optimizers=False,
     ),
     # a Hugging Face model (participant.tasks.hf): the tiny Llama (or --model DIR), 1,119 sequences of 128 tokens of
     # the help text; a round takes a few seconds of training. Full fine-tuning at 3e-3: held-out loss 5.55 -> 4.30 in
@@ -131,3 +134,8 @@ def demo_config(participants: int, rounds: int | None = None, kill_one: bool = F
     if not values["witness_nodes"] and "round_witness_time" not in overrides:
         values["round_witness_time"] = 0.0  # nobody to wait for: a witness phase would only add its full length
     return RunConfig(**values)
+
+
+def steps_with_torch_optim(spec: str) -> bool:
+    """Whether a run's task (its spec) steps with torch.optim: true of any but the built-in tasks that do not."""
+    return next((t.torch_optimizers for t in DEMO_TASKS.values() if t.spec == spec), True)

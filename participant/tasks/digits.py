@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from participant.sgd import MomentumSGD
 from participant.splits import label_counts, parse_split, partition
 from participant.task import Progress, local_batches
 from participant.tasks import digits_meta
@@ -31,6 +32,7 @@ class Digits:
     """The digits task; `task` below is the instance runs name as `participant.tasks.digits:task`."""
 
     train_size = digits_meta.TRAIN_SIZE
+    torch_optimizers = False  # it steps with participant.sgd: no torch.optim optimizer, so no torch._dynamo
 
     def __init__(self, hidden: int = 64, momentum: float = 0.9) -> None:
         self.hidden = hidden
@@ -101,7 +103,7 @@ class Digits:
             raise ValueError(f"sample indices must lie in [0, {self.train_size})")
         x, y = x_all[idx].to(device), y_all[idx].to(device)
         model.to(device).train()
-        opt = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=self.momentum)
+        opt = MomentumSGD(model.parameters(), lr=config.learning_rate, momentum=self.momentum)
         loss_fn = nn.CrossEntropyLoss()
         total, batches = local_batches(len(idx), config, torch.Generator().manual_seed(seed))
         done, loss_sum, seen = 0, 0.0, 0
