@@ -139,17 +139,65 @@ if _SOURCE == STACK_SOURCE:  # (before any botocore session exists: each copies 
 
 
 class CpuSampler:
-    """This process's CPU seconds (all its threads: the functions, the dispatcher, the observer) sampled every 0.05 s,
-    to tell how much of a round the process that hosts every function spends on the CPU under one interpreter lock."""
+    """CPU seconds, sampled every 0.5 s, of this process (all its threads: the functions, the dispatcher and the
+    observer, under one interpreter lock) and of every process it started, by kind (Linux `/proc`): how much CPU a
+    round costs on this machine's cores, and where."""
+
+    TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._kinds: dict[int, str] = {}
+        self._gone: dict[str, float] = defaultdict(float)  # CPU of processes that exited, by kind
+        self._last: dict[int, tuple[str, float]] = {}
 
     def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.samples.append((time.time(), time.process_time()))
+        while not self._stop.wait(0.5):  # (each look reads every process's /proc entry: not too often)
+            self.samples.append((time.time(), self.read()))
+
+    def _kind(self, pid: int) -> str:
+        if pid not in self._kinds:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = ""
+            self._kinds[pid] = ("the local server" if "local.server" in cmd else
+                                "participants and the demo's evaluator (forked from the zygote)" if "fed.zygote" in cmd
+                                else "the shard workers" if "multiprocessing" in cmd else "other")
+        return self._kinds[pid]
+
+    def read(self) -> dict[str, float]:
+        """CPU seconds so far by kind: this process, and its descendants (the exited ones' last reading kept)."""
+        stats: dict[int, tuple[int, float]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self.TICK)
+        me = os.getpid()
+        mine, frontier = {me}, [me]
+        while frontier:
+            parent = frontier.pop()
+            for pid, (ppid, _) in stats.items():
+                if ppid == parent and pid not in mine:
+                    mine.add(pid)
+                    frontier.append(pid)
+        for pid in list(self._last):
+            if pid not in mine:
+                kind, cpu = self._last.pop(pid)
+                self._gone[kind] += cpu
+        totals = defaultdict(float, self._gone)
+        for pid in mine:
+            kind = "this process" if pid == me else self._kind(pid)
+            if pid != me and kind == "other":
+                continue  # (the zygote itself, idle once it forked; this sampler's own reads)
+            self._last[pid] = (kind, stats[pid][1])
+            totals[kind] += stats[pid][1]
+        return dict(totals)
 
     def __enter__(self) -> CpuSampler:
         self._thread.start()
@@ -159,10 +207,12 @@ class CpuSampler:
         self._stop.set()
         self._thread.join()
 
-    def between(self, start: float, end: float) -> float:
-        """CPU seconds used between two moments (to the nearest samples)."""
+    def between(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds used between two moments (to the nearest samples), by kind."""
         inside = [cpu for t, cpu in self.samples if start <= t <= end]
-        return inside[-1] - inside[0] if len(inside) > 1 else float("nan")
+        if len(inside) < 2:
+            return {}
+        return {kind: inside[-1].get(kind, 0.0) - inside[0].get(kind, 0.0) for kind in inside[-1]}
 
 
 def process_started_at() -> float:
@@ -496,12 +546,14 @@ def main() -> int:
     print_round_steps(steps)
     print_phases("after the last round", ending_phases(report, done, launched, returned))
     callers, participant_whole, per_participant, coordinator = print_request_counts(report, done, events)
+    span = done[-1]["ended"] - done[0]["started"]
     used = cpu.between(done[0]["started"], done[-1]["ended"])
-    print(f"\nthis process's CPU in the steady state (every function, the dispatcher and the observer, under one "
-          f"interpreter lock): {used / len(done):.3f} s a round, {used / (done[-1]['ended'] - done[0]['started']):.2f} "
-          "of a core")
-    if not participant_whole:
-        problems.append("no request was counted from a participant process")
+    print(f"\nCPU in the steady state, a round (this machine: {os.cpu_count()} cores; {span / len(done):.3f} s a "
+          "round):")
+    for kind, seconds in sorted(used.items(), key=lambda kv: -kv[1]):
+        print(f"  {seconds / len(done):7.3f} s  {kind}")
+    print(f"  {sum(used.values()) / len(done):7.3f} s  in all: {sum(used.values()) / span:.2f} of the cores' "
+          f"{os.cpu_count()}")
 
     figures = times(report, done, launched, returned)
     figures.update(imports=called - launched, first_request=phases[3][1], participant_requests=per_participant,

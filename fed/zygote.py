@@ -38,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 # What a participant imports before its join request, heaviest first (each one missing is skipped, so a participant
-# without one still gets the rest preloaded). Not scikit-learn: the digits tasks read its bundled CSV without
-# importing it (participant.tasks.digits_data): about 1 s less CPU here (3.4 -> 2.4 s measured)
+# without one still gets the rest preloaded). torch's symbolic shapes (with sympy, 0.4 s): building a model on the
+# meta device, as the digits tasks do, imports them at `to_empty`. Not scikit-learn: the digits tasks read its
+# bundled CSV without importing it (participant.tasks.digits_data): about 1 s less CPU here (3.4 -> 2.4 s measured)
 PRELOAD = (
-    "torch", "participant.cli", "participant.daemon", "participant.training", "participant.tasks.digits",
-    "participant.tasks.flower_digits", "participant.tasks.lm",
+    "torch", "torch.fx.experimental.symbolic_shapes", "participant.cli", "participant.daemon", "participant.training",
+    "participant.tasks.digits", "participant.tasks.flower_digits", "participant.tasks.lm", "numpy.random",
 )
 # And, for participants whose task steps with torch.optim (whose first optimizer imports torch's compiler stack:
 # ~1.3 s of CPU), that stack too; the digits tasks step without it (`participant.sgd`), and their zygote skips it

@@ -30,6 +30,8 @@ On an upgrade of moto (`pin.py`), a bug fix whose test finds moto answering righ
 | events_s3_delivery_tried_again | bug |
 | events_multipart_upload_announced_once | bug |
 | routing_modules_listed_once | speed (local server only) |
+| core_method_names_listed_once | speed |
+| core_request_ids_from_urandom | speed |
 
 `apply_all()` applies them; the local server adds `server=True` for those only it takes. `pin.py` holds the one
 moto version they were written for. Nothing here imports moto until a patch is applied (moto costs about a second
@@ -39,11 +41,11 @@ absolute).
 
 from __future__ import annotations
 
-from local.moto import dynamodb, events, routing, s3, sns, sqs
+from local.moto import core, dynamodb, events, routing, s3, sns, sqs
 from local.moto.patches import Patch, apply
 
 PATCHES: tuple[Patch, ...] = s3.PATCHES + dynamodb.PATCHES + sqs.PATCHES + sns.PATCHES + events.PATCHES + \
-    routing.PATCHES
+    routing.PATCHES + core.PATCHES
 
 
 def apply_all(server: bool = False) -> None:

@@ -817,5 +817,43 @@ def test_routing_modules_listed_once() -> None:
     assert (theirs[1], ours[1]) == (3, 0)
 
 
+# --- moto's request handling -----------------------------------------------------------------------------------
+
+
+def test_core_method_names_listed_once() -> None:
+    def scenario() -> tuple[list[Any], int]:
+        # Given moto's listings of a handler class's functions counted
+        with counted(inspect, "getmembers") as listings:
+            # When three DynamoDB requests and an SQS one are dispatched
+            ddb = table()
+            answers: list[Any] = [ddb.describe_table(TableName="t")["Table"]["TableName"] for _ in range(2)]
+            answers.append(boto3.client("sqs", region_name=REGION).list_queues().get("QueueUrls", []))
+        return answers, len(listings)
+
+    theirs, ours = on_moto_and_ours(scenario)
+    # Then the answers are moto's; moto listed the handler's functions for every request, ours once a class
+    assert theirs[0] == ours[0] == ["t", "t", []]
+    assert theirs[1] >= 4 and ours[1] <= 2
+
+
+def test_core_request_ids_from_urandom() -> None:
+    import random as stdlib_random
+
+    def scenario() -> tuple[list[str], int]:
+        # Given moto's draws from Python's random counted
+        with counted(stdlib_random.Random, "choice") as draws:
+            # When three requests are answered
+            sqs = boto3.client("sqs", region_name=REGION)
+            ids = [sqs.list_queues()["ResponseMetadata"]["RequestId"] for _ in range(3)]
+        return ids, len(draws)
+
+    theirs, ours = on_moto_and_ours(scenario)
+    # Then each answer carries a request id of 52 characters of moto's alphabet, a different one each time; moto
+    # drew each character one by one, ours none
+    for ids in (theirs[0], ours[0]):
+        assert len(set(ids)) == 3 and all(len(i) == 52 and i.isascii() and i.isalnum() for i in ids)
+    assert theirs[1] >= 3 * 52 and ours[1] == 0
+
+
 def test_kinds_are_bug_or_speed() -> None:
     assert {p.kind for p in PATCHES} == {BUG, SPEED}
