@@ -73,8 +73,9 @@ bench-big: $(STAMP)
 	FED_ACCESS_CHECK=off $(PY) benchmarks/big_loop.py
 
 # The Flower anchor's exact work through `fed demo --task flower` (4 participants, each its own shard, 15 rounds):
-# each round's accuracy and seconds, median round, launch to first round, wall time and AWS requests per participant
-# per round, beside the polling-era and Flower figures. Exits 1 if the run fails or the accuracy is not 0.9289.
+# each round's accuracy and seconds; the start-up and a round step by step; AWS requests per round by caller; CPU
+# per round by process; each figure beside Flower's and the last recorded (benchmarks/rounds_recorded.json) as
+# ratios. Exits 1 if the run fails or the accuracy is not 0.9289.
 bench-rounds: $(STAMP)
 	mkdir -p reports
 	FED_ACCESS_CHECK=off $(PY) benchmarks/rounds.py --out reports/bench-rounds.json
