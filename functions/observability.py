@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from coordinator.service import Handled
-from functions.settings import Deps, deps_from_env
+from functions.settings import deps_from_env
 from shared.naming import (
     METRIC_AGGREGATION_SECONDS,
     METRIC_PHASE_CHANGES,
@@ -30,8 +29,12 @@ metrics = Metrics(namespace=METRICS_NAMESPACE, service="fed-coordinator")
 # An invocation with nothing to count (a heartbeat, a join) is normal here, not a mistake worth a log line each time.
 warnings.filterwarnings("ignore", message="No application metrics to publish", category=UserWarning)
 
-FunctionWork = Callable[[Deps, dict[str, Any]], dict[str, Any]]
-LambdaHandler = Callable[[dict[str, Any], LambdaContext], dict[str, Any]]
+if TYPE_CHECKING:  # (the credential endpoint's handler imports this module, and needs none of the coordinator)
+    from coordinator.service import Handled
+    from functions.settings import Deps
+
+    FunctionWork = Callable[[Deps, dict[str, Any]], dict[str, Any]]
+    LambdaHandler = Callable[[dict[str, Any], LambdaContext], dict[str, Any]]
 
 
 def lambda_handler(work: FunctionWork, deps: Callable[[], Deps] | None = None) -> LambdaHandler:

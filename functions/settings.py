@@ -1,15 +1,18 @@
 """What a function needs to know, parsed from its environment on first use (never at import time), and what a warm
-function keeps between invocations: one `Deps` per environment, with its clients and its warm caches."""
+function keeps between invocations: one `Deps` per environment, with its clients and its warm caches.
+
+The coordinator is imported on first use too: the credential endpoint's function needs none of the run's
+configuration, aggregation or numpy, and its cold start (what a stranger's request can cost) does not pay for them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from functools import cache
+from typing import TYPE_CHECKING, Any
 
-from coordinator.credentials import CredentialDeps, build_credential_deps
-from coordinator.deps import Deps, SettingsError, build_deps
-from coordinator.shard_queue import queue_runner
 from shared.hosts import HostLimits
 from shared.naming import (
     ENV_ALL_HOSTS_RATE,
@@ -26,7 +29,19 @@ from shared.naming import (
     ENV_TABLE,
 )
 
+if TYPE_CHECKING:
+    from coordinator.credentials import CredentialDeps
+    from coordinator.deps import Deps, SettingsError
+
 __all__ = ["CredentialDeps", "Deps", "SettingsError", "credential_deps_from_env", "deps_from_env", "forget_warm_state"]
+_LAZY = {"Deps": "coordinator.deps", "SettingsError": "coordinator.deps", "CredentialDeps": "coordinator.credentials"}
+
+
+def __getattr__(name: str) -> Any:
+    """The coordinator's types this module names (`__all__`), imported when first asked for."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 DEFAULT_SHARD_WAIT = 900.0  # seconds a tick waits for its shards' outcomes when FED_SHARD_WAIT is not set
 
@@ -34,6 +49,8 @@ DEFAULT_SHARD_WAIT = 900.0  # seconds a tick waits for its shards' outcomes when
 def _need(name: str) -> str:
     value = os.environ.get(name)
     if not value:
+        from coordinator.deps import SettingsError
+
         raise SettingsError(f"environment variable {name} is not set")
     return value
 
@@ -56,6 +73,9 @@ def _warm(run_id: str, bucket: str, table: str, config_json: str, endpoint: str 
           state_topic: str, shard_runner: str, shard_wait: str) -> Deps:
     """One `Deps` per distinct environment: a Lambda's warm invocations share its clients and what it remembers.
     FED_SHARD_RUNNER is "queue:<url>" (the shard queue, as deployed) or unset (the tick's own threads)."""
+    from coordinator.deps import SettingsError, build_deps
+    from coordinator.shard_queue import queue_runner
+
     deps = build_deps(run_id, bucket, table, config_json, endpoint, region, state_topic)
     kind, _, url = shard_runner.partition(":")
     if not kind:
@@ -85,6 +105,8 @@ def _positive(name: str, text: str, default: int) -> int:
     except ValueError:
         value = 0
     if value <= 0:
+        from coordinator.deps import SettingsError
+
         raise SettingsError(f"environment variable {name} is {text!r}: expected a positive whole number")
     return value
 
@@ -93,6 +115,8 @@ def _positive(name: str, text: str, default: int) -> int:
 def _warm_credentials(run_id: str, bucket: str, table: str, endpoint: str | None, region: str, state_topic: str,
                       role: str, seconds: str, host_rate: str, all_rate: str) -> CredentialDeps:
     """One `CredentialDeps` per distinct environment, as `_warm` keeps one `Deps`."""
+    from coordinator.credentials import build_credential_deps
+
     default = HostLimits()
     limits = HostLimits(
         credential_seconds=_positive(ENV_CREDENTIAL_SECONDS, seconds, default.credential_seconds),
