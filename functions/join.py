@@ -1,13 +1,12 @@
-"""Lambda: join requests, from the join lane's SQS queue. Register each joiner; tick only for the admission.
+"""Lambda: join requests, from the join lane's SQS queue. Register each joiner; never tick.
 
 The join lane (`shared.naming.join_request_pattern`) is its own EventBridge rule and queue, drained by this
 function through an event source mapping with a maximum concurrency, so a burst of join requests waits in
 its queue instead of taking the concurrency that heartbeats and updates need (they reach `ingest` by the
 main rule). Each SQS record's body is the EventBridge "Object Created" event. A record that fails is
 reported in `batchItemFailures`: the queue delivers it again, and after a few failures moves it to the
-dead-letter queue. A join request alone admits nobody (an epoch admits only participants heard from after
-their join), so a join ticks only where it took a heartbeat that overtook it while the run waits for members and
-enough have registered (`coordinator.intake.join`): that may complete the admission, as the heartbeat would have.
+dead-letter queue. No tick follows: a join request alone admits nobody (an epoch admits only participants
+heard from after their join), and the heartbeat that follows it ticks.
 """
 
 from __future__ import annotations
@@ -23,10 +22,8 @@ from functions.settings import Deps
 from shared.keys import join_prefix
 
 
-def join_request(deps: Deps, event: dict[str, Any], may_tick: bool = True) -> Ingested | None:
-    """Ingest one join request's "Object Created" event; None if the event is not one (logged, not retried). Not
-    `may_tick`: no tick follows in any case (the local stack, while it registers held joins before the first
-    admission: `local.dispatcher.Dispatcher.release`)."""
+def join_request(deps: Deps, event: dict[str, Any]) -> Ingested | None:
+    """Ingest one join request's "Object Created" event; None if the event is not one (logged, not retried)."""
     try:
         obj = object_created(event)
     except BadEvent as exc:
@@ -35,19 +32,19 @@ def join_request(deps: Deps, event: dict[str, Any], may_tick: bool = True) -> In
     if not obj.key.startswith(join_prefix(deps.config.run_id)):  # the rule routes nothing else here
         logger.error("ignored event: not a join request", key=obj.key[:300])
         return None
-    outcome = on_upload(deps, obj, may_tick=may_tick).ingested
+    outcome = on_upload(deps, obj, may_tick=False).ingested
     assert outcome is not None
     logger.info("ingested", kind=outcome.kind, key=obj.key, accepted=outcome.accepted,
                 reason=outcome.reason, recorded=outcome.recorded)
     return outcome
 
 
-def join_batch(deps: Deps, event: dict[str, Any], may_tick: bool = True) -> dict[str, Any]:
+def join_batch(deps: Deps, event: dict[str, Any]) -> dict[str, Any]:
     failures: list[dict[str, str]] = []
     for record in event.get("Records", []):
         message_id = str(record.get("messageId", ""))
         try:
-            join_request(deps, json.loads(record["body"]), may_tick)
+            join_request(deps, json.loads(record["body"]))
         except Exception:  # this record is delivered again; the batch's others are not
             logger.exception("join request failed; the queue delivers it again", message_id=message_id)
             failures.append({"itemIdentifier": message_id})

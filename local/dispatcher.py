@@ -300,8 +300,6 @@ class Dispatcher:
         self.spans: list[Span] | None = [] if record_spans else None
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()  # held by each tick, and by `release` while held joins are drained
-        self._joins = threading.Event()  # set: a join may tick (`release` clears it while it drains held joins)
-        self._joins.set()
         self._threads: list[threading.Thread] = []
         self._sqs = boto3.client(
             "sqs",
@@ -316,8 +314,7 @@ class Dispatcher:
 
     def start(self, deliver: bool = True) -> Dispatcher:
         """Start ticking, and delivering queued events unless `deliver` is False (then: `release()`)."""
-        defaults = {MAIN_LANE: self.functions.ingest, JOIN_LANE: lambda: self.functions.join(self._joins.is_set),
-                    SHARD_LANE: self.functions.shard}
+        defaults = {MAIN_LANE: self.functions.ingest, JOIN_LANE: self.functions.join, SHARD_LANE: self.functions.shard}
         for lane in self.lanes:
             lane.handler = lane.handler or defaults[lane.name]()
         self._tick = self._tick or self.functions.tick()
@@ -345,16 +342,12 @@ class Dispatcher:
         registered (and proven live by the heartbeat it sent meanwhile) before a tick can start the first
         epoch, so that epoch admits them all instead of whoever the join lane happened to register first."""
         with self._tick_lock:
-            self._joins.clear()  # (nor may a join tick meanwhile: it would admit whoever is registered so far)
-            try:
-                for lane in self.lanes:
-                    if lane.name == JOIN_LANE:
-                        lane.delivering.set()
-                        deadline = time.monotonic() + joins_first
-                        while self._queued(lane) and time.monotonic() < deadline and not self._stop.wait(0.1):
-                            pass
-            finally:
-                self._joins.set()
+            for lane in self.lanes:
+                if lane.name == JOIN_LANE:
+                    lane.delivering.set()
+                    deadline = time.monotonic() + joins_first
+                    while self._queued(lane) and time.monotonic() < deadline and not self._stop.wait(0.1):
+                        pass
             for lane in self.lanes:
                 lane.delivering.set()
 

@@ -57,12 +57,10 @@ class LocalFunctions:
 
         return self._handler(ingest)
 
-    def join(self, ticks: Callable[[], bool] = lambda: True) -> Handler:
-        """The join function; `ticks()` says, for each invocation, whether a join may tick (False while held joins
-        are registered before the first admission)."""
+    def join(self) -> Handler:
         from functions.join import join_batch
 
-        return _as_queue_batch(self._handler(lambda deps, event: join_batch(deps, event, may_tick=ticks())))
+        return _as_queue_batch(self._handler(join_batch))
 
     def tick(self) -> Handler:
         from functions.tick import tick

@@ -14,7 +14,6 @@ from coordinator.model_files import GlobalModel
 from coordinator.streamed import Streamed, stream_model
 from shared.limits import MAX_REASON_CHARS, bounded
 from shared.signing import SignatureError, verify, verify_digest
-from shared.state import Phase, RunState
 from store.blobs import Blob
 from store.table import ParticipantRecord
 
@@ -46,13 +45,6 @@ class Ingested:
 
     def __post_init__(self) -> None:  # a reason may quote the refused object: bounded wherever it goes
         object.__setattr__(self, "reason", bounded(self.reason, MAX_REASON_CHARS))
-
-
-def admission_may_complete(deps: Deps, state: RunState) -> bool:
-    """Whether a participant made eligible for an epoch now (heard from since it joined) may let a tick start one:
-    the run waits for members, and enough have registered. (A tick reads every participant record: ticking for
-    anything else while waiting was quadratic in a thousand joiners.)"""
-    return state.phase is Phase.WAITING and deps.store.participant_count() >= deps.config.min_clients
 
 
 def refuse(deps: Deps, obj: ObjectCreated, kind: str, reason: str, pid: str = "") -> Ingested:

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from coordinator.deps import Deps
-from coordinator.intake.common import Ingested, ObjectCreated, admission_may_complete, read, refuse, replayed, signed
+from coordinator.intake.common import Ingested, ObjectCreated, read, refuse, replayed, signed
 from shared import keys
 from shared.admission import bounded_info, staleness
 from shared.messages import MAX_CONTROL_BYTES, Heartbeat, JoinRequest, parse_message
@@ -76,8 +76,7 @@ def _heartbeat_matters_now(deps: Deps, beat: Heartbeat, pid: str, before: Partic
     """Whether a tick could decide something new because of this heartbeat. While the run waits for members (and
     enough have registered): only if it made its sender eligible for an epoch, which may complete the admission.
     `before`, the sender's record as it was, shows it not heard from since it joined, or silent for the liveness
-    timeout, or made eligible by a join that did not tick for it (`intake.join`: the admission could not complete
-    then). During
+    timeout, or made eligible by the join function (the heartbeat its join request found), which never ticks. During
     warmup: only an active member's ready report (it may end the warmup). Elsewhere a heartbeat only keeps a member
     from being dropped as silent or stuck: the absence of heartbeats is what a tick acts on, and scheduled ticks look
     for that. (A tick reads every participant record. Ticking on each of a thousand joiners' heartbeats was
@@ -89,7 +88,7 @@ def _heartbeat_matters_now(deps: Deps, beat: Heartbeat, pid: str, before: Partic
             was = before.view()
             if was.proven and was.alive(time.time(), deps.config.liveness_timeout):
                 return False  # eligible already (through an ingest, which ticked if it mattered): nothing new
-        return admission_may_complete(deps, state)
+        return deps.store.participant_count() >= deps.config.min_clients
     member = state.members.get(pid)
     return (state.phase is Phase.WARMUP and member is not None and member.status is MemberStatus.ACTIVE
             and (beat.ready_epoch or 0) >= state.epoch)

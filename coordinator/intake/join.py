@@ -8,7 +8,7 @@ reached ingest first; registering takes it then.
 from __future__ import annotations
 
 from coordinator.deps import Deps
-from coordinator.intake.common import Ingested, ObjectCreated, admission_may_complete, read, refuse, replayed
+from coordinator.intake.common import Ingested, ObjectCreated, read, refuse, replayed
 from shared import keys
 from shared.admission import bounded_info, staleness
 from shared.config import DataMode
@@ -50,9 +50,9 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str, host: HostRecord | None = N
             return refuse(deps, obj, "join", f"the run is full: {deps.config.max_participants} participants", pid)
         if created == "created":
             _note_host_join(deps, pid, host)
-            eligible = _heartbeat_that_overtook_the_join(deps, pid, public_key)
+            _heartbeat_that_overtook_the_join(deps, pid, public_key)
             _offer_that_overtook_the_join(deps, pid, public_key)
-            return Ingested("join", obj.key, True, "", pid, ticks=eligible)
+            return Ingested("join", obj.key, True, "", pid)
         existing = deps.store.participant(pid)  # a racing join registered pid first
         if existing is None:  # lost the race, yet no record to read back: nothing to compare the key with
             return refuse(deps, obj, "join", f"join request raced with another registration of {pid} whose "
@@ -70,9 +70,8 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str, host: HostRecord | None = N
         return refuse(deps, obj, "join", replayed("join request", request.sent_at), pid)
     _note_host_join(deps, pid, host)
     if rekeyed:
-        return Ingested("join", obj.key, True, f"registered the key of host generation {_generation(host)}", pid,
-                        ticks=False)
-    return Ingested("join", obj.key, True, "rejoined", pid, recorded=taken == "accepted", ticks=False)
+        return Ingested("join", obj.key, True, f"registered the key of host generation {_generation(host)}", pid)
+    return Ingested("join", obj.key, True, "rejoined", pid, recorded=taken == "accepted")
 
 
 def _new_generation(host: HostRecord | None, registered: str) -> bool:
@@ -92,32 +91,26 @@ def _note_host_join(deps: Deps, pid: str, host: HostRecord | None) -> None:
         deps.store.note_host_join(pid, host.generation, host.upload_key)
 
 
-def _heartbeat_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> bool:
-    """Take the participant's latest heartbeat now that it is registered, if it was sent after the join request;
-    whether that made the participant eligible at a moment the admission may complete (then the join ticks, as the
-    heartbeat would have).
+def _heartbeat_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> None:
+    """Take the participant's latest heartbeat now that it is registered, if it was sent after the join request.
 
     Join requests have a lane of their own, so a participant's first heartbeat often reaches ingest before its
     join request is registered, and is refused as coming from a participant that never joined. An epoch admits
     only participants heard from after their join: without this, an honest joiner would wait a whole heartbeat
-    interval more, and without the tick the admission would wait for the next heartbeat or scheduled tick (0.6 s
-    of `make bench-rounds`' start-up; on AWS up to a heartbeat interval, 20 s by default). The heartbeat is checked
-    as ingest checks any (signed by the key just registered, fresh, sent after the last message accepted from it);
-    anything wrong with it leaves the record as it is."""
+    interval more. The heartbeat is checked as ingest checks any (signed by the key just registered, fresh,
+    sent after the last message accepted from it); anything wrong with it leaves the record as it is."""
     try:
         blob = deps.bucket.get(keys.heartbeat_key(deps.config.run_id, pid), max_bytes=MAX_CONTROL_BYTES)
         verify(public_key, keys.heartbeat_key(deps.config.run_id, pid), blob.data, blob.metadata)
         beat = parse_message(Heartbeat, blob.data)
     except (ValueError, NotFound):
-        return False
+        return
     if beat.participant != pid or not blob.last_modified:
-        return False
+        return
     if staleness(beat.sent_at, blob.last_modified, deps.config.max_clock_skew):
-        return False
-    ticks = admission_may_complete(deps, deps.store.read_state())
-    taken = deps.store.accept_message(pid, beat.sent_at, blob.last_modified, beat.ready_epoch,
-                                      bounded_info(beat.info) if beat.info else None, unticked=not ticks)
-    return ticks and taken == "accepted"
+        return
+    deps.store.accept_message(pid, beat.sent_at, blob.last_modified, beat.ready_epoch,
+                              bounded_info(beat.info) if beat.info else None, unticked=True)
 
 
 def _offer_that_overtook_the_join(deps: Deps, pid: str, public_key: str) -> None:
