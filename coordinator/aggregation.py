@@ -105,11 +105,8 @@ def weighted_inputs(
     shared_base = CachedRange(base.source(deps)) if encoding.is_delta else None
 
     def source(i: AggregateInput | ShardInput) -> RangeSource:
-        key = keys.update_key(run_id, round_no, i.participant)
-        held = deps.models.held_update(key, i.version_id)  # (accepted by this function: the bytes it hashed)
-        stored: ObjectRange | HeldRange = (HeldRange(held) if held is not None else
-                                           ObjectRange(deps.bucket, key, i.version_id, i.data_offset,
-                                                       owner=i.participant))
+        stored = ObjectRange(deps.bucket, keys.update_key(run_id, round_no, i.participant), i.version_id,
+                             i.data_offset, owner=i.participant)
         if shared_base is None:
             return stored
         return DecodedSource(base.manifest, encoding, shared_base, stored)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,27 +35,6 @@ class WarmModels:
     verified: dict[tuple[str, str], Any] = field(default_factory=dict)
     held: dict[tuple[str, str], Any] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
-    # Small updates this function accepted, by key and version: their data sections, which it read whole to check
-    # them, so that the tick that aggregates them here (the round's last ingest) need not read them again. At most
-    # UPDATE_HOLD_BYTES in all, the oldest let go first.
-    updates: OrderedDict[tuple[str, str], bytes] = field(default_factory=OrderedDict)
-    updates_bytes: int = 0
-
-    def hold_update(self, key: str, version_id: str, data: bytes) -> None:
-        if len(data) > UPDATE_HOLD_BYTES // 8:
-            return
-        with self.lock:
-            self.updates_bytes += len(data) - len(self.updates.pop((key, version_id), b""))
-            self.updates[(key, version_id)] = data
-            while self.updates_bytes > UPDATE_HOLD_BYTES:
-                self.updates_bytes -= len(self.updates.popitem(last=False)[1])
-
-    def held_update(self, key: str, version_id: str) -> bytes | None:
-        with self.lock:
-            return self.updates.get((key, version_id))
-
-
-UPDATE_HOLD_BYTES = 8 << 20  # the small updates a warm function keeps (`WarmModels.updates`): 8 MiB, 1 MiB each at most
 
 
 @dataclass(frozen=True)

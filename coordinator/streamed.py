@@ -28,17 +28,14 @@ class Streamed:
     header: Header | None = None
     problem: str = ""  # why the file is not a valid model of the run ("" if it is, or was not checked)
     distance: float = -1.0
-    data: bytes | None = None  # the whole file, where it is at most `keep` bytes (what was hashed and checked)
 
 
 def stream_model(deps: Deps, key: str, version_id: str, size: int, model: GlobalModel | None,
-                 check: bool = True, keep: int = 0) -> Streamed:
+                 check: bool = True) -> Streamed:
     """Hash every byte of one object version; if `check`, validate it against `model` (its manifest and
-    canonical layout, finiteness, distance) — or, with no model, as a stand-alone file (an initial offer). A file
-    of at most `keep` bytes is kept (`Streamed.data`)."""
+    canonical layout, finiteness, distance) — or, with no model, as a stand-alone file (an initial offer)."""
     resp, chunks = deps.bucket.stream(key, version_id)
     out = Streamed(metadata=dict(resp.get("Metadata", {})))
-    kept: bytearray | None = bytearray() if size <= keep else None
     hasher, pending = TreeHasher(), bytearray()
     scan: DataScan | None = None
     position = 0  # data-section offset of pending[0]
@@ -46,8 +43,6 @@ def stream_model(deps: Deps, key: str, version_id: str, size: int, model: Global
     reference = bytearray(BLOCK) if model is not None and not encoding.is_delta else None
     for chunk in chunks:
         hasher.update(chunk)
-        if kept is not None:
-            kept += chunk
         if not check or out.problem:
             continue
         pending += chunk
@@ -85,8 +80,6 @@ def stream_model(deps: Deps, key: str, version_id: str, size: int, model: Global
                                      encoding)
                 out.problem = scan.problem
             out.distance = scan.distance if model is not None else -1.0
-    if kept is not None and len(kept) == size and not out.problem:
-        out.data = bytes(kept)
     return out
 
 

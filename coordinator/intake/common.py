@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.deps import UPDATE_HOLD_BYTES, Deps
+from coordinator.deps import Deps
 from coordinator.model_files import GlobalModel
 from coordinator.streamed import Streamed, stream_model
 from shared.limits import MAX_REASON_CHARS, bounded
@@ -97,7 +97,7 @@ def streamed(deps: Deps, obj: ObjectCreated, model: GlobalModel | None, check: b
     """A model file streamed once, within the size limit (`stream_model`); its signature is the caller's to check."""
     if obj.size > deps.config.max_update_bytes:
         raise ValueError(f"over the size limit: {obj.size} bytes > {deps.config.max_update_bytes}")
-    return stream_model(deps, obj.key, obj.version_id, obj.size, model, check, keep=UPDATE_HOLD_BYTES // 8)
+    return stream_model(deps, obj.key, obj.version_id, obj.size, model, check)
 
 
 MAX_REGISTERED = 20_000  # records held by one warm function (`Deps.registered`) before it forgets them all

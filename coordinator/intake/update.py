@@ -37,8 +37,6 @@ def ingest(deps: Deps, obj: ObjectCreated, pid: str, round_no: int) -> Ingested:
     if not deps.store.record_update(record):  # this object's event again, or another object for the same slot
         return _already_recorded(deps, obj, pid, round_no) or refuse(
             deps, obj, "update", f"duplicate: an update for round {round_no} was already received", pid)
-    if record.accepted and scanned.data is not None and scanned.header is not None:  # (for this round's aggregation)
-        deps.models.hold_update(obj.key, obj.version_id, scanned.data[scanned.header.data_offset:])
     # A tick reads every participant and update record: worth it only when this record can close the round (the
     # last of the selection's). A count lost to a crash here delays the close to the next scheduled tick.
     last = deps.store.count_update(round_no) >= len(state.selected)

@@ -86,29 +86,3 @@ def test_updates_ingested_together_authenticate_the_global_model_once(harness: H
     # Then one of them authenticated it (hashing it, reading its header) and the others used what it found
     assert len(read) == 4 and len({id(m) for m in read}) == 1
     assert calls == [harness.global_key(0)]
-
-
-def test_the_updates_a_function_accepted_are_aggregated_from_the_bytes_it_checked(
-        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Given a run training round 0, alice's update accepted by another function (this one holds none of it), and
-    # every ranged read of the bucket noted
-    harness.start(["alice", "bob"])
-    assert harness.upload("alice", {k: v + 1 for k, v in MODEL.items()}, samples=10)["accepted"]
-    harness.deps.models.updates.clear()
-    harness.deps.models.updates_bytes = 0
-    ranged: list[str] = []
-    open_range = harness.deps.bucket.open_range
-
-    def noted(key: str, begin: int, length: int, version_id: str = "") -> object:
-        ranged.append(key)
-        return open_range(key, begin, length, version_id)
-
-    monkeypatch.setattr(harness.deps.bucket, "open_range", noted)
-    # When bob's update, ingested by this function, closes the round
-    assert harness.upload("bob", {k: v + 3 for k, v in MODEL.items()}, samples=10)["accepted"]
-    # Then the aggregate is the mean, alice's update was read from the bucket and bob's was not read again: the
-    # function aggregated the bytes it had hashed and checked when it accepted them
-    assert harness.state().round == 1
-    np.testing.assert_allclose(harness.global_model(1)["dense.bias"], 2.0)
-    updates = [k for k in ranged if keys.parse_key(k).kind is keys.ObjectKind.UPDATE]
-    assert updates and {keys.parse_key(k).participant for k in updates} == {"alice"}
