@@ -111,7 +111,7 @@ class LocalStack:
     port: int = 0
     tick_interval: float = 1.0
     workers: int = 3  # the main lane's (heartbeats, updates, offers, proofs, reports)
-    join_workers: int = 2  # the join lane's, as deployed (infra's join_concurrency): a burst of joins waits in line
+    join_workers: int = 1  # the join lane's: a burst of joins waits in its own queue
     log_level: str = "INFO"
     log_file: Path | None = None  # the functions' logs; None: this process's stdout
     region: str = LOCAL_REGION
