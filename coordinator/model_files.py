@@ -74,9 +74,7 @@ def read_global(deps: Deps, round_no: int, want: str, in_bucket: bool = False) -
         if fresh is not None and fresh is not known:  # authenticated meanwhile, by the invocation we waited for
             return fresh
         model = _authenticate(deps, round_no, want, key)
-        if len(verified) >= 4:
-            verified.clear()
-        verified[cached] = model
+        _remember(deps, model)
         return model
 
 
@@ -108,12 +106,18 @@ def written_global(deps: Deps, round_no: int, written: str, data: bytes | bytear
         return
     header = parse_header(memoryview(data))
     model = GlobalModel(key, Manifest.of(header), version_id, header.data_offset, len(data))
+    _remember(deps, model)
+    if len(data) <= SMALL_MODEL_BYTES:
+        model.hold(deps, bytes(data))
+
+
+def _remember(deps: Deps, model: GlobalModel) -> None:
+    """Note a global model as authenticated in this warm function (a few at most)."""
+    verified = deps.models.verified
     with deps.models.lock:
-        if len(deps.models.verified) >= 4:
-            deps.models.verified.clear()
-        deps.models.verified[(deps.bucket.name, key)] = model
-        if len(data) <= SMALL_MODEL_BYTES:
-            model.hold(deps, bytes(data))
+        if len(verified) >= 4:
+            verified.clear()
+        verified[(deps.bucket.name, model.key)] = model
 
 
 def read_header(bucket: Bucket, key: str, version_id: str, size: int) -> Header:

@@ -7,10 +7,10 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
+from coordinator.deps import Deps
 from coordinator.service import on_upload
 from functions.events import BadEvent, object_created
 from functions.observability import lambda_handler, logger, metrics, tick_summary
-from functions.settings import Deps
 from shared.naming import METRIC_UPDATES_ACCEPTED, METRIC_UPDATES_REFUSED
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from coordinator.deps import Deps
 from coordinator.intake.common import Ingested
 from coordinator.service import on_upload
 from functions.events import BadEvent, object_created
 from functions.observability import lambda_handler, logger
-from functions.settings import Deps
 from shared.keys import join_prefix
 
 

@@ -30,8 +30,8 @@ metrics = Metrics(namespace=METRICS_NAMESPACE, service="fed-coordinator")
 warnings.filterwarnings("ignore", message="No application metrics to publish", category=UserWarning)
 
 if TYPE_CHECKING:  # (the credential endpoint's handler imports this module, and needs none of the coordinator)
+    from coordinator.deps import Deps
     from coordinator.service import Handled
-    from functions.settings import Deps
 
     FunctionWork = Callable[[Deps, dict[str, Any]], dict[str, Any]]
     LambdaHandler = Callable[[dict[str, Any], LambdaContext], dict[str, Any]]

@@ -8,10 +8,9 @@ configuration, aggregation or numpy, and its cold start (what a stranger's reque
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shared.hosts import HostLimits
 from shared.naming import (
@@ -31,17 +30,16 @@ from shared.naming import (
 
 if TYPE_CHECKING:
     from coordinator.credentials import CredentialDeps
-    from coordinator.deps import Deps, SettingsError
+    from coordinator.deps import Deps
 
-__all__ = ["CredentialDeps", "Deps", "SettingsError", "credential_deps_from_env", "deps_from_env", "forget_warm_state"]
-_LAZY = {"Deps": "coordinator.deps", "SettingsError": "coordinator.deps", "CredentialDeps": "coordinator.credentials"}
+__all__ = ["credential_deps_from_env", "deps_from_env", "forget_warm_state"]
 
+def _settings_error(message: str) -> Exception:
+    """coordinator.deps.SettingsError (imported only when there is one to raise)."""
+    from coordinator.deps import SettingsError
 
-def __getattr__(name: str) -> Any:
-    """The coordinator's types this module names (`__all__`), imported when first asked for."""
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return SettingsError(message)
+
 
 DEFAULT_SHARD_WAIT = 900.0  # seconds a tick waits for its shards' outcomes when FED_SHARD_WAIT is not set
 
@@ -49,9 +47,7 @@ DEFAULT_SHARD_WAIT = 900.0  # seconds a tick waits for its shards' outcomes when
 def _need(name: str) -> str:
     value = os.environ.get(name)
     if not value:
-        from coordinator.deps import SettingsError
-
-        raise SettingsError(f"environment variable {name} is not set")
+        raise _settings_error(f"environment variable {name} is not set")
     return value
 
 
@@ -73,7 +69,7 @@ def _warm(run_id: str, bucket: str, table: str, config_json: str, endpoint: str 
           state_topic: str, shard_runner: str, shard_wait: str) -> Deps:
     """One `Deps` per distinct environment: a Lambda's warm invocations share its clients and what it remembers.
     FED_SHARD_RUNNER is "queue:<url>" (the shard queue, as deployed) or unset (the tick's own threads)."""
-    from coordinator.deps import SettingsError, build_deps
+    from coordinator.deps import build_deps
     from coordinator.shard_queue import queue_runner
 
     deps = build_deps(run_id, bucket, table, config_json, endpoint, region, state_topic)
@@ -81,7 +77,7 @@ def _warm(run_id: str, bucket: str, table: str, config_json: str, endpoint: str 
     if not kind:
         return deps
     if kind != "queue" or not url:
-        raise SettingsError(f"{ENV_SHARD_RUNNER} is {shard_runner!r}: expected queue:<url>, or unset")
+        raise _settings_error(f"{ENV_SHARD_RUNNER} is {shard_runner!r}: expected queue:<url>, or unset")
     wait = float(shard_wait or DEFAULT_SHARD_WAIT)
     runner = queue_runner(url, deps.bucket, run_id, wait, endpoint, region)
     return dataclasses.replace(deps, shard_runner=runner)
@@ -105,9 +101,7 @@ def _positive(name: str, text: str, default: int) -> int:
     except ValueError:
         value = 0
     if value <= 0:
-        from coordinator.deps import SettingsError
-
-        raise SettingsError(f"environment variable {name} is {text!r}: expected a positive whole number")
+        raise _settings_error(f"environment variable {name} is {text!r}: expected a positive whole number")
     return value
 
 

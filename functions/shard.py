@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator.aggregation import failed_outcome, shard_outcome
+from coordinator.deps import Deps
 from coordinator.shard_queue import write_outcome
 from functions.observability import lambda_handler, logger
-from functions.settings import Deps
 from shared.messages import ShardTask, parse_message
 from store.blobs import UploadGone
 

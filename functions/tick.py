@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from coordinator.deps import Deps
 from coordinator.service import on_schedule
 from functions.observability import lambda_handler, tick_summary
-from functions.settings import Deps
 
 
 def tick(deps: Deps, event: dict[str, Any]) -> dict[str, Any]:

@@ -74,11 +74,15 @@ class SerialDynamoDB:
 _CREDENTIAL_SCOPE = re.compile(r"Credential=([^/,]+)/\d{8}/[^/,]+/([^/,]+)/aws4_request")
 
 
-def classify(environ: dict[str, Any]) -> tuple[str, str]:
-    """(service, operation) of one request, from its SigV4 credential scope and its target or S3 shape."""
+def credential_scope(environ: dict[str, Any]) -> re.Match[str] | None:
+    """A request's SigV4 credential scope (header or presigned query): group 1 the access key id, 2 the service."""
     auth = environ.get("HTTP_AUTHORIZATION", "") or environ.get("QUERY_STRING", "").replace("X-Amz-", "")
-    match = _CREDENTIAL_SCOPE.search(auth.replace("%2F", "/"))
-    service = match.group(2) if match else "other"
+    return _CREDENTIAL_SCOPE.search(auth.replace("%2F", "/"))
+
+
+def classify(environ: dict[str, Any], scope: re.Match[str] | None) -> tuple[str, str]:
+    """(service, operation) of one request, from its credential scope and its target or S3 shape."""
+    service = scope.group(2) if scope else "other"
     target = environ.get("HTTP_X_AMZ_TARGET", "")
     if target:
         return service, target.rsplit(".", 1)[-1]
@@ -147,7 +151,8 @@ class RequestCounter:
                 body = json.dumps([[a, b, n] for (a, b), n in sorted(counts.items())]).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
-        key = classify(environ)
+        scope = credential_scope(environ)
+        key = classify(environ, scope)
         kind = object_kind(environ) if key[0] == "s3" and key[1].endswith("Object") else ""
         with self._lock:
             self._counts[key] += 1
@@ -157,11 +162,9 @@ class RequestCounter:
             return self.app(environ, start_response)
         arrived = time.time()
         answer = self.app(environ, start_response)  # (moto answers whole: the body is built by now)
-        auth = environ.get("HTTP_AUTHORIZATION", "") or environ.get("QUERY_STRING", "").replace("X-Amz-", "")
-        signed = _CREDENTIAL_SCOPE.search(auth.replace("%2F", "/"))
         with self._lock:
             self._events.append((arrived, environ.get("REMOTE_ADDR", ""), *key, path if kind else "",
-                                 time.time() - arrived, signed.group(1) if signed else ""))
+                                 time.time() - arrived, scope.group(1) if scope else ""))
         return answer
 
     def events(self) -> list[Event]:

@@ -97,11 +97,13 @@ def download_bytes(bucket: Bucket, run_id: str, round_no: int, model_digest: str
     """What a participant holding the previous round's global model downloads to get this one: the delta's index
     and pieces where the round wrote a delta (`download_encoding`; not looked for unless `delta`), else the whole
     model."""
-    try:
-        if not delta:
-            raise NotFound(keys.delta_key(run_id, round_no, model_digest))
-        raw = bucket.get(keys.delta_key(run_id, round_no, model_digest), MAX_INDEX_BYTES).data
-    except NotFound:
+    raw = None
+    if delta:
+        try:
+            raw = bucket.get(keys.delta_key(run_id, round_no, model_digest), MAX_INDEX_BYTES).data
+        except NotFound:
+            pass
+    if raw is None:
         head = bucket.head(keys.global_key(run_id, round_no, model_digest))
         return int(head["ContentLength"]) if head else 0
     index = DeltaIndex.decode(raw, model_digest)

@@ -29,8 +29,8 @@ class DemoTask:
     rounds: int
     settings: dict[str, Any]
     split: str | None = None  # a task that trains on local data: the --split its participants' data follows
-    torch_optimizers: bool = True  # False: it steps with participant.sgd (the task's `torch_optimizers`), so the
-    # demo's zygote does not preload torch.optim's compiler stack (fed.zygote.OPTIMIZERS)
+    torch_optimizers: bool = True  # the task's own `torch_optimizers`: False, and the demo's zygote does not preload
+    # torch.optim's compiler stack (fed.zygote.OPTIMIZERS)
 
 
 DEMO_TASKS: dict[str, DemoTask] = {
@@ -41,7 +41,7 @@ DEMO_TASKS: dict[str, DemoTask] = {
         # 24% at least (benchmarks/witness_errors.py, 30 rounds, IID and Dirichlet 0.5); 0.3 let such updates in
         dict(local_epochs=2, batch_size=32, learning_rate=0.1, witness_tolerance=0.2,
              initial_model_schema=digits_meta.MODEL_SCHEMA),
-        torch_optimizers=False,
+        torch_optimizers=digits_meta.TORCH_OPTIMIZERS,
     ),
     "lm": DemoTask(
         "lm", lm_meta.TASK, lm_meta.TRAIN_SIZE, 4,
@@ -57,7 +57,7 @@ DEMO_TASKS: dict[str, DemoTask] = {
         dict(local_epochs=flower_digits_meta.LOCAL_EPOCHS, batch_size=flower_digits_meta.BATCH_SIZE,
              learning_rate=flower_digits_meta.LEARNING_RATE, witness_nodes=0, work_sizing="equal", strategy="fedavg",
              initial_model_schema=flower_digits_meta.MODEL_SCHEMA),
-        split="iid", torch_optimizers=False,
+        split="iid", torch_optimizers=digits_meta.TORCH_OPTIMIZERS,
     ),
     # a Hugging Face model (participant.tasks.hf): the tiny Llama (or --model DIR), 1,119 sequences of 128 tokens of
     # the help text; a round takes a few seconds of training. Full fine-tuning at 3e-3: held-out loss 5.55 -> 4.30 in

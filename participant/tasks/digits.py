@@ -32,7 +32,7 @@ class Digits:
     """The digits task; `task` below is the instance runs name as `participant.tasks.digits:task`."""
 
     train_size = digits_meta.TRAIN_SIZE
-    torch_optimizers = False  # it steps with participant.sgd: no torch.optim optimizer, so no torch._dynamo
+    torch_optimizers = digits_meta.TORCH_OPTIMIZERS  # it steps with participant.sgd
 
     def __init__(self, hidden: int = 64, momentum: float = 0.9) -> None:
         self.hidden = hidden

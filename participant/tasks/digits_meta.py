@@ -11,6 +11,9 @@ TEST_SIZE = 360
 TRAIN_SIZE = TOTAL_SIZE - TEST_SIZE  # 1437
 SPLIT_SEED = 20240601  # fixes the train/test split on every host
 HIDDEN = 64  # the MLP's hidden width: 64 -> HIDDEN -> 10
+# The digits tasks (and the Flower anchor's, which trains as they do) step with participant.sgd, not torch.optim
+# (whose first optimizer imports torch._dynamo): what the task says (`torch_optimizers`) and the demo's zygote reads
+TORCH_OPTIMIZERS = False
 
 
 def mlp_tensors(hidden: int = HIDDEN, dtype: str = "F32") -> dict[str, TensorSpec]:

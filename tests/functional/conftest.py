@@ -19,9 +19,10 @@ from botocore.config import Config
 from moto import mock_aws
 from moto.dynamodb.models import DynamoDBBackend
 
+from coordinator.deps import Deps
 from coordinator.service import run_tick
 from functions import ingest, tick
-from functions.settings import Deps, deps_from_env, forget_warm_state
+from functions.settings import deps_from_env, forget_warm_state
 from local import access
 from local.access.control import install_in_process
 from local.context import LocalContext
