@@ -34,8 +34,9 @@ from tests.e2e.harness import e2e_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-# A session lasts 5 s: renewed every ~3.3 s, so several times in a run of 20 rounds (the slower the machine, the more)
-CREDENTIAL_SECONDS, ROUNDS = 5, 20
+# A session lasts 5 s: renewed every ~3.3 s. The run's 20 rounds are two epochs with 8 s of cooldown between them, so
+# the run lasts at least 8 s however fast its rounds are, and each host renews at least twice on the way
+CREDENTIAL_SECONDS, ROUNDS, ROUNDS_PER_EPOCH, COOLDOWN = 5, 20, 10, 8.0
 # In the revocation test a session lasts 15 s: renewed every ~10 s, so that a revocation just after a renewal leaves
 # carol ~10 s of heartbeats (one every 2 s) before its next renewal is refused; the run outlasts all of it
 REVOCATION_SECONDS, REVOCATION_ROUNDS = 15, 400
@@ -85,8 +86,10 @@ class Hosts:
 
 @pytest.fixture
 def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalStack]:
-    seconds, rounds = getattr(request, "param", (CREDENTIAL_SECONDS, ROUNDS))
-    config = e2e_config(run_id="hosts", min_clients=2, min_per_round=2, min_updates=2, total_rounds=rounds)
+    seconds, rounds, per_epoch, cooldown = getattr(request, "param",
+                                                   (CREDENTIAL_SECONDS, ROUNDS, ROUNDS_PER_EPOCH, COOLDOWN))
+    config = e2e_config(run_id="hosts", min_clients=2, min_per_round=2, min_updates=2, total_rounds=rounds,
+                        rounds_per_epoch=per_epoch, cooldown_time=cooldown)
     with LocalStack(config, tick_interval=0.5, log_file=tmp_path / "functions.log", log_level="INFO",
                     credential_seconds=seconds) as s:
         yield s
@@ -140,7 +143,7 @@ def test_hosts_with_nothing_but_an_invite_train_a_run_to_the_end_renewing_their_
 
 
 @pytest.mark.access_denied_expected  # carol's calls once revoked, refused by the role's deny as IAM refuses them
-@pytest.mark.parametrize("stack", [(REVOCATION_SECONDS, REVOCATION_ROUNDS)], indirect=True)
+@pytest.mark.parametrize("stack", [(REVOCATION_SECONDS, REVOCATION_ROUNDS, 0, 0.0)], indirect=True)
 def test_a_revoked_host_is_refused_at_once_and_the_run_goes_on_without_it(stack: LocalStack, hosts: Hosts) -> None:
     # Given three invited hosts in a run that needs two
     conn = stack.connection
@@ -194,7 +197,7 @@ def s3_of(conn: Connection, answer: CredentialAnswer) -> object:
 
 
 @pytest.mark.access_denied_expected  # the revoked generation's calls, refused by the role's deny as IAM refuses them
-@pytest.mark.parametrize("stack", [(REVOCATION_SECONDS, REVOCATION_ROUNDS)], indirect=True)
+@pytest.mark.parametrize("stack", [(REVOCATION_SECONDS, REVOCATION_ROUNDS, 0, 0.0)], indirect=True)
 def test_a_revoked_host_is_cut_within_one_call_stays_cut_and_its_reinstated_generation_trains(
     stack: LocalStack, hosts: Hosts
 ) -> None:
