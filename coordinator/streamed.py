@@ -112,7 +112,11 @@ def _scan_decoded(deps: Deps, encoded: ObjectRange, model: GlobalModel, encoding
     total = model.manifest.nbytes
     for begin in range(0, total, BLOCK):
         n = min(BLOCK, total - begin)
-        source.readinto(begin, memoryview(block)[:n])
+        try:
+            source.readinto(begin, memoryview(block)[:n])
+        except CompressError as exc:  # (what the encoded bytes say, checked as they are decoded: a topk chunk's)
+            scan.problem = str(exc)
+            break
         base.readinto(begin, memoryview(reference)[:n])
         scan.feed(begin, memoryview(block)[:n], memoryview(reference)[:n])
         if scan.problem:

@@ -9,7 +9,7 @@ import pytest
 
 from coordinator.verify import verify_run
 from shared import keys, wire
-from shared.compress import SCALE_SUFFIX, Encoding, decode_arrays, encode_delta
+from shared.compress import INDEX_SUFFIX, SCALE_SUFFIX, Encoding, decode_arrays, encode_delta
 from shared.config import Strategy
 from tests.functional.conftest import Harness
 
@@ -22,12 +22,13 @@ def _send(h: Harness, pid: str, encoded: dict[str, np.ndarray], encoding: Encodi
     return h.send(keys.update_key(h.config.run_id, s.round, pid), wire.encode(encoded, meta | encoding.metadata()))
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "topk"])
 @pytest.mark.parametrize("strategy", [Strategy.FEDAVG, Strategy.MEDIAN, Strategy.CLIPPED_FEDAVG])
 def test_compressed_updates_aggregate_as_the_weights_they_stand_for(harness_factory, kind: str,  # type: ignore[no-untyped-def]
                                                                    strategy: Strategy) -> None:
-    h: Harness = harness_factory(update_encoding=kind, quant_block=5, strategy=strategy, min_clients=3,
-                                 min_per_round=3, total_rounds=2, norm_outlier_factor=0)
+    h: Harness = harness_factory(update_encoding=kind, quant_block=5, topk_chunk=5, topk_percent=40,
+                                 strategy=strategy, min_clients=3, min_per_round=3, total_rounds=2,
+                                 norm_outlier_factor=0)
     enc = h.config.encoding
     h.start(list(PIDS))
     rng = np.random.default_rng(0)
@@ -93,6 +94,39 @@ def test_a_malformed_compressed_update_is_refused_with_its_reason(harness_factor
         encoded["dense.weight" + SCALE_SUFFIX] = np.full_like(encoded["dense.weight" + SCALE_SUFFIX], 3e38)
     else:
         del encoded["dense.bias" + SCALE_SUFFIX]
+    reply = _send(h, "alice", encoded, sent_as)
+    assert not reply["accepted"] and reason in reply["reason"], reply
+    # and the run goes on: a good update from alice's peer is accepted
+    good, _ = encode_delta({k: v + 0.2 for k, v in base.items()}, base, enc)
+    assert _send(h, "bob", good, enc)["accepted"]
+
+
+@pytest.mark.parametrize(("case", "reason"), [
+    ("another keep", "update encoded as topk/2/4/2; this run's updates are topk/2/4/1"),
+    ("4 bits", "update encoded as topk/4/4/1; this run's updates are topk/2/4/1"),
+    ("an extra position", "wrong shape for dense.weight.__index__"),
+    ("a position past its chunk", "topk positions of chunks 0-2 are outside their chunk or not ascending"),
+    ("a negative step", "a topk step (scale) is negative or not finite"),
+    ("an infinite step", "non-finite values (NaN or Inf) in dense.weight.__scale__"),
+])
+def test_a_topk_update_that_lies_is_refused_with_its_reason(harness_factory, case: str, reason: str) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = harness_factory(update_encoding="topk", topk_chunk=4, topk_percent=25)
+    enc = h.config.encoding
+    h.start(["alice", "bob"])
+    base = h.global_model(0)
+    trained = {k: v + np.linspace(0.1, 0.5, v.size, dtype=np.float32).reshape(v.shape) for k, v in base.items()}
+    encoded, _ = encode_delta(trained, base, enc)
+    sent_as = enc
+    if case in ("another keep", "4 bits"):
+        sent_as = Encoding("topk", bits=4 if case == "4 bits" else 2, chunk=4, keep=1 if case == "4 bits" else 2)
+        encoded, _ = encode_delta(trained, base, sent_as)
+    elif case == "an extra position":
+        encoded["dense.weight" + INDEX_SUFFIX] = np.append(encoded["dense.weight" + INDEX_SUFFIX], np.int16(0))
+    elif case == "a position past its chunk":
+        encoded["dense.weight" + INDEX_SUFFIX] = np.full_like(encoded["dense.weight" + INDEX_SUFFIX], 4)
+    else:
+        steps = encoded["dense.weight" + SCALE_SUFFIX]
+        encoded["dense.weight" + SCALE_SUFFIX] = np.full_like(steps, -1.0 if case == "a negative step" else np.inf)
     reply = _send(h, "alice", encoded, sent_as)
     assert not reply["accepted"] and reason in reply["reason"], reply
     # and the run goes on: a good update from alice's peer is accepted
