@@ -841,3 +841,8 @@ def export(
     written = f"{out} ({', '.join(files)})" if files else str(done.path)
     console.print(f"round {done.round}'s global model of run {conn.run_id}: {done.size:,} bytes, sha256 "
                   f"{done.digest}, written to {written}")
+
+
+from fed.plan import plan as _plan  # noqa: E402  (its own module: the cost model is imported only when it runs)
+
+app.command("plan")(_plan)

@@ -1,5 +1,7 @@
-"""What a round costs on AWS: requests per participant per round (`round_cost`), and what aggregating a model of a
-given size costs in shard workers' compute and S3 requests (`aggregation_cost`).
+"""What a round costs on AWS: requests per participant per round (`round_cost`), what aggregating a model of a
+given size costs in shard workers' compute and S3 requests (`aggregation_cost`), and what one round takes in
+seconds and dollars, data transfer included, phase by phase (`round_time`; `plan` picks K, encoding and fragments
+for `fed plan`).
 
 `python -m infra.cost_model` prints the two tables docs/deploy.md shows (a test keeps them equal). Every
 number below is an assumption, stated where it is used; prices are us-east-1 list prices as assumed here,
@@ -12,9 +14,12 @@ import math
 import sys
 from dataclasses import dataclass
 
+from shared.aggregate import STREAMS
+from shared.compress import Encoding, wire_ratio
 from shared.config import RunConfig
 from shared.digest import PIECE_BYTES
 from shared.messages import BILLED_CHUNK_BYTES
+from shared.wire import Manifest, TensorSpec
 
 GIB = 1024**3
 
@@ -339,5 +344,412 @@ def table(sizes: tuple[int, ...] = (10, 100, 1000, 5000)) -> str:
     return "\n".join(lines)
 
 
+# --- time: what one round takes, phase by phase, and what it costs with its data transfer -------------------------
+#
+# A round (one outer step; with Streaming DiLoCo's F fragments, the sync of one fragment) on its critical path:
+# the last participant's upload, that update's ingest, the aggregation, and the participants' download of the
+# result. Training is not counted. Every limit below is a named constant with its source; where AWS states no
+# figure, the constant says it is an assumption and how it was chosen.
+
+LAMBDA_MAX_MEMORY_MB = 10_240  # Lambda's largest memory setting (Lambda quotas: 128 MB to 10,240 MB)
+LAMBDA_TIMEOUT_SECONDS = 900.0  # Lambda's longest invocation, 15 minutes (Lambda quotas)
+# One Lambda instance's network throughput, in and out together. AWS documents none, and does not say it grows with
+# memory. Assumed 75 MB/s (600 Mbit/s): third-party measurements of one function's S3 transfers report 400-700
+# Mbit/s; the middle is taken, the same at any memory up to LAMBDA_MAX_MEMORY_MB. Not measured on Lambda.
+LAMBDA_NETWORK_BYTES_PER_SECOND = 75e6
+# Request rates S3 serves per partitioned prefix (S3 user guide, "Best practices design patterns: optimizing
+# Amazon S3 performance"): at least 3,500 PUT/COPY/POST/DELETE and 5,500 GET/HEAD per second. A round's objects
+# share one prefix (runs/<run>/rounds/<round>/), so the round's requests are held to these.
+S3_PUT_PER_PREFIX_PER_SECOND = 3_500.0
+S3_GET_PER_PREFIX_PER_SECOND = 5_500.0
+# One request's throughput. AWS states none (it advises parallel connections and 8-16 MB byte ranges). Assumed 85 MB/s,
+# the figure usually quoted for one S3 connection from EC2 in the same region: it bounds ingest's one streamed GET
+# of an update and each part of the global's server-side copy.
+S3_REQUEST_BYTES_PER_SECOND = 85e6
+# A small request's latency: "for small requests (for example, less than 512 KB), median latencies are often in the
+# tens of milliseconds" (the same S3 guide, "Timeouts and retries for latency-sensitive applications"); 30 ms taken.
+S3_SMALL_REQUEST_SECONDS = 0.030
+# S3 data transfer out to the internet, us-east-1 list price for the first 10 TB a month: $0.09 per GB (counted as
+# 10^9 bytes: an upper bound if billed per 2^30). Ingress is free; hosts in the bucket's region pay none.
+S3_EGRESS_USD_PER_GB = 0.09
+# Parts of a participant's multipart upload and ranges of its download: 8 MiB (participant.remote.PART_BYTES;
+# a test keeps them equal), each one request; objects under two parts go in one.
+TRANSFER_PART_BYTES = 8 * 1024**2
+# The global's server-side copy to its content address (store.blobs.COPY_CONFIG; a test keeps them equal): one
+# CopyObject up to 5 GB, else parts of 512 MiB, 8 in flight at once.
+COPY_STREAMS = 8
+COPY_PART_BYTES = 512 * 1024**2
+COPY_THRESHOLD_BYTES = 5 * 1000**3
+# The shard queue's delivery to the workers and the tick's look for their outcomes (about one a second,
+# `shard_polls`): assumed 1 s a round.
+DISPATCH_SECONDS = 1.0
+
+# topk's layout (issue 45): per chunk of TOPK_CHUNK elements, TOPK_KEPT entries each of a 2-byte index and a
+# `bits`-bit value, and one 4-byte float32 scale. 82 = ceil(2 % of 4096).
+TOPK_CHUNK = 4096
+TOPK_KEPT = 82
+TOPK_INDEX_BYTES = 2
+TOPK_SCALE_BYTES = 4
+
+_FLOAT_TAG = {2: "BF16", 4: "F32", 8: "F64"}
+
+
+def topk_ratio(bits: int, dtype_bytes: int) -> float:
+    """Bytes of a topk file over bytes of the dense model, from its layout."""
+    chunk = TOPK_KEPT * (TOPK_INDEX_BYTES + bits / 8) + TOPK_SCALE_BYTES
+    return chunk / (TOPK_CHUNK * dtype_bytes)
+
+
+def wire_ratio_of(encoding: Encoding | str, dtype_bytes: int) -> float:
+    """Bytes sent over bytes of the dense model, for a model of `dtype_bytes` floats: an `Encoding` through
+    `shared.compress.wire_ratio` (any encoding it knows), or "full" (a whole global model), "topk2", "topk4"."""
+    if encoding == "full":
+        return 1.0
+    if isinstance(encoding, str) and encoding.startswith("topk") and encoding[4:] in {"2", "4"}:
+        return topk_ratio(int(encoding[4:]), dtype_bytes)
+    if dtype_bytes not in _FLOAT_TAG:
+        raise ValueError(f"dtype bytes must be one of {sorted(_FLOAT_TAG)}, got {dtype_bytes}")
+    enc = encoding if isinstance(encoding, Encoding) else Encoding.parse(encoding)
+    numel = 1 << 30  # (a whole number of every encoding's blocks: the ratio of a large model, headers aside)
+    return wire_ratio(Manifest({"w": TensorSpec(_FLOAT_TAG[dtype_bytes], (numel,))}), enc)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where the aggregation runs: the rates `aggregation_seconds` uses."""
+
+    name: str
+    network_bytes_per_second: float  # one worker's reads and writes of S3
+    worker_bytes_per_second: float  # update bytes (dense: as decoded) one worker sums per second
+    copy_bytes_per_second: float  # the global's write: completing the staged upload and copying it
+    request_seconds: float  # one small request's latency
+    dispatch_seconds: float
+    cores: int = 0  # workers that truly run at once (0: as many as K)
+
+
+LAMBDA = Platform("AWS Lambda", LAMBDA_NETWORK_BYTES_PER_SECOND, WORKER_UPDATE_BYTES_PER_SECOND,
+                  COPY_STREAMS * S3_REQUEST_BYTES_PER_SECOND, S3_SMALL_REQUEST_SECONDS, DISPATCH_SECONDS)
+
+# `make bench-big` on the dev machine (benchmarks/README.md, 2026-12-02 rows, after issue 44): 1,070 MB of fp32,
+# 2 participants' weights, moto's server on the same two cores. Aggregation (the tick's whole `write_aggregate`)
+# 10.4-11.5 s with K = 1 and 6.2-7.3 s with K = 2, of which the global's write 1.5-1.8 s.
+BENCH_BIG_MODEL_BYTES = 1_070_000_000
+BENCH_BIG_UPDATES = 2
+BENCH_BIG_K1_SECONDS = (10.4, 11.5)
+BENCH_BIG_K2_SECONDS = (6.2, 7.3)
+BENCH_BIG_WRITE_SECONDS = (1.5, 1.8)
+BENCH_BIG_CORES = 2
+
+
+def _middle(span: tuple[float, float]) -> float:
+    return (span[0] + span[1]) / 2
+
+
+def dev_machine() -> Platform:
+    """The dev machine as `make bench-big` measured it, from the K = 1 run alone: its per-worker rate is the update
+    bytes over the K = 1 aggregation less the global's write (local S3 is the same machine: no network limit).
+    K = 2 is then a prediction (tests/unit/test_cost_model_time.py checks it against the recorded range)."""
+    write = _middle(BENCH_BIG_WRITE_SECONDS)
+    summing = _middle(BENCH_BIG_K1_SECONDS) - write
+    return Platform("dev machine (make bench-big)", math.inf,
+                    BENCH_BIG_MODEL_BYTES * BENCH_BIG_UPDATES / summing,
+                    BENCH_BIG_MODEL_BYTES / write, 0.0, 0.0, cores=BENCH_BIG_CORES)
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    seconds: float  # the tick's whole aggregation: dispatch, the slowest shard, the global's write
+    shard_seconds: float  # one shard worker's
+    write_seconds: float
+    worker_gets: float  # ranged GETs by all workers
+    worker_puts: float  # UploadParts and outcomes
+    limit: str  # what bounds the shard's time, in words
+
+
+def aggregation_seconds(platform: Platform, fragment_bytes: float, updates: int, workers: int, up_ratio: float,
+                        down_ratio: float = 1.0) -> Aggregation:
+    """One aggregation of `updates` updates of a `fragment_bytes` model (or fragment) by `workers` shard workers.
+
+    Each worker reads its 1/K of every update (as sent: `up_ratio` of the dense bytes) and of the base global, and
+    writes its 1/K of the new global (and of the download delta, where downloads are compressed); it sums the dense
+    bytes at the worker rate. Its time is the largest of: its bytes over the network rate, its sums over the
+    worker rate, its ranged GETs' latency (one per piece per group of `STREAMS` inputs), and the round's requests
+    over S3's per-prefix rates. With fewer cores than workers, the workers take turns.
+    """
+    if workers < 1 or updates < 1:
+        raise ValueError("workers and updates must be at least 1")
+    pieces = max(1, math.ceil(fragment_bytes / PIECE_BYTES))
+    k = min(workers, pieces)
+    share = fragment_bytes / k
+    rounds_of_workers = math.ceil(k / platform.cores) if platform.cores else 1
+    written = share * (1 + (down_ratio if down_ratio < 1 else 0.0))
+    moved = share * updates * up_ratio + share + written
+    gets = pieces * (updates + 1) + k * (2 + updates)
+    puts = pieces * (2 if down_ratio < 1 else 1) + k
+    candidates = {
+        f"Lambda network throughput: {moved / 1e9:,.2f} GB a worker ({updates} updates x {up_ratio:.3g} of "
+        f"{fragment_bytes / 1e9:,.2f} GB / K={k}, the base and the result) at "
+        f"{platform.network_bytes_per_second / 1e6:,.0f} MB/s": moved / platform.network_bytes_per_second,
+        f"worker compute: {share * updates / 1e9:,.2f} GB of decoded updates a worker at "
+        f"{platform.worker_bytes_per_second / 1e9:.2f} GB/s": share * updates / platform.worker_bytes_per_second,
+        f"S3 request latency: {math.ceil(pieces / k) * math.ceil(updates / STREAMS)} ranged GETs in turn a worker at "
+        f"{platform.request_seconds * 1000:.0f} ms": math.ceil(pieces / k) * math.ceil(updates / STREAMS)
+        * platform.request_seconds,
+    }
+    if platform.request_seconds:  # (S3's own limits; the local server has none)
+        candidates[f"S3 GET rate: {gets:,} GETs at {S3_GET_PER_PREFIX_PER_SECOND:,.0f}/s a prefix"] = (
+            gets / S3_GET_PER_PREFIX_PER_SECOND)
+        candidates[f"S3 PUT rate: {puts:,} PUTs at {S3_PUT_PER_PREFIX_PER_SECOND:,.0f}/s a prefix"] = (
+            puts / S3_PUT_PER_PREFIX_PER_SECOND)
+    limit, shard = max(candidates.items(), key=lambda c: c[1])
+    # the write: one CopyObject (one request's rate) up to the threshold, else parts in parallel
+    one_request = fragment_bytes < COPY_THRESHOLD_BYTES and platform.request_seconds > 0
+    copy_rate = platform.copy_bytes_per_second / (COPY_STREAMS if one_request else 1)
+    write = fragment_bytes / copy_rate
+    if write > shard * rounds_of_workers:
+        limit = (f"the global's write: {fragment_bytes / 1e9:,.2f} GB copied to its content address "
+                 f"{'in one CopyObject' if one_request else 'in parts'} at {copy_rate / 1e6:,.0f} MB/s")
+    seconds = platform.dispatch_seconds + shard * rounds_of_workers + write
+    return Aggregation(seconds, shard, write, gets, puts, limit)
+
+
+@dataclass(frozen=True)
+class TimeAssumptions:
+    ingest_memory_mb: int = 1769  # [deploy.ingest] memory_mb default
+    worker_memory_mb: int = 1769  # [deploy.shard] memory_mb default
+    tick_memory_mb: int = 1769  # [deploy.tick] memory_mb default: the aggregating tick waits for its shards
+    egress_usd_per_gb: float = S3_EGRESS_USD_PER_GB  # 0 where the hosts are in the bucket's region
+
+    def __post_init__(self) -> None:
+        for name in ("ingest_memory_mb", "worker_memory_mb", "tick_memory_mb"):
+            if not 128 <= getattr(self, name) <= LAMBDA_MAX_MEMORY_MB:
+                raise ValueError(f"{name} must be 128 to {LAMBDA_MAX_MEMORY_MB} MB (Lambda's range)")
+
+
+@dataclass(frozen=True)
+class Phase:
+    seconds: float
+    usd: float
+    limit: str  # what bounds its time, in words
+
+
+@dataclass(frozen=True)
+class RoundTime:
+    """One round on AWS, phase by phase: seconds on the critical path and dollars for the whole round."""
+
+    model_bytes: float
+    participants: int
+    workers: int
+    upload_ratio: float
+    download_ratio: float
+    fragments: int
+    upload_bytes: float  # one participant's, per round
+    download_bytes: float
+    upload: Phase
+    ingest: Phase
+    aggregation: Phase
+    download: Phase
+    over_lambda_timeout: str  # "" or which invocation would run past LAMBDA_TIMEOUT_SECONDS
+
+    @property
+    def phases(self) -> dict[str, Phase]:
+        return {"upload": self.upload, "ingest": self.ingest, "aggregation": self.aggregation,
+                "download": self.download}
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.phases.values())
+
+    @property
+    def usd(self) -> float:
+        return sum(p.usd for p in self.phases.values())
+
+
+def _parts(nbytes: float) -> int:
+    return 1 if nbytes < 2 * TRANSFER_PART_BYTES else math.ceil(nbytes / TRANSFER_PART_BYTES)
+
+
+def round_time(model_bytes: float, participants: int, workers: int, upload_ratio: float, download_ratio: float = 1.0,
+               fragments: int = 1, upload_bytes_per_second: float = 125e6,
+               download_bytes_per_second: float | None = None, a: TimeAssumptions = TimeAssumptions(),
+               p: Prices = Prices()) -> RoundTime:
+    """Seconds and dollars of one round of `participants` updates of a `model_bytes` model, each sent at
+    `upload_ratio` of the dense bytes (`wire_ratio_of`), fetched at `download_ratio` (1: the whole global), one
+    fragment in `fragments` synced a round, aggregated by `workers` shard workers on Lambda; the participants
+    upload and download at the given speeds (bytes/s; download defaults to upload)."""
+    if model_bytes <= 0 or participants < 1 or workers < 1 or fragments < 1:
+        raise ValueError("model bytes, participants, workers and fragments must be positive")
+    if not (0 < upload_ratio <= 2 and 0 < download_ratio <= 2):
+        raise ValueError("wire ratios are bytes sent over dense bytes: between 0 and 2")
+    if upload_bytes_per_second <= 0 or (download_bytes_per_second or 1) <= 0:
+        raise ValueError("upload and download speeds must be positive")
+    down_speed = download_bytes_per_second or upload_bytes_per_second
+    n, frag = participants, model_bytes / fragments
+    up, down = frag * upload_ratio, frag * download_ratio
+    pieces = max(1, math.ceil(frag / PIECE_BYTES))
+    gb = 1e9
+
+    # Upload: each participant over its own link, at once; the round's parts held to S3's PUT rate. Free ingress.
+    up_parts = _parts(up)
+    up_puts = n * (up_parts + (2 if up_parts > 1 else 0))  # parts, and Create/Complete of each multipart upload
+    link, rate = up / upload_bytes_per_second, n * up_parts / S3_PUT_PER_PREFIX_PER_SECOND
+    upload = Phase(max(link, rate), up_puts * p.s3_put_per_1k / 1e3,
+                   f"participants' upload: {up / gb:,.3f} GB at {upload_bytes_per_second / 1e6:,.0f} MB/s"
+                   if link >= rate else f"S3 PUT rate: {n * up_parts:,} parts at "
+                   f"{S3_PUT_PER_PREFIX_PER_SECOND:,.0f}/s a prefix")
+
+    # Ingest of the last update (the others ran while it uploaded): it streams the object in one GET, reads an
+    # encoded update again decoded by range, and reads the whole global (fragment) by range as the reference.
+    delta = upload_ratio < 1 or download_ratio < 1
+    ingest_bytes = up * (2 if upload_ratio < 1 else 1) + frag
+    net = min(LAMBDA_NETWORK_BYTES_PER_SECOND, S3_REQUEST_BYTES_PER_SECOND)
+    ingest_s = max(ingest_bytes / net, frag / WORKER_UPDATE_BYTES_PER_SECOND)
+    ingest_gets = n * (1 + pieces * (2 if delta else 1))
+    ingest_usd = (n * ingest_s * a.ingest_memory_mb / 1024 * p.lambda_gb_second + ingest_gets * p.s3_get_per_1k / 1e3
+                  + n * (p.lambda_per_m + p.eventbridge_per_m + 2 * p.ddb_write_per_m) / 1e6)
+    ingest = Phase(ingest_s, ingest_usd, f"ingest's reads: {ingest_bytes / gb:,.2f} GB (the update, the global) at "
+                   f"{net / 1e6:,.0f} MB/s")
+
+    # Aggregation: K workers, the tick waiting for them; then the global's write.
+    agg = aggregation_seconds(LAMBDA, frag, n, workers, upload_ratio, download_ratio)
+    k = min(workers, pieces)
+    copy_parts = 1 if frag < COPY_THRESHOLD_BYTES else math.ceil(frag / COPY_PART_BYTES)
+    agg_usd = ((k * agg.shard_seconds * a.worker_memory_mb + agg.seconds * a.tick_memory_mb) / 1024
+               * p.lambda_gb_second + agg.worker_gets * p.s3_get_per_1k / 1e3
+               + (agg.worker_puts + 2 + copy_parts) * p.s3_put_per_1k / 1e3
+               + k * (p.lambda_per_m + 3 * p.sqs_per_m) / 1e6)
+    aggregation = Phase(agg.seconds, agg_usd, agg.limit)
+
+    # Download: every participant at once over its own link; its ranged GETs held to S3's GET rate; egress billed.
+    down_parts = _parts(down)
+    link, rate = down / down_speed, n * down_parts / S3_GET_PER_PREFIX_PER_SECOND
+    egress = n * down / gb * a.egress_usd_per_gb
+    download = Phase(max(link, rate), n * down_parts * p.s3_get_per_1k / 1e3 + egress,
+                     f"participants' download: {down / gb:,.3f} GB at {down_speed / 1e6:,.0f} MB/s"
+                     if link >= rate else f"S3 GET rate: {n * down_parts:,} GETs at "
+                     f"{S3_GET_PER_PREFIX_PER_SECOND:,.0f}/s a prefix")
+
+    over = ""
+    if agg.seconds > LAMBDA_TIMEOUT_SECONDS:
+        over = f"Lambda's 15-minute limit: the aggregating tick would wait {agg.seconds:,.0f} s for its shards"
+    elif ingest_s > LAMBDA_TIMEOUT_SECONDS:
+        over = f"Lambda's 15-minute limit: one ingest would take {ingest_s:,.0f} s"
+    return RoundTime(model_bytes, n, k, upload_ratio, download_ratio, fragments, up, down, upload, ingest,
+                     aggregation, download, over)
+
+
+# --- `fed plan`: which K, encoding and F meet a target ----------------------------------------------------------
+
+PLAN_ENCODINGS = ("weights", "bf16", "int8", "topk2", "topk4")  # topk at 2 % of each chunk, 2- or 4-bit values
+PLAN_DOWNLOADS = {"weights": "full", "bf16": "bf16", "int8": "int8", "topk2": "topk2", "topk4": "topk4"}
+PLAN_WORKERS = (1, 2, 4, 8, 16, 32, 64)  # up to [deploy.shard] reserved_concurrency's default (SHARD_RESERVED)
+PLAN_FRAGMENTS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    encoding: str  # what participants upload
+    download: str  # what they fetch ("full": the whole global)
+    round: RoundTime
+
+    def meets(self, target_seconds: float, target_usd: float) -> bool:
+        return (not self.round.over_lambda_timeout and self.round.aggregation.seconds <= target_seconds
+                and self.round.usd <= target_usd)
+
+
+@dataclass(frozen=True)
+class Plan:
+    candidates: list[Candidate]  # every one computed
+    shown: list[Candidate]  # per (encoding, F): the cheapest K that meets the targets, else the fastest
+    pick: Candidate | None  # the cheapest that meets them
+    why_not: str  # where none does: which limit stops the closest
+
+
+def _encoding_name(kind: str) -> str:
+    return {"topk2": "topk 2-bit", "topk4": "topk 4-bit", "full": "full"}.get(kind, kind)
+
+
+def plan(model_bytes: float, participants: int, dtype_bytes: int = 2, upload_bytes_per_second: float = 125e6,
+         download_bytes_per_second: float | None = None, target_seconds: float = 60.0, target_usd: float = 0.05,
+         workers: tuple[int, ...] = PLAN_WORKERS, encodings: tuple[str, ...] = PLAN_ENCODINGS,
+         fragments: tuple[int, ...] = PLAN_FRAGMENTS, download: str | None = None,
+         a: TimeAssumptions = TimeAssumptions()) -> Plan:
+    """Every (K, encoding, F) candidate's round, and the one with the fewest fragments, then the lowest cost, whose
+    aggregation takes at most `target_seconds` and whose round costs at most `target_usd`."""
+    out = []
+    for enc in encodings:
+        down = download or PLAN_DOWNLOADS.get(enc, enc)
+        up_ratio, down_ratio = wire_ratio_of(enc, dtype_bytes), wire_ratio_of(down, dtype_bytes)
+        for f in fragments:
+            for k in workers:
+                r = round_time(model_bytes, participants, k, up_ratio, down_ratio, f, upload_bytes_per_second,
+                               download_bytes_per_second, a)
+                if r.workers == k:  # (more workers than pieces is the same candidate as fewer)
+                    out.append(Candidate(enc, down, r))
+    # More fragments always divide a round's bytes, but each parameter is then synced only every F rounds: the
+    # pick is the fewest fragments that meet the targets, then the cheapest.
+    fits = [c for c in out if c.meets(target_seconds, target_usd)]
+    pick = min(fits, key=lambda c: (c.round.fragments, c.round.usd, c.round.seconds)) if fits else None
+    shown = []
+    for enc in encodings:
+        for f in fragments:
+            group = [c for c in out if c.encoding == enc and c.round.fragments == f]
+            good = [c for c in group if c.meets(target_seconds, target_usd)]
+            if group:
+                shown.append(min(good, key=lambda c: c.round.usd) if good
+                             else min(group, key=lambda c: (c.round.aggregation.seconds, c.round.usd)))
+    return Plan(out, shown, pick, "" if pick else _why_not(out, target_seconds, target_usd))
+
+
+def _why_not(candidates: list[Candidate], target_seconds: float, target_usd: float) -> str:
+    fast = [c for c in candidates if c.round.aggregation.seconds <= target_seconds and not c.round.over_lambda_timeout]
+    if not fast:
+        best = min(candidates, key=lambda c: c.round.aggregation.seconds)
+        if best.round.over_lambda_timeout:
+            return best.round.over_lambda_timeout
+        return (f"no candidate aggregates in {target_seconds:g} s: the fastest ({_encoding_name(best.encoding)}, "
+                f"K={best.round.workers}, F={best.round.fragments}) takes {best.round.aggregation.seconds:,.1f} s, "
+                f"bound by {best.round.aggregation.limit}")
+    cheap = min(fast, key=lambda c: c.round.usd)
+    name, phase = max(cheap.round.phases.items(), key=lambda item: item[1].usd)
+    r = cheap.round
+    cause = (f"S3 egress: {r.participants} participants x {r.download_bytes / 1e9:,.3f} GB at "
+             f"${S3_EGRESS_USD_PER_GB}/GB" if name == "download" else f"its {name}")
+    return (f"no candidate that aggregates in {target_seconds:g} s costs ${target_usd:g} a round: the cheapest "
+            f"({_encoding_name(cheap.encoding)}, K={r.workers}, F={r.fragments}) costs ${r.usd:.4f}, most of it "
+            f"{cause} (${phase.usd:.4f})")
+
+
+def plan_table(p: Plan) -> str:
+    """The markdown table `fed plan` prints, and its verdict."""
+    lines = [
+        "| upload / download | F | K | upload s | ingest s | aggregation s | download s | round s | upload $ "
+        "| ingest $ | aggregation $ | download $ (egress) | round $ | what bounds aggregation |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for c in p.shown:
+        r = c.round
+        mark = " **pick**" if c is p.pick else ""
+        lines.append(
+            f"| {_encoding_name(c.encoding)} / {_encoding_name(c.download)}{mark} | {r.fragments} | {r.workers} "
+            f"| {r.upload.seconds:,.1f} | {r.ingest.seconds:,.1f} | {r.aggregation.seconds:,.1f} "
+            f"| {r.download.seconds:,.1f} | {r.seconds:,.1f} | {r.upload.usd:.4f} | {r.ingest.usd:.4f} "
+            f"| {r.aggregation.usd:.4f} | {r.download.usd:.4f} | {r.usd:.4f} | {r.aggregation.limit} |"
+        )
+    if p.pick is not None:
+        r = p.pick.round
+        verdict = (f"Pick: {_encoding_name(p.pick.encoding)} up, {_encoding_name(p.pick.download)} down, "
+                   f"F={r.fragments}, K={r.workers}: aggregation {r.aggregation.seconds:,.1f} s, ${r.usd:.4f} a round "
+                   f"({r.seconds:,.1f} s upload to download, training aside).")
+    else:
+        verdict = f"No candidate meets the targets: {p.why_not}."
+    return "\n".join(lines) + "\n\n" + verdict
+
+
+def plan_7b() -> str:
+    """The plan docs/deploy.md shows: a 7 B-parameter bf16 model, 8 participants on 1 Gbit/s links."""
+    return plan_table(plan(14e9, 8, dtype_bytes=2, upload_bytes_per_second=125e6))
+
+
 if __name__ == "__main__":
-    sys.stdout.write(table() + "\n\n" + aggregation_table() + "\n\n" + junk_line() + "\n")
+    sys.stdout.write(table() + "\n\n" + aggregation_table() + "\n\n" + junk_line() + "\n\n" + plan_7b() + "\n")
