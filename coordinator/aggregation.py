@@ -31,6 +31,7 @@ from shared.aggregate import PieceAggregator, PieceOutput, RangeSource, StateSou
 from shared.compress import CachedRange, DecodedSource
 from shared.delta import index_of
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
+from shared.fragments import round_fragment
 from shared.messages import (
     MAX_OUTCOME_TEXT,
     MessageError,
@@ -103,13 +104,14 @@ def weighted_inputs(
     all of them."""
     run_id, encoding = deps.config.run_id, deps.config.encoding
     shared_base = CachedRange(base.source(deps)) if encoding.is_delta else None
+    synced = round_fragment(base.manifest, deps.config.fragments, round_no)  # (a fragment's update: its tensors)
 
     def source(i: AggregateInput | ShardInput) -> RangeSource:
         stored = ObjectRange(deps.bucket, keys.update_key(run_id, round_no, i.participant), i.version_id,
                              i.data_offset, owner=i.participant)
         if shared_base is None:
             return stored
-        return DecodedSource(base.manifest, encoding, shared_base, stored)
+        return DecodedSource(base.manifest, encoding, shared_base, stored, synced)
 
     return [WeightedInput(i.participant, i.samples, i.digest, source(i), i.norm) for i in inputs]
 

@@ -22,7 +22,10 @@ from shared.server_opt import (
 from store.blobs import NotFound, Tampered
 from store.ranges import CorruptInput
 
-MAX_PIECE_BYTES = 4 * PIECE_BYTES + 64 * 1024  # two float32 slots over a piece of 2-byte elements, and a header
+
+def max_piece_bytes(step: ServerStep) -> int:
+    """The largest state piece file: each slot's float32 values over a piece of 2-byte elements, and a header."""
+    return 2 * PIECE_BYTES * len(step.slots) + 64 * 1024
 
 
 def read_state_file(deps: Deps, key: str, want: str, limit: int) -> bytes:
@@ -61,7 +64,8 @@ class StoredState:
             return self._held[1]
         want = self.files[j]
         key = keys.optimizer_key(self.deps.config.run_id, self.round, want)
-        slots = decode_piece(self.step, j, read_state_file(self.deps, key, want, MAX_PIECE_BYTES), self.counts[j])
+        data = read_state_file(self.deps, key, want, max_piece_bytes(self.step))
+        slots = decode_piece(self.step, j, data, self.counts[j])
         self._held = (j, slots)
         return slots
 

@@ -14,6 +14,8 @@ from coordinator.deps import Deps
 from coordinator.model_files import GlobalModel
 from shared.compress import CachedRange, CompressError, DecodedSource, Encoding, encoded_manifest
 from shared.digest import PIECE_BYTES, TreeHasher
+from shared.fragments import round_fragment
+from shared.keys import parse_key
 from shared.scan import DataScan
 from shared.wire import Header, Manifest, WireError, header_length, parse_header_prefix
 from store.ranges import ObjectRange
@@ -40,6 +42,9 @@ def stream_model(deps: Deps, key: str, version_id: str, size: int, model: Global
     scan: DataScan | None = None
     position = 0  # data-section offset of pending[0]
     encoding = deps.config.encoding if model is not None else Encoding()
+    synced = None  # with fragments, an update holds the round's fragment alone
+    if model is not None and deps.config.fragments > 1:
+        synced = round_fragment(model.manifest, deps.config.fragments, parse_key(key).round or 0)
     reference = bytearray(BLOCK) if model is not None and not encoding.is_delta else None
     for chunk in chunks:
         hasher.update(chunk)
@@ -54,7 +59,7 @@ def stream_model(deps: Deps, key: str, version_id: str, size: int, model: Global
                 if len(pending) < need:
                     continue
                 out.header = parse_header_prefix(bytes(pending[:need]), size)
-                scan = _scan_for(out.header, model, encoding)
+                scan = _scan_for(out.header, model, encoding, synced)
                 del pending[:need]
             except WireError as exc:
                 out.problem = str(exc)
@@ -77,13 +82,14 @@ def stream_model(deps: Deps, key: str, version_id: str, size: int, model: Global
             out.problem = scan.problem
             if model is not None and encoding.is_delta and not out.problem:
                 scan = _scan_decoded(deps, ObjectRange(deps.bucket, key, version_id, out.header.data_offset), model,
-                                     encoding)
+                                     encoding, synced)
                 out.problem = scan.problem
             out.distance = scan.distance if model is not None else -1.0
     return out
 
 
-def _scan_for(header: Header, model: GlobalModel | None, encoding: Encoding) -> DataScan:
+def _scan_for(header: Header, model: GlobalModel | None, encoding: Encoding,
+              synced: frozenset[str] | None = None) -> DataScan:
     if model is not None:
         try:
             sent = Encoding.of_metadata(header.metadata)
@@ -91,9 +97,10 @@ def _scan_for(header: Header, model: GlobalModel | None, encoding: Encoding) -> 
             raise WireError(str(exc)) from None
         if sent != encoding:
             raise WireError(f"update encoded as {sent}; this run's updates are {encoding} (update_encoding)")
-        expected = encoded_manifest(model.manifest, encoding)
+        expected = encoded_manifest(model.manifest, encoding, synced)
         if reason := expected.mismatch(header):
-            raise WireError(reason + (f" (an update encoded as {encoding})" if encoding.is_delta else ""))
+            said = f" (an update encoded as {encoding}" + (", of this round's fragment" if synced else "") + ")"
+            raise WireError(reason + (said if encoding.is_delta else ""))
         return DataScan(expected)
     manifest = Manifest.of(header)
     if not header.tensors:
@@ -103,10 +110,11 @@ def _scan_for(header: Header, model: GlobalModel | None, encoding: Encoding) -> 
     return DataScan(manifest)
 
 
-def _scan_decoded(deps: Deps, encoded: ObjectRange, model: GlobalModel, encoding: Encoding) -> DataScan:
+def _scan_decoded(deps: Deps, encoded: ObjectRange, model: GlobalModel, encoding: Encoding,
+                  synced: frozenset[str] | None) -> DataScan:
     """The weights an encoded update stands for, block by block: finite, and their distance from the global."""
     base = CachedRange(model.source(deps))  # (read once a block: by the decoding and as the reference)
-    source = DecodedSource(model.manifest, encoding, base, encoded)
+    source = DecodedSource(model.manifest, encoding, base, encoded, synced)
     scan = DataScan(model.manifest)
     block, reference = bytearray(BLOCK), bytearray(BLOCK)
     total = model.manifest.nbytes

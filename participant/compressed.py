@@ -84,8 +84,9 @@ class Residual:
 
 
 def write_update(model: Mapping[str, torch.Tensor], held: ModelSource, encoding: Encoding, path: Path,
-                 metadata: dict[str, str], residual: Residual | None) -> Path:
-    """Write our trained `model` to `path` in `encoding` (the delta from the global model `held`)."""
+                 metadata: dict[str, str], residual: Residual | None, only: frozenset[str] | None = None) -> Path:
+    """Write our trained `model` to `path` in `encoding` (the delta from the global model `held`) — of the tensors
+    `only` (a Streaming DiLoCo fragment), or all (None). The residual of tensors not sent is carried on as it was."""
     from participant.tensors import open_tensors
 
     previous = residual.load(model) if residual is not None else None
@@ -93,6 +94,10 @@ def write_update(model: Mapping[str, torch.Tensor], held: ModelSource, encoding:
     lost: dict[str, np.ndarray] = {}
     with open_tensors(held) as base:
         for name, tensor in model.items():  # one tensor at a time
+            if only is not None and name not in only:
+                if previous is not None and name in previous:
+                    lost[name] = previous[name]
+                continue
             carried = {name: previous[name]} if previous is not None and name in previous else None
             sent, missed = encode_delta({name: native(tensor)}, {name: native(base.tensor(name))}, encoding, carried)
             encoded.update(sent)
@@ -102,18 +107,22 @@ def write_update(model: Mapping[str, torch.Tensor], held: ModelSource, encoding:
     return write_atomic(path, wire.encode(encoded, metadata | encoding.metadata()))
 
 
-def decode_update_file(path: Path, held: ModelSource, encoding: Encoding) -> None:
-    """Replace a peer's encoded update at `path` with the weights it stands for (a witness evaluates weights).
-    Raises WireError (or CompressError) for a file that is not an update in `encoding`."""
+def decode_update_file(path: Path, held: ModelSource, encoding: Encoding, fragments: int = 1,
+                       round_no: int = 0) -> None:
+    """Replace a peer's encoded update at `path` with the weights it stands for (a witness evaluates weights); in a
+    run of `fragments`, an update of round `round_no`'s fragment alone. Raises WireError (or CompressError) for a
+    file that is not an update in `encoding`."""
     from participant.tensors import open_tensors
+    from shared.fragments import round_fragment
 
     arrays, header = wire.decode(path.read_bytes())
     if Encoding.of_metadata(header.metadata) != encoding:
         raise wire.WireError(f"not encoded as {encoding}, the run's update encoding")
     with open_tensors(held) as f:
         base = {name: native(f.tensor(name)) for name in f.names()}
-    expected = encoded_manifest(wire.Manifest({n: wire.spec_of(n, a) for n, a in base.items()}), encoding)
-    if problem := expected.mismatch(header):
+    manifest = wire.Manifest({n: wire.spec_of(n, a) for n, a in base.items()})
+    synced = round_fragment(manifest, fragments, round_no)
+    if problem := encoded_manifest(manifest, encoding, synced).mismatch(header):
         raise wire.WireError(problem)
     metadata = {k: v for k, v in header.metadata.items() if k not in encoding.metadata()}  # (weights now)
-    write_atomic(path, wire.encode(decode_arrays(arrays, base, encoding), metadata))
+    write_atomic(path, wire.encode(decode_arrays(arrays, base, encoding, synced), metadata))

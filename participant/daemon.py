@@ -343,7 +343,8 @@ class Daemon(Participant):
         return self.training.train(self._work(), action, self.me.held_model)
 
     def _check_updates(self, action: CheckUpdates, state: RunState) -> None:
-        self.witnessing.check_updates(action, state, self.me.held_model, self._work().config.encoding)
+        config = self._work().config
+        self.witnessing.check_updates(action, state, self.me.held_model, config.encoding, config.fragments)
 
     def _send_proof(self, action: SendProof, state: RunState) -> None:
         self.witnessing.send_proof(self._work(), action, state, self.me.held, self.me.held_model, self.me.joined_at)

@@ -1,5 +1,5 @@
 """A round's global model rebuilt from the previous one and the round's compressed delta (`shared.delta`),
-instead of downloaded whole: a quarter of the bytes with int8, half with bf16.
+instead of downloaded whole: a quarter of the bytes with int8, half with bf16, a few per cent with topk.
 
 Nothing fetched is trusted: the delta's index must rebuild exactly the model the run state names (its piece
 hashes combine to that digest), each delta piece must have the digest the index lists, and each rebuilt piece
@@ -18,15 +18,22 @@ from pathlib import Path
 from participant.remote import Remote
 from shared import keys
 from shared.compress import Encoding
-from shared.delta import MAX_INDEX_BYTES, DeltaError, DeltaIndex, decode_delta_piece, header_of, rebuild_piece
-from shared.digest import PIECE_BYTES, digest, piece_hash
+from shared.delta import (
+    MAX_INDEX_BYTES,
+    DeltaError,
+    DeltaIndex,
+    decode_delta_piece,
+    header_of,
+    max_piece_file_bytes,
+    rebuild_piece,
+)
+from shared.digest import digest, piece_hash
 from shared.plan import PiecePlan
 from shared.wire import WireError, header_length
 from store.blobs import NotFound
 
 log = logging.getLogger("participant")
 
-MAX_PIECE_FILE_BYTES = 2 * PIECE_BYTES + 64 * 1024  # bf16 codes of a piece of 1-byte elements, and a header
 
 
 class FileRange:
@@ -85,12 +92,13 @@ def rebuild_from_delta(remote: Remote, run_id: str, round_no: int, want: str, en
 def _rebuild(remote: Remote, run_id: str, round_no: int, index: DeltaIndex, base: FileRange, out: Path,
              progress: Callable[[int, int], None] | None) -> int:
     fetched, heads = 0, b""
+    limit = max_piece_file_bytes(index.encoding)
     plan: PiecePlan | None = None
     try:
         with out.open("wb") as f:
             for i, (want_hash, want_file) in enumerate(zip(index.hashes, index.pieces, strict=True)):
                 data = remote.retry.call("downloading a delta piece", remote.bucket.get,
-                                         keys.delta_key(run_id, round_no, want_file), MAX_PIECE_FILE_BYTES).data
+                                         keys.delta_key(run_id, round_no, want_file), limit).data
                 fetched += len(data)
                 if digest(data) != want_file:
                     raise DeltaError(f"delta piece {i} is not the file the index lists")

@@ -31,6 +31,7 @@ from participant.delta_fetch import rebuild_from_delta
 from participant.journal import JournalKeeper
 from participant.protocol import ForeignInitialModel, ParticipantError, UnfitModel, closed_while_training
 from participant.remote import Remote, Stopped
+from participant.streaming import OwnModel, synced_tensors
 from participant.ui import Reporter
 from shared import keys
 from shared.config import DataMode, RunConfig
@@ -275,6 +276,7 @@ class Training:
         # model files we write, until they are uploaded (beside the cache: the state directory)
         self.outbox = outbox if outbox is not None else cache_dir.parent / "outbox"
         self.residual = Residual(cache_dir.parent)  # error feedback of compressed updates
+        self.own_model = OwnModel(cache_dir.parent)  # Streaming DiLoCo: our model between rounds
         # files a process killed mid-write or mid-download left behind
         leftovers = [*self.outbox.glob("*"), *cache_dir.glob(f"*{UNVERIFIED_SUFFIX}"), *cache_dir.glob(".*.part")]
         for left in leftovers:
@@ -470,6 +472,13 @@ class Training:
         model = load_into(task.build_model(config.seed), held_model)
         global_eval = task.evaluate(model, work.device)
         self.global_evals = {a.digest: dict(global_eval)}  # a witness compares the round's updates with it
+        synced = None  # with fragments (Streaming DiLoCo): our own model goes on, and the round syncs one fragment
+        if config.fragments > 1:
+            own = self.own_model.resume(model, a.round, config.fragments, config.fragment_mix)
+            synced = synced_tensors(model, config.fragments, a.round)
+            log.info("round %d: training %s, syncing fragment %d of %d (%d tensors)", a.round,
+                     "our own model" if own else "from the global model", a.round % config.fragments,
+                     config.fragments, len(synced or ()))
         seed = train_seed(a.seed, self.pid)
         torch.manual_seed(seed)
         self.doing(f"training round {a.round}")
@@ -514,9 +523,11 @@ class Training:
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
         meta = UpdateMeta(self.run_id, a.round, self.pid, mine.claim, metrics, work.identity)
         path = self.outbox / f"update-{a.round:06d}{MODEL_SUFFIX}"
+        if synced is not None:
+            self.own_model.keep(model, a.round)
         if config.encoding.is_delta:  # the delta from the global model, compressed (`shared.compress`)
             write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(),
-                         self.residual if config.error_feedback else None)
+                         self.residual if config.error_feedback else None, synced)
         else:
             save_model(model, path, meta.to_metadata())
         log.info("round %d: trained in %.2fs: loss %.4f, test accuracy %.4f (global model %.4f)", a.round, seconds,

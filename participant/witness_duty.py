@@ -80,7 +80,7 @@ class Witnessing:
         return len(w.missing(state.selected)), len(w.unchecked(state.selected))
 
     def check_updates(self, action: CheckUpdates, state: RunState, held_model: ModelSource,
-                      encoding: Encoding = Encoding()) -> None:
+                      encoding: Encoding = Encoding(), fragments: int = 1) -> None:
         """Download each recorded update not yet verified, by its recorded version, to disk, and verify it (a
         compressed one decoded against the global model first: witnesses evaluate weights)."""
         assert self.witness is not None and self.witness.round == action.round
@@ -99,7 +99,7 @@ class Witnessing:
                     got = self.remote.download_file(key, w.update_path(rec.pid), progress, version_id=rec.version_id)
             except NotFound:
                 path = None
-            check = w.verify(rec, path, got, held_model, encoding)
+            check = w.verify(rec, path, got, held_model, encoding, fragments)
             w.verify_seconds += time.perf_counter() - started
             if check.problem:
                 log.warning("round %d: witness: the update of %s cannot be attested: %s", action.round, rec.pid,

@@ -146,7 +146,7 @@ class RoundWitness:
         return self.workdir / f"{pid}.safetensors"
 
     def verify(self, rec: PeerUpdate, path: Path | None, got: str, reference: ModelSource,
-               encoding: Encoding = Encoding()) -> Check:
+               encoding: Encoding = Encoding(), fragments: int = 1) -> Check:
         """Check a downloaded file (None: not in the bucket) whose content digest is `got` against the record and
         the global model (a compressed update is decoded in place first); a file that fails is deleted."""
         problem = ""
@@ -155,7 +155,7 @@ class RoundWitness:
         elif got != rec.digest:
             problem = f"digest {got[:12]} is not the recorded {rec.digest[:12]}"
         else:
-            problem = _decoded(path, reference, encoding)
+            problem = _decoded(path, reference, encoding, fragments, self.round)
             problem = problem or structure_problem(path, reference) or non_finite(path)
         if problem and path is not None:
             path.unlink(missing_ok=True)
@@ -312,14 +312,15 @@ def _median(rows: Any) -> Any:
     return (ordered[(k - 1) // 2] + ordered[k // 2]) / 2
 
 
-def _decoded(path: Path, reference: ModelSource, encoding: Encoding) -> str:
-    """Decode a compressed update in place (`participant.compressed`); why it cannot be, or ""."""
+def _decoded(path: Path, reference: ModelSource, encoding: Encoding, fragments: int, round_no: int) -> str:
+    """Decode a compressed update (of round `round_no`'s fragment, in a run of `fragments`) in place
+    (`participant.compressed`); why it cannot be, or ""."""
     if not encoding.is_delta:
         return ""
     from participant.compressed import decode_update_file
 
     try:
-        decode_update_file(path, reference, encoding)
+        decode_update_file(path, reference, encoding, fragments, round_no)
     except ValueError as exc:  # WireError, CompressError
         return f"not a valid {encoding} update: {exc}"
     return ""

@@ -35,7 +35,7 @@ from shared.config import RunConfig
 from shared.delta import applied, codes_of, encode_delta_piece
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
 from shared.plan import PieceLayout, PiecePlan, store
-from shared.server_opt import ServerStep, decode_piece, encode_index, encode_piece, gather, new_state
+from shared.server_opt import FEEDBACK, ServerStep, decode_piece, encode_index, encode_piece, gather, new_state
 from shared.strategies import RowWise, WeightedSum, strategy_of
 from shared.wire import FLOAT_TAGS, ITEMSIZE, SCHEMA_VERSION, Manifest, TensorSpec, numpy_dtype, tensor_view
 
@@ -252,10 +252,11 @@ class PieceAggregator:
         if self._piece is None:
             return PieceOutput(out)
         piece, self._piece = self._piece, None
+        delta = (piece.finish_delta(self.download, bytes(out[: layout.in_header]), data)
+                 if self.download.is_delta else None)
+        # (after the delta: with topk downloads it updates the state's error feedback)
         state = None if self.step is None else encode_piece(self.step, index, piece.values)
-        if not self.download.is_delta:
-            return PieceOutput(out, state)
-        return PieceOutput(out, state, piece.finish_delta(self.download, bytes(out[: layout.in_header]), data))
+        return PieceOutput(out, state, delta)
 
     def _emit(self, out: memoryview, offset: int, spec: TensorSpec, values: np.ndarray) -> None:
         """Store the strategy's aggregate of elements at byte `offset` of the piece's data — or, with a server
@@ -263,7 +264,7 @@ class PieceAggregator:
         the piece's delta is made (`_PieceState.finish_delta`)."""
         if self._piece is not None:
             first = self._piece.first(offset)
-            if self.step is not None:
+            if self.step is not None and not self.step.rule.identity:
                 x = tensor_view(self._piece.base, offset, spec).astype(np.float32)
                 state = {slot: v[first : first + spec.numel] for slot, v in self._piece.values.items()}
                 values = self.step.apply(x, values, state)
@@ -442,13 +443,22 @@ class _PieceState:
 
     def finish_delta(self, encoding: Encoding, head: bytes, data: memoryview) -> bytes:
         """Write the piece's float elements as base + decoded delta (`shared.delta`: what every participant
-        rebuilds) and return the delta file."""
+        rebuilds) and return the delta file. With the coordinator's error feedback (a FEEDBACK slot in the
+        state: topk downloads) the delta encodes the change plus the feedback, and the feedback becomes what
+        the stored model did not take of that (in its own dtype): over rounds, the changes the global made plus
+        the feedback left add up to the changes asked for."""
         assert self.targets is not None
         x = self.layout.gather_floats(self.base)
-        codes, scales = codes_of(self.targets - x, encoding)
-        with np.errstate(over="ignore"):
-            self.layout.scatter_floats(data, applied(x, codes, scales, encoding))
-        return encode_delta_piece(self.layout, encoding, head, self.layout.gather_others(data), codes, scales)
+        with np.errstate(over="ignore", invalid="ignore"):
+            step = np.subtract(self.targets, x, dtype=np.float32)
+            feedback = self.values.get(FEEDBACK)
+            if feedback is not None:
+                step += feedback
+            codes = codes_of(step, encoding)
+            self.layout.scatter_floats(data, applied(x, codes, encoding))
+            if feedback is not None:
+                feedback[:] = step - (self.layout.gather_floats(data) - x)
+        return encode_delta_piece(self.layout, encoding, head, self.layout.gather_others(data), codes)
 
 
 def global_metadata(run_id: str, round_no: int, inputs: Iterable[WeightedInput], strategy: str) -> dict[str, str]:

@@ -160,8 +160,13 @@ def kept_before(numel: int, chunk: int, encoding: Encoding) -> int:
     return whole * encoding.keep + rest
 
 
-def encoded_manifest(manifest: Manifest, encoding: Encoding) -> Manifest:
-    """What a file in `encoding` holds for a model of `manifest`."""
+def encoded_manifest(manifest: Manifest, encoding: Encoding, only: frozenset[str] | None = None) -> Manifest:
+    """What a file in `encoding` holds for a model of `manifest` — of its tensors `only` (a Streaming DiLoCo
+    fragment, `shared.fragments`: the others' deltas are zero and not sent), or of all of them (None)."""
+    if only is not None:
+        if not encoding.is_delta:
+            raise CompressError("a fragment is sent as its delta: weights cannot leave tensors out")
+        manifest = Manifest({n: s for n, s in manifest.tensors.items() if n in only})
     if not encoding.is_delta:
         return manifest
     for suffix in (SCALE_SUFFIX, INDEX_SUFFIX):
@@ -338,13 +343,18 @@ def topk_entries(numel: int, c0: int, c1: int, packed: np.ndarray, index: np.nda
 
 
 def decode_arrays(
-    encoded: dict[str, np.ndarray], base: dict[str, np.ndarray], encoding: Encoding
+    encoded: dict[str, np.ndarray], base: dict[str, np.ndarray], encoding: Encoding,
+    only: frozenset[str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The trained weights an encoded update stands for (whole tensors in memory: tests and small models)."""
+    """The trained weights an encoded update stands for (whole tensors in memory: tests and small models); with
+    `only`, an update of those tensors alone (the others are the base's)."""
     if not encoding.is_delta:
         return dict(encoded)
     out: dict[str, np.ndarray] = {}
     for name, ref in base.items():
+        if only is not None and name not in only:
+            out[name] = ref
+            continue
         value = encoded[name]
         if not is_float(ref.dtype):
             out[name] = value
@@ -395,10 +405,12 @@ class DecodedSource:
     elements in it: the codes and scales lie elsewhere in the encoded file but in the same order, so they are
     read in a few coalesced requests. Memory: the range, its encoded bytes, and float32 scratch per tensor part."""
 
-    def __init__(self, manifest: Manifest, encoding: Encoding, base: _Ranged, encoded: _Ranged) -> None:
+    def __init__(self, manifest: Manifest, encoding: Encoding, base: _Ranged, encoded: _Ranged,
+                 only: frozenset[str] | None = None) -> None:
         self.manifest, self.encoding, self.base, self.encoded = manifest, encoding, base, encoded
         self.layout = manifest.layout()
-        self.encoded_layout = encoded_manifest(manifest, encoding).layout()
+        self.encoded_layout = encoded_manifest(manifest, encoding, only).layout()
+        self.only = only  # a fragment's tensors: the others read as the base (their delta is zero)
         self._order = sorted(self.layout, key=lambda n: self.layout[n][0])
         self._starts = [self.layout[n][0] for n in self._order]
 
@@ -422,7 +434,7 @@ class DecodedSource:
             a, b = self.layout[name]
             if a >= hi:
                 break
-            if b <= lo:
+            if b <= lo or (self.only is not None and name not in self.only):
                 continue
             spec = self.manifest.tensors[name]
             size = ITEMSIZE[spec.dtype]

@@ -63,6 +63,7 @@ class DownloadEncoding(StrEnum):
     FULL = "full"
     BF16 = "bf16"
     INT8 = "int8"
+    TOPK = "topk"
 
 
 class Adapter(StrEnum):
@@ -265,10 +266,12 @@ class RunConfig(BaseModel):
     topk_chunk: int = Field(4096, ge=1, le=1 << 15, description="topk: elements per chunk (positions are 16-bit).")
     download_encoding: DownloadEncoding = Field(
         DownloadEncoding.FULL, description="What participants download each round: full (the global model) or the "
-        "round's change from the previous global as bf16 or int8 (per block of quant_block elements), which a "
-        "participant holding the previous global applies; the global model is then defined as the previous one plus "
-        "the decoded change, so it is exact and verifiable. A participant without the previous one downloads the "
-        "full model.")
+        "round's change from the previous global as bf16, int8 (per block of quant_block elements) or topk (the "
+        "topk_percent % largest of each chunk of topk_chunk float elements at topk_bits bits, as for updates; what "
+        "is not sent is kept by the coordinator as error feedback, in the server optimizer state, and sent in later "
+        "rounds), which a participant holding the previous global applies; the global model is then defined as the "
+        "previous one plus the decoded change, so it is exact and verifiable. A participant without the previous "
+        "one downloads the full model.")
     error_feedback: bool = Field(True, description="Participants keep what quantization lost and add it to their "
                                  "next round's delta (bf16, int8), so no part of an update is lost for good.")
     max_update_bytes: int = Field(
@@ -357,6 +360,8 @@ class RunConfig(BaseModel):
     def download(self) -> Encoding:
         """The download delta's encoding (`weights`: full models only)."""
         kind = self.download_encoding.value
+        if self.download_encoding is DownloadEncoding.TOPK:
+            return Encoding.topk(self.topk_percent, self.topk_bits, self.topk_chunk)
         return Encoding("weights" if kind == "full" else kind, self.quant_block)
 
     @property

@@ -40,10 +40,11 @@ class PiecePlan:
 
     manifest: Manifest
     header: bytes
+    synced: frozenset[str] | None = None  # the tensors the round changes (a Streaming DiLoCo fragment); None: all
 
     @classmethod
-    def of(cls, manifest: Manifest, metadata: dict[str, str]) -> PiecePlan:
-        return cls(manifest, encode_header(manifest.tensors, metadata))
+    def of(cls, manifest: Manifest, metadata: dict[str, str], synced: frozenset[str] | None = None) -> PiecePlan:
+        return cls(manifest, encode_header(manifest.tensors, metadata), synced)
 
     @property
     def size(self) -> int:

@@ -23,6 +23,13 @@ elements it holds, in order (and the global model it goes with); the index's dig
 recorded in the run state and each round's summary, so the state is authenticated exactly like the global model.
 A later round reads the elements of each of its own pieces from whichever files hold them (`gather`): one, or
 two where its pieces do not fall where the files do (its header is longer or shorter).
+
+With topk downloads (`shared.delta`) the state has one more slot, `feedback`: the coordinator's error feedback,
+what the download delta has not yet sent of the change the rounds asked for (in float32 per float element).
+topk sends about 2 % of each round's change, so dropping the rest, as bf16 and int8 downloads drop their small
+rounding, would lose most of every step; the feedback is added to the next round's change instead. It is kept,
+authenticated, checkpointed and verified like any optimizer slot — also without a server optimizer, whose step
+is then the identity (the aggregate is the target) with this one slot.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from shared.wire import WireError, decode, encode
 
 INDEX_SCHEMA = 2  # 2: each piece file's element count is listed (1 assumed the pieces of the reading round)
 MAX_INDEX_BYTES = 4 * 1024 * 1024  # ~60,000 pieces: a 480 GB model
+FEEDBACK = "feedback"  # the slot of the coordinator's error feedback (topk downloads)
 
 
 class StateError(ValueError):
@@ -58,14 +66,17 @@ class ServerStep:
     momentum: float
     beta2: float
     tau: float
+    feedback: bool = False  # the state also holds the coordinator's error feedback (FEEDBACK: topk downloads)
 
     @classmethod
     def of(cls, config: RunConfig) -> ServerStep | None:
-        """The run's server optimizer; None when the aggregate is the next global as it is."""
-        if OPTIMIZERS[config.server_optimizer].identity:
+        """The run's server optimizer and the state it keeps; None when the aggregate is the next global as it is
+        and no state is kept."""
+        feedback = config.download.kind == "topk"
+        if OPTIMIZERS[config.server_optimizer].identity and not feedback:
             return None
         return cls(config.server_optimizer, config.server_step, config.server_momentum, config.server_beta2,
-                   config.server_tau)
+                   config.server_tau, feedback)
 
     @property
     def rule(self) -> type[ServerOptimizerRule]:
@@ -74,7 +85,7 @@ class ServerStep:
     @property
     def slots(self) -> tuple[str, ...]:
         """Its persisted state."""
-        return self.rule.slots
+        return self.rule.slots + ((FEEDBACK,) if self.feedback else ())
 
     def apply(self, x: np.ndarray, aggregate: np.ndarray, state: Mapping[str, np.ndarray]) -> np.ndarray:
         """The next global values for elements `x` (float32), updating `state`'s slices in place."""

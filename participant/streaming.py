@@ -1,0 +1,93 @@
+"""Streaming DiLoCo on the participant (`fragments` > 1, `shared.fragments`): its own model between rounds.
+
+In a plain run every round trains from the round's global model. With fragments, a participant keeps training
+its own model, and each round syncs one fragment: the update is that fragment's delta from the global (the
+fragment's value at its last sync), and when the next round's global arrives the participant mixes the fragment
+just synced into its model, `fragment_mix` x its own values + (1 - fragment_mix) x the global's, as the paper
+merges an arriving fragment. Every other tensor stays its own.
+
+The model is kept in the state directory after each round's training, with the round it trained, so a restart
+goes on from it. A participant that did not train the round before (it joined, restarted past a round, or was
+not selected) catches up: it starts again from the global model, whose every fragment is the latest sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from participant.compressed import native, write_atomic
+from shared import wire
+from shared.fragments import round_fragment
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger("participant")
+
+
+def manifest_of(model: nn.Module) -> wire.Manifest:
+    return wire.Manifest({n: wire.spec_of(n, native(t)) for n, t in model.state_dict().items()})
+
+
+def synced_tensors(model: nn.Module, fragments: int, round_no: int) -> frozenset[str] | None:
+    """The tensors round `round_no` syncs (its update holds them alone); None: every tensor."""
+    return round_fragment(manifest_of(model), fragments, round_no)
+
+
+class OwnModel:
+    """The participant's own model between the rounds of a fragmented run, in `directory`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "own-model.safetensors"
+
+    def trained_round(self) -> int | None:
+        """The round the kept model finished training, if one is kept and readable."""
+        if not self.path.exists():
+            return None
+        try:
+            with self.path.open("rb") as f:
+                first = f.read(8)
+                size = self.path.stat().st_size
+                header = wire.parse_header_prefix(first + f.read(wire.header_length(first, size)), size)
+            return int(header.metadata["fed.trained"])
+        except (wire.WireError, KeyError, ValueError, OSError):
+            return None
+
+    def resume(self, model: nn.Module, round_no: int, fragments: int, mix: float) -> bool:
+        """Turn `model`, which holds round `round_no`'s global, into our own: the kept one, with the fragment the
+        round before synced mixed in from the global. False (the global as it is) when no model of the round
+        before is kept."""
+        import torch
+
+        from participant.tensors import TensorMismatch, load_into
+
+        if round_no == 0 or self.trained_round() != round_no - 1:
+            return False
+        merged = synced_tensors(model, fragments, round_no - 1) or frozenset()
+        held = {n: t.detach().clone() for n, t in model.state_dict().items() if n in merged}
+        try:
+            load_into(model, self.path)
+        except (TensorMismatch, wire.WireError, OSError, ValueError) as exc:
+            log.warning("our own model %s does not load (%s); training from the global model", self.path, exc)
+            for name, value in held.items():
+                model.state_dict()[name].copy_(value)
+            return False
+        with torch.no_grad():
+            state = model.state_dict()
+            for name, value in held.items():
+                own = state[name]
+                if own.is_floating_point():
+                    own.mul_(mix).add_(value.to(own.dtype), alpha=1 - mix)
+                else:
+                    own.copy_(value)
+        return True
+
+    def keep(self, model: nn.Module, round_no: int) -> None:
+        """Our model as trained in round `round_no`, kept for the next round (written whole, then renamed)."""
+        tensors: dict[str, torch.Tensor] = dict(model.state_dict())
+        from participant.tensors import to_bytes
+
+        write_atomic(self.path, to_bytes(tensors, {"fed.trained": str(round_no)}))

@@ -1,0 +1,66 @@
+"""Streaming DiLoCo's fragments: which tensors each round syncs (Douillard et al. 2025, "Streaming DiLoCo with
+overlapping communication").
+
+With `fragments` F > 1 the model's tensors are split into F fragments, and round r syncs fragment r mod F alone:
+participants upload the delta of that fragment's tensors only, the round's aggregate (and server optimizer step)
+changes only them, and every other tensor of the next global is the round's global, byte for byte. So a sync moves
+about 1/F of the model, and each fragment takes one outer step every F rounds.
+
+Tensors are grouped by layer: a tensor's group is its name up to its first dotted integer component
+("model.layers.3.mlp.up.weight" -> "model.layers.3"), or up to its last dot where the name has none ("fc1.weight" ->
+"fc1"). Groups are put in natural order (layer 10 after layer 9) and dealt out strided, group i to fragment i mod F,
+as the paper does: each fragment holds layers from the whole depth of the network, not one contiguous stretch.
+Where there are fewer groups than fragments, tensors are dealt out one by one instead, so no fragment is empty while
+the model has at least F tensors.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shared.wire import Manifest
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _group(name: str) -> str:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def _natural(text: str) -> tuple[tuple[int, int | str], ...]:
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in _DIGITS.split(text) if p)
+
+
+def fragments_of(manifest: Manifest, count: int) -> tuple[frozenset[str], ...]:
+    """The tensor names of each of `count` fragments (pure: the same manifest gives the same split anywhere)."""
+    if count < 1:
+        raise ValueError(f"a model is split into at least one fragment, not {count}")
+    names = sorted(manifest.tensors, key=_natural)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(_group(name), []).append(name)
+    ordered = sorted(groups, key=_natural)
+    out: list[set[str]] = [set() for _ in range(count)]
+    if len(ordered) >= count:
+        for i, group in enumerate(ordered):
+            out[i % count].update(groups[group])
+    else:
+        for i, name in enumerate(n for g in ordered for n in groups[g]):
+            out[i % count].add(name)
+    return tuple(frozenset(f) for f in out)
+
+
+def synced_in(round_no: int, count: int) -> int:
+    """The fragment round `round_no` syncs."""
+    return round_no % count
+
+
+def round_fragment(manifest: Manifest, count: int, round_no: int) -> frozenset[str] | None:
+    """The tensors round `round_no` syncs; None when the run is not split (every tensor)."""
+    if count <= 1:
+        return None
+    return fragments_of(manifest, count)[synced_in(round_no, count)]
