@@ -34,6 +34,7 @@ from shared.compress import Encoding
 from shared.config import RunConfig
 from shared.delta import applied, codes_of, encode_delta_piece
 from shared.digest import PIECE_BYTES, combine, digest, piece_hash
+from shared.fragments import round_fragment, synced_in
 from shared.plan import PieceLayout, PiecePlan, store
 from shared.server_opt import FEEDBACK, ServerStep, decode_piece, encode_index, encode_piece, gather, new_state
 from shared.strategies import RowWise, WeightedSum, strategy_of
@@ -211,6 +212,10 @@ class PieceAggregator:
         self.download = config.download
         if self.download.is_delta and base is None:
             raise ValueError("a compressed download needs the round's global model")
+        if plan.synced is not None and base is None:
+            raise ValueError("a fragment's round needs the round's global model (the other tensors are its)")
+        layout = plan.manifest.layout()
+        self._tensors = sorted((a, name) for name, (a, b) in layout.items() if b > a)  # by data-section offset
         self._piece: _PieceState | None = None  # the piece being computed's base values and optimizer state
         self._buffers: list[bytearray] = []  # for inputs that do not stream: two piece-sized read buffers, reused
         self._slice = bytearray(SLICE_BYTES)  # the slice of an input being summed
@@ -242,7 +247,7 @@ class PieceAggregator:
         out = into if into is not None and len(into) == size else bytearray(size)
         out[: layout.in_header] = self.plan.header[start : start + layout.in_header]
         data = memoryview(out)[layout.in_header :]
-        if self.step is not None or self.download.is_delta:
+        if self.step is not None or self.download.is_delta or self.plan.synced is not None:
             assert self.base is not None
             self._piece = _PieceState(layout, self.base, self.download.is_delta)
             self._piece.values = (self.state.load(self.plan.floats_before(layout.data_begin), layout.count)
@@ -264,6 +269,14 @@ class PieceAggregator:
         the piece's delta is made (`_PieceState.finish_delta`)."""
         if self._piece is not None:
             first = self._piece.first(offset)
+            if self.plan.synced is not None and self._tensor_at(offset) not in self.plan.synced:
+                # a tensor the round does not sync: the round's global's, byte for byte; no step, state untouched
+                kept = tensor_view(self._piece.base, offset, spec)
+                if self._piece.targets is not None:
+                    self._piece.targets[first : first + spec.numel] = kept
+                else:
+                    out[offset : offset + spec.nbytes] = self._piece.base[offset : offset + spec.nbytes]
+                return
             if self.step is not None and not self.step.rule.identity:
                 x = tensor_view(self._piece.base, offset, spec).astype(np.float32)
                 state = {slot: v[first : first + spec.numel] for slot, v in self._piece.values.items()}
@@ -272,6 +285,12 @@ class PieceAggregator:
                 self._piece.targets[first : first + spec.numel] = values
                 return
         store(out, offset, spec, values)
+
+    def _tensor_at(self, offset: int) -> str:
+        """The tensor at byte `offset` of the data of the piece being computed."""
+        assert self._piece is not None
+        at = self._piece.layout.data_begin + offset
+        return self._tensors[bisect.bisect_right(self._tensors, (at, "\uffff")) - 1][1]
 
     def _data(self, begin: int, end: int, out: memoryview) -> None:
         if isinstance(self.strategy, WeightedSum):
@@ -475,9 +494,14 @@ def global_metadata(run_id: str, round_no: int, inputs: Iterable[WeightedInput],
 
 
 def round_plan(config: RunConfig, manifest: Manifest, out_round: int, inputs: Iterable[WeightedInput]) -> PiecePlan:
+    """The output file of the round that makes the global of `out_round` — with `fragments`, of a round that changes
+    only the fragment it syncs (which its header names)."""
     listed = list(inputs)
     metadata = global_metadata(config.run_id, out_round, listed, config.strategy.value)
-    return PiecePlan.of(manifest, metadata | strategy_of(config).metadata(len(listed)))
+    synced = round_fragment(manifest, config.fragments, out_round - 1)
+    if synced is not None:
+        metadata["fed.fragment"] = f"{synced_in(out_round - 1, config.fragments)}/{config.fragments}"
+    return PiecePlan.of(manifest, metadata | strategy_of(config).metadata(len(listed)), synced)
 
 
 @dataclass(frozen=True)

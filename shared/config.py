@@ -272,6 +272,13 @@ class RunConfig(BaseModel):
         "rounds), which a participant holding the previous global applies; the global model is then defined as the "
         "previous one plus the decoded change, so it is exact and verifiable. A participant without the previous "
         "one downloads the full model.")
+    fragments: int = Field(
+        1, ge=1, le=64, description="Streaming DiLoCo: the model's tensors are split into this many fragments "
+        "(strided across layers, `shared.fragments`) and round r syncs fragment r mod F alone, so each sync moves "
+        "about 1/F of the model; 1: every round syncs the whole model. Needs a delta update_encoding.")
+    fragment_mix: float = Field(
+        0.5, ge=0, le=1, description="Streaming DiLoCo: a participant's local values of a synced fragment become "
+        "this x its own + (1 - this) x the new global's (the paper's mixing factor alpha; 0: the global's).")
     error_feedback: bool = Field(True, description="Participants keep what quantization lost and add it to their "
                                  "next round's delta (bf16, int8), so no part of an update is lost for good.")
     max_update_bytes: int = Field(
@@ -340,6 +347,9 @@ class RunConfig(BaseModel):
         STRATEGIES[self.strategy](self)  # the strategy takes its parameters, or refuses them (ValueError)
         if self.topk_bits not in TOPK_BITS:
             raise ValueError(f"topk_bits must be one of {', '.join(map(str, TOPK_BITS))}, got {self.topk_bits}")
+        if self.fragments > 1 and self.update_encoding is UpdateEncoding.WEIGHTS:
+            raise ValueError(f"fragments = {self.fragments} needs a delta update_encoding (bf16, int8 or topk): a "
+                             "fragment's update is its delta from the global, the other tensors' (zero) left out")
         if self.update_encoding is UpdateEncoding.TOPK and not self.error_feedback:
             raise ValueError("update_encoding topk needs error_feedback: without it, what each round does not send "
                              f"(about {100 - self.topk_percent:g} % of every delta) is lost for good")
