@@ -57,6 +57,7 @@ class Residual:
     def __init__(self, directory: Path) -> None:
         self.kept = directory / "residual.safetensors"
         self.next = directory / "residual-next.safetensors"
+        self.announced = False
 
     def load(self, model: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray] | None:
         """The kept residual, if it fits `model` (else None, said once in the log)."""
@@ -71,6 +72,10 @@ class Residual:
         if not fits:
             log.warning("the error-feedback residual %s does not fit the model; starting without", self.kept)
             return None
+        if not self.announced:  # (once a process: after a restart, the residual kept before it is carried on)
+            self.announced = True
+            norm = float(np.sqrt(sum(float(np.square(a, dtype=np.float64).sum()) for a in arrays.values())))
+            log.info("error feedback: carrying the kept residual of %d tensors (L2 norm %.4g)", len(arrays), norm)
         return dict(arrays)
 
     def commit(self) -> None:

@@ -9,7 +9,8 @@ An update is sent in one of four encodings (`RunConfig.update_encoding`):
              `name + SCALE_SUFFIX` holding one scale per block, scale = max|delta in the block| / 127
     topk     that delta cut into chunks of `chunk` consecutive elements, of which only the `keep` largest in
              magnitude are sent (as in SparseLoCo), each quantized to `bits` (2 or 4) bits. For tensor `name` of
-             n elements, C = ceil(n / chunk) chunks, chunk c keeping k_c = min(keep, its length) entries:
+             n elements, C = ceil(n / chunk) chunks, chunk c keeping k_c = keep entries (a shorter last chunk of
+             L elements the same share, ceil(L * keep / chunk)):
                `name + INDEX_SUFFIX`  I16, sum of k_c: each chunk's kept positions within the chunk, ascending
                `name`                 U8, C * ceil(keep * bits / 8): each chunk's codes, packed low bits first,
                                       the bits after its k_c codes zero
@@ -153,10 +154,15 @@ def blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
+def short_keep(length: int, encoding: Encoding) -> int:
+    """Entries a tensor's last chunk keeps when it is `length` < chunk elements long: the same share, rounded up."""
+    return min(length, max(1, -(-length * encoding.keep // encoding.chunk))) if length else 0
+
+
 def kept_before(numel: int, chunk: int, encoding: Encoding) -> int:
     """Entries a topk tensor of `numel` elements keeps in its chunks before chunk number `chunk`."""
     whole = min(chunk, numel // encoding.chunk)  # chunks of full length among them
-    rest = min(encoding.keep, numel - whole * encoding.chunk) if chunk > whole else 0
+    rest = short_keep(numel - whole * encoding.chunk, encoding) if chunk > whole else 0
     return whole * encoding.keep + rest
 
 
@@ -289,7 +295,7 @@ def topk_encode(flat: np.ndarray, encoding: Encoding) -> tuple[np.ndarray, np.nd
     whole = n // chunk
     parts = [(flat[: whole * chunk].reshape(whole, chunk), keep)]
     if n > whole * chunk:
-        parts.append((flat[whole * chunk :].reshape(1, -1), min(keep, n - whole * chunk)))
+        parts.append((flat[whole * chunk :].reshape(1, -1), short_keep(n - whole * chunk, encoding)))
     packed, index, steps = [], [], []
     decoded = np.zeros(n, np.float32)
     first = 0  # the first chunk of the part
@@ -323,7 +329,8 @@ def topk_entries(numel: int, c0: int, c1: int, packed: np.ndarray, index: np.nda
     full = min(c1, whole) - c0  # chunks of full length
     parts = [(0, full, keep, chunk)] if full > 0 else []
     if c1 > whole:  # the tensor's last, shorter chunk
-        parts.append((max(full, 0), max(full, 0) + 1, min(keep, numel - whole * chunk), numel - whole * chunk))
+        parts.append((max(full, 0), max(full, 0) + 1, short_keep(numel - whole * chunk, encoding),
+                      numel - whole * chunk))
     positions, values = [], []
     taken = 0
     for a, b, k, width in parts:
