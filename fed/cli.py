@@ -154,8 +154,9 @@ DEMO_SPLIT_HELP = (
 )
 DEMO_UPDATES_HELP = (
     "What participants upload (update_encoding): their trained weights (the default), or the delta from "
-    "the round's global as bfloat16 (half the bytes) or int8 per block of 256 with a scale each (about a "
-    "quarter), the quantization error carried into their next round."
+    "the round's global as bfloat16 (half the bytes), int8 per block of 256 with a scale each (about a "
+    "quarter) or topk (the largest 2 % of each chunk of 4096 at 2 bits: about 1/87), what is not sent "
+    "carried into their next round."
 )
 DEMO_DOWNLOADS_HELP = (
     "What participants download each round (download_encoding): the global model (the default), or the "
