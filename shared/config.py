@@ -350,6 +350,10 @@ class RunConfig(BaseModel):
         if self.fragments > 1 and self.update_encoding is UpdateEncoding.WEIGHTS:
             raise ValueError(f"fragments = {self.fragments} needs a delta update_encoding (bf16, int8 or topk): a "
                              "fragment's update is its delta from the global, the other tensors' (zero) left out")
+        if self.fragments > 1 and self.download_encoding is DownloadEncoding.TOPK:
+            raise ValueError(f"download_encoding topk with fragments = {self.fragments}: the coordinator's error "
+                             "feedback would go on changing, in every round, tensors the round does not sync; use "
+                             "full, bf16 or int8 downloads with fragments")
         if self.update_encoding is UpdateEncoding.TOPK and not self.error_feedback:
             raise ValueError("update_encoding topk needs error_feedback: without it, what each round does not send "
                              f"(about {100 - self.topk_percent:g} % of every delta) is lost for good")

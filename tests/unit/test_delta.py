@@ -246,3 +246,9 @@ def test_topk_downloads_keep_a_server_optimizers_state_beside_the_feedback() -> 
     np.testing.assert_allclose(held["m"][:BIG], g, rtol=1e-6)
     sent = decode(out.model)[0]["a.weight"] - base["a.weight"]
     np.testing.assert_allclose(held[FEEDBACK][:BIG] + sent, -0.7 * 1.9 * g, rtol=1e-4, atol=1e-6)
+
+
+def test_topk_downloads_with_fragments_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="feedback would go on changing"):
+        parse_config({"run_id": "delta-run", "download_encoding": "topk", "fragments": 2, "update_encoding": "int8"})
+    parse_config({"run_id": "delta-run", "download_encoding": "int8", "fragments": 2, "update_encoding": "int8"})
