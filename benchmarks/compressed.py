@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/compressed.py [--updates 8] [--params 25000000] [--repeat 3]
 
 Writes a float32 global model of ~25M parameters and N trained updates (global + a small random step) in each
-encoding (`shared.compress`: weights, bf16 delta, int8 delta per 256-element block), then aggregates each set
+encoding (`shared.compress`: weights, bf16 delta, int8 delta per 256-element block, topk's 2 % of each 4096-element
+chunk at 2 and 4 bits), then aggregates each set
 with the coordinator's code (`PieceAggregator`, FedAvg; compressed inputs read through `DecodedSource`, the
 global's range read once for all inputs through `CachedRange`), each in a fresh process (peak resident memory
 above its baseline, VmHWM). Printed, per encoding: the bytes a participant uploads, the bytes the aggregation
@@ -36,7 +37,7 @@ from shared.aggregate import PieceAggregator, WeightedInput, round_plan  # noqa:
 from shared.compress import CachedRange, DecodedSource, Encoding, encode_delta  # noqa: E402
 from shared.config import RunConfig  # noqa: E402
 
-ENCODINGS = ("weights", "bf16", "int8/256")
+ENCODINGS = ("weights", "bf16", "int8/256", "topk/2/4096/82", "topk/4/4096/82")  # topk: 2 % of each chunk
 GB = 1e9
 
 
@@ -135,7 +136,7 @@ def main() -> None:
                 subprocess.run([sys.executable, __file__, "--child", str(work), text, str(args.updates), str(result)],
                                check=True, cwd=REPO)
                 runs[text].append(json.loads(result.read_text()))
-        print(f"{'encoding':10}{'upload MB':>11}{'x weights':>10}{'read GB':>9}{'seconds':>9}{'GB/s*':>8}"
+        print(f"{'encoding':16}{'upload MB':>11}{'x weights':>10}{'read GB':>9}{'seconds':>9}{'GB/s*':>8}"
               f"{'peak MB':>9}{'error of the aggregate step':>29}")
         base_seconds = statistics.median(r["seconds"] for r in runs["weights"])
         for text in ENCODINGS:
@@ -144,11 +145,19 @@ def main() -> None:
             read = runs[text][0]["read"]
             peak = max(r["peak"] for r in runs[text])
             rate = weights_bytes * args.updates / seconds / GB
-            print(f"{text:10}{size / 1e6:11.1f}{size / weights_bytes:10.3f}{read / GB:9.2f}{seconds:9.2f}{rate:8.2f}"
+            print(f"{text:16}{size / 1e6:11.1f}{size / weights_bytes:10.3f}{read / GB:9.2f}{seconds:9.2f}{rate:8.2f}"
                   f"{peak / 1e6:9.0f}{errors[text]:29.2e}")
             if text != "weights":
                 print(f"  {text}: aggregation time / weights' {seconds / base_seconds:.2f}x, bytes read / weights' "
                       f"{read / runs['weights'][0]['read']:.2f}x, upload / weights' {size / weights_bytes:.3f}x")
+        int8 = statistics.median(r["seconds"] for r in runs["int8/256"])
+        for text in ENCODINGS:
+            if text.startswith("topk"):
+                ratio = int8 / statistics.median(r["seconds"] for r in runs[text])
+                verdict = "met" if ratio >= 0.5 else "MISSED"
+                print(f"  {text}: throughput / int8's {ratio:.2f}x (target >= 0.5x: {verdict}),"
+                      f" peak memory {max(r['peak'] for r in runs[text]) / 1e6:.0f} MB vs int8's "
+                      f"{max(r['peak'] for r in runs['int8/256']) / 1e6:.0f} MB")
         print("* update-weights-equivalent bytes aggregated per second; error: |aggregate - exact aggregate| / "
               "|exact aggregate - global| (L2)")
 
