@@ -384,20 +384,8 @@ COPY_THRESHOLD_BYTES = 5 * 1000**3
 # `shard_polls`): assumed 1 s a round.
 DISPATCH_SECONDS = 1.0
 
-# topk's layout (issue 45): per chunk of TOPK_CHUNK elements, TOPK_KEPT entries each of a 2-byte index and a
-# `bits`-bit value, and one 4-byte float32 scale. 82 = ceil(2 % of 4096).
-TOPK_CHUNK = 4096
-TOPK_KEPT = 82
-TOPK_INDEX_BYTES = 2
-TOPK_SCALE_BYTES = 4
-
 _FLOAT_TAG = {2: "BF16", 4: "F32", 8: "F64"}
-
-
-def topk_ratio(bits: int, dtype_bytes: int) -> float:
-    """Bytes of a topk file over bytes of the dense model, from its layout."""
-    chunk = TOPK_KEPT * (TOPK_INDEX_BYTES + bits / 8) + TOPK_SCALE_BYTES
-    return chunk / (TOPK_CHUNK * dtype_bytes)
+TOPK_PERCENT = 2.0  # "topk2" / "topk4": the run file's default share of each chunk (RunConfig.topk_percent)
 
 
 def wire_ratio_of(encoding: Encoding | str, dtype_bytes: int) -> float:
@@ -405,8 +393,8 @@ def wire_ratio_of(encoding: Encoding | str, dtype_bytes: int) -> float:
     `shared.compress.wire_ratio` (any encoding it knows), or "full" (a whole global model), "topk2", "topk4"."""
     if encoding == "full":
         return 1.0
-    if isinstance(encoding, str) and encoding.startswith("topk") and encoding[4:] in {"2", "4"}:
-        return topk_ratio(int(encoding[4:]), dtype_bytes)
+    if isinstance(encoding, str) and encoding in ("topk2", "topk4"):
+        encoding = Encoding.topk(TOPK_PERCENT, int(encoding[4:]))
     if dtype_bytes not in _FLOAT_TAG:
         raise ValueError(f"dtype bytes must be one of {sorted(_FLOAT_TAG)}, got {dtype_bytes}")
     enc = encoding if isinstance(encoding, Encoding) else Encoding.parse(encoding)

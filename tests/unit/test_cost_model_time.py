@@ -26,7 +26,6 @@ from infra.cost_model import (
     plan,
     plan_7b,
     round_time,
-    topk_ratio,
     wire_ratio_of,
 )
 from infra.settings import DeploySettings
@@ -74,7 +73,7 @@ def test_more_workers_shorten_aggregation_until_the_globals_write() -> None:
 
 def test_topk_shrinks_the_upload_more_than_thirty_fold() -> None:
     # Given topk's layout (82 of each 4096 elements: a 2-byte index and a 2- or 4-bit value each, one fp32 scale)
-    assert topk_ratio(2, 4) == pytest.approx((82 * 2.25 + 4) / (4096 * 4))
+    assert wire_ratio_of("topk2", 4) == pytest.approx((82 * 2 + 21 + 4) / (4096 * 4))  # positions, codes, step
     # Then against an fp32 model's weights it sends over 30 x fewer bytes, and far fewer than int8
     fp32 = round_time(7 * 4 * GB, 8, 16, wire_ratio_of("weights", 4))
     for bits in (2, 4):
