@@ -249,9 +249,10 @@ def _write_in_shards(deps: Deps, effect: Aggregate, plan: PiecePlan, base: Globa
 
 def base_source(deps: Deps, base: GlobalModel) -> ObjectRange | HeldRange | None:
     """The round's global model, read by range: what clipping, a server optimizer and a download delta start
-    from."""
+    from, and where a fragment's round takes every other tensor from."""
     config = deps.config
-    needed = strategy_of(config).needs_base or ServerStep.of(config) is not None or config.download.is_delta
+    needed = (strategy_of(config).needs_base or ServerStep.of(config) is not None or config.download.is_delta
+              or config.fragments > 1)
     return base.source(deps) if needed else None
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from participant.compressed import Residual, write_update
 from participant.decide import Fetch, Train
 from participant.delta_fetch import rebuild_from_delta
+from participant.fragment_fetch import rebuild_from_fragment
 from participant.journal import JournalKeeper
 from participant.protocol import ForeignInitialModel, ParticipantError, UnfitModel, closed_while_training
 from participant.remote import Remote, Stopped
@@ -283,6 +284,7 @@ class Training:
             left.unlink(missing_ok=True)
         self.global_evals: dict[str, dict[str, float]] = {}  # the held global model's evaluation, by digest
         self.downloaded = 0  # bytes of global models (or their deltas) downloaded by this process
+        self.globals: dict[int, str] = {}  # the digest of the global model of the last rounds fetched, by round
         self.update_sent_at = -math.inf  # time.monotonic() of our last update upload (ingest takes it as a heartbeat)
         self.initial_digest = ""  # the digest of the initial model our task builds from the run's seed, once known
 
@@ -351,6 +353,7 @@ class Training:
             raise UnfitModel(f"the run's global model does not fit task {work.spec}: {exc}") from None
         log.info("round %d: global model %s (%d bytes, %s)", action.round, action.digest[:12], path.stat().st_size,
                  source)
+        self.globals = {r: d for r, d in self.globals.items() if r >= action.round - 1} | {action.round: action.digest}
         return path
 
     def _download(self, action: Fetch, path: Path, config: RunConfig) -> bool:
@@ -367,13 +370,21 @@ class Training:
                 if config.download.is_delta and action.round > 0:
                     fetched = rebuild_from_delta(self.remote, self.run_id, action.round, action.digest,
                                                  config.download, self._cached, unverified, progress)
+                elif config.fragments > 1 and (held := self._cached(self.globals.get(action.round - 1, ""))):
+                    fetched = rebuild_from_fragment(self.remote, key, action.digest, held, config.fragments,
+                                                    action.round, unverified, progress)
+                    if fetched is not None:
+                        log.info("round %d: rebuilt the global model from the previous one and the synced "
+                                 "fragment (%d bytes downloaded)", action.round, fetched)
                 if fetched is None:
                     got = self.remote.download_file(key, unverified, progress)
                     fetched = unverified.stat().st_size
-                else:  # every piece was checked against the index, whose hashes combine to this digest
-                    got = action.digest
+                elif config.download.is_delta:  # every piece was checked against the index, whose hashes combine
+                    got = action.digest  # to this digest
                     log.info("round %d: rebuilt the global model from the previous one and its %s delta (%d bytes "
                              "downloaded)", action.round, config.download, fetched)
+                else:  # (checked whole against this digest)
+                    got = action.digest
             self.downloaded += fetched
         except NotFound as exc:
             self.remote.must_exist(key, exc, f"the global model of round {action.round}")
