@@ -354,6 +354,12 @@ class RunConfig(BaseModel):
             raise ValueError(f"download_encoding topk with fragments = {self.fragments}: the coordinator's error "
                              "feedback would go on changing, in every round, tensors the round does not sync; use "
                              "full, bf16 or int8 downloads with fragments")
+        if self.update_encoding is UpdateEncoding.TOPK and self.witness_nodes:
+            raise ValueError("update_encoding topk cannot be witnessed (witness_nodes = 0, or int8 updates): a witness "
+                             "judges one update by the round's aggregate with and without it, and a topk update "
+                             "releases several rounds of error feedback at once, so an honest one can raise that loss "
+                             "far past the tolerance (x2.4 in 2 of 10 rounds of a 3-member digits demo, and the health "
+                             "check dropped the member)")
         if self.update_encoding is UpdateEncoding.TOPK and not self.error_feedback:
             raise ValueError("update_encoding topk needs error_feedback: without it, what each round does not send "
                              f"(about {100 - self.topk_percent:g} % of every delta) is lost for good")

@@ -131,6 +131,8 @@ def demo_config(participants: int, rounds: int | None = None, kill_one: bool = F
         if adapter == "lora":
             values["learning_rate"] = LORA_LEARNING_RATE
     values.update(overrides)
+    if values.get("update_encoding") == "topk" and "witness_nodes" not in overrides:
+        values["witness_nodes"] = 0  # (a topk update cannot be witnessed: RunConfig says why)
     if not values["witness_nodes"] and "round_witness_time" not in overrides:
         values["round_witness_time"] = 0.0  # nobody to wait for: a witness phase would only add its full length
     return RunConfig(**values)
