@@ -6,7 +6,14 @@ training set, in this process. Prints one table (final and best test accuracy or
 0.95, bytes up and down per round, wall seconds) and writes each run's report JSON and PNG curves under
 --out. Not a test: nothing here asserts; the targets are printed beside the figures.
 
-    .venv/bin/python benchmarks/learning.py [--rounds 15] [--participants 8] [--only digits|lm] [--out DIR]
+Then the update encodings under DiLoCo's outer steps, side by side at the same tokens (issue 45): fp32 weights,
+int8, topk at 2 and at 4 bits (and with topk downloads), Streaming DiLoCo with F = 4 (bf16 and topk), on the LM task
+and on the tiny Hugging Face model (built from a config here, nothing downloaded), each a real `fed demo` run with
+the same participants, rounds and inner steps. Their bytes are the sizes the participants' logs give for each file
+they uploaded and fetched, not computed ones.
+
+    .venv/bin/python benchmarks/learning.py [--rounds 15] [--participants 8] [--only digits|lm|encodings]
+        [--enc-rounds 8] [--enc-steps 10] [--topk-percent 2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import io
 import json
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -50,6 +58,107 @@ class Row:
     metric: str = "accuracy"
     encoding: str = "weights"
     downloads: str = "full"
+
+
+@dataclass
+class OuterRow:
+    """One run of DiLoCo with an update encoding: what each participant moved per outer step, and the loss."""
+
+    task: str
+    label: str
+    encoding: str  # shared.compress.Encoding's text: weights, int8/256, topk/BITS/CHUNK/KEEP
+    up: int  # bytes uploaded per participant per outer step (the update files, as the participants' logs give them)
+    down: int  # bytes fetched per participant per outer step (the global model after an outer step, or its delta)
+    peak: int  # the largest single transfer of a sync: one update up or one global (or delta) down
+    final: float  # held-out loss of the final global model
+    wall: float
+    transfers: int  # uploads and downloads the figures come from
+
+
+# The rows of the encodings' table: (label, the run's settings beyond DiLoCo's). Streaming DiLoCo syncs one of F
+# fragments a round; a fragment travels as its delta, so "alone" is its closest to fp32 (bf16).
+DILOCO_ENCODINGS: list[tuple[str, dict[str, Any]]] = [
+    ("fp32", {"update_encoding": "weights"}),
+    ("int8", {"update_encoding": "int8"}),
+    ("topk 2-bit", {"update_encoding": "topk", "topk_bits": 2}),
+    ("topk 4-bit", {"update_encoding": "topk", "topk_bits": 4}),
+    ("topk 2-bit, topk down", {"update_encoding": "topk", "topk_bits": 2, "download_encoding": "topk"}),
+    ("streaming F=4, bf16", {"update_encoding": "bf16", "fragments": 4}),
+    ("streaming F=4, topk 2-bit", {"update_encoding": "topk", "topk_bits": 2, "fragments": 4}),
+]
+UPLOADED = re.compile(r"round (\d+): update uploaded \((\d+) bytes")
+DOWNLOADED = re.compile(r"round (\d+): global model downloaded \((\d+) bytes")
+TOPK_UP_TARGET = 30.0  # x fewer bytes up per outer step than fp32 (issue 45)
+STREAMING_PEAK_TARGET = 3.5  # x lower peak bytes per sync than DiLoCo's (fp32), F = 4
+LOSS_TARGET = 0.01  # final held-out loss at most 1 % above fp32 DiLoCo's
+
+
+def transfers(logs: Path) -> tuple[list[int], list[int]]:
+    """Every update upload's bytes, and every download's of a global model made by an outer step (not round 0's
+    initial model), from the participants' logs (p1.log, p2.log, ...: the evaluator's is not a participant's)."""
+    up: list[int] = []
+    down: list[int] = []
+    for log in sorted(logs.glob("p[0-9]*.log")):
+        text = log.read_text(errors="replace")
+        up += [int(m[2]) for m in UPLOADED.finditer(text)]
+        down += [int(m[2]) for m in DOWNLOADED.finditer(text) if int(m[1]) > 0]
+    return up, down
+
+
+def diloco_encoding(task: str, label: str, args: argparse.Namespace, out: Path, **settings: Any) -> OuterRow:
+    """A real `fed demo` run of DiLoCo with `settings` (the encoding), at the encodings' table's shared settings."""
+    outer_lr, momentum = (float(v) for v in args.diloco.split(":"))
+    name = f"{task}-diloco-{label.replace(' ', '-')}"
+    run_id = re.sub(r"[^a-z0-9-]+", "-", f"learn-{name}")[:40].strip("-")
+    task_settings: dict[str, Any] = {"learning_rate": args.lm_lr} if task == "lm" else {}
+    config = demo_config(args.enc_participants, args.enc_rounds, run_id=run_id, task=task, witness_nodes=0,
+                         server_optimizer=ServerOptimizer("diloco"), server_lr=outer_lr, server_momentum=momentum,
+                         local_steps=args.enc_steps, work_sizing="equal", topk_percent=args.topk_percent,
+                         topk_chunk=args.topk_chunk, **task_settings, **settings)
+    workdir = out / name
+    shutil.rmtree(workdir, ignore_errors=True)
+    opts = DemoOptions(participants=args.enc_participants, config=config, report=out / f"{name}.json",
+                       plot=out / f"{name}.png", timeout=900, workdir=workdir)
+    started = time.monotonic()
+    report = run_demo(opts, Console(file=io.StringIO()))
+    wall = time.monotonic() - started
+    up, down = transfers(workdir / "logs")
+    if not up or not down:
+        raise SystemExit(f"{name}: no transfers in the participants' logs under {workdir / 'logs'}")
+    return OuterRow(task, label, str(config.encoding), round(sum(up) / len(up)), round(sum(down) / len(down)),
+                    max(up + down), report["final_test_loss"], wall, len(up) + len(down))
+
+
+def print_outer(rows: list[OuterRow], args: argparse.Namespace) -> None:
+    """The encodings' table, and the targets met or missed against each task's fp32 row."""
+    print(f"\nDiLoCo (outer lr:momentum {args.diloco}) by update encoding: {args.enc_participants} participants x "
+          f"{args.enc_rounds} outer steps of {args.enc_steps} inner AdamW steps (LM lr {args.lm_lr:g}, HF the "
+          f"task's), the same tokens in every row; topk {args.topk_percent:g} % of each chunk of {args.topk_chunk}, "
+          "error feedback on; bytes from the participants' logs; this machine, one run each")
+    print("| task | updates | encoding | up B/participant/step | down B/participant/step | peak B/sync "
+          "| final held-out loss | s | up vs fp32 | loss vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        base = next((b for b in rows if b.task == r.task and b.label == "fp32"), None)
+        ratio = f"{base.up / r.up:.1f}x" if base else "-"
+        loss = f"{(r.final / base.final - 1) * 100:+.2f} %" if base else "-"
+        print(f"| {r.task} | {r.label} | {r.encoding} | {r.up:,} | {r.down:,} | {r.peak:,} | {r.final:.4f} | "
+              f"{r.wall:.0f} | {ratio} | {loss} |")
+    for r in rows:
+        base = next((b for b in rows if b.task == r.task and b.label == "fp32"), None)
+        if base is None or r is base:
+            continue
+        change = r.final / base.final - 1
+        loss = (f"final loss {change * 100:+.2f} % vs fp32 DiLoCo (target within {LOSS_TARGET * 100:g} %: "
+                f"{'met' if change <= LOSS_TARGET else 'missed'})")
+        if r.label.startswith("streaming"):
+            lower = base.peak / r.peak
+            print(f"{r.task} {r.label}: peak bytes per sync {lower:.2f}x lower than DiLoCo's (target >= "
+                  f"{STREAMING_PEAK_TARGET:g}x: {'met' if lower >= STREAMING_PEAK_TARGET else 'missed'}); {loss}")
+        elif r.label.startswith("topk"):
+            fewer = base.up / r.up
+            print(f"{r.task} {r.label}: {fewer:.1f}x fewer bytes up than fp32 (target >= {TOPK_UP_TARGET:g}x: "
+                  f"{'met' if fewer >= TOPK_UP_TARGET else 'missed'}); {loss}")
 
 
 def rounds_to(accuracies: list[float], target: float = 0.95) -> str:
@@ -139,7 +248,14 @@ def main() -> None:
     parser.add_argument("--diloco", default="1.0:0.5", help="LM: DiLoCo's outer learning rate and Nesterov momentum, "
                         "LR:MOMENTUM (the paper's 0.7:0.9 is for hundreds of rounds of H = 500 steps; over 4 rounds "
                         "of one pass its momentum overshoots: benchmarks/lm_outer.py)")
-    parser.add_argument("--only", choices=["digits", "lm"])
+    parser.add_argument("--only", choices=["digits", "lm", "encodings"])
+    parser.add_argument("--enc-tasks", nargs="+", choices=["lm", "hf"], default=["lm", "hf"],
+                        help="encodings: the tasks of the DiLoCo-by-encoding rows")
+    parser.add_argument("--enc-participants", type=int, default=2, help="encodings: participants of every row")
+    parser.add_argument("--enc-rounds", type=int, default=8, help="encodings: DiLoCo's outer steps")
+    parser.add_argument("--enc-steps", type=int, default=10, help="encodings: H inner steps per outer step")
+    parser.add_argument("--topk-percent", type=float, default=2.0, help="encodings: topk's share of each chunk")
+    parser.add_argument("--topk-chunk", type=int, default=4096, help="encodings: topk's elements per chunk")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -172,8 +288,19 @@ def main() -> None:
                            update_encoding=encoding, **lm))
         done(federated("lm", "assigned", ServerOptimizer("none"), "FedAvg", args, args.out, update_encoding="int8",
                        download_encoding="int8", **lm))
-    print_table(rows, args)
-    (args.out / "table.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
+    outer: list[OuterRow] = []
+    if args.only in (None, "encodings"):
+        for task in args.enc_tasks:
+            for label, settings in DILOCO_ENCODINGS:
+                outer.append(diloco_encoding(task, label, args, args.out, **settings))
+                r = outer[-1]
+                print(f"  {task} DiLoCo {label}: final {r.final:.4f}, up {r.up:,} B ({r.wall:.0f} s)", flush=True)
+    if rows:
+        print_table(rows, args)
+        (args.out / "table.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
+    if outer:
+        print_outer(outer, args)
+        (args.out / "encodings.json").write_text(json.dumps([r.__dict__ for r in outer], indent=1) + "\n")
 
 
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
