@@ -55,9 +55,12 @@ synth: $(STAMP) $(NODE_STAMP)
 bench: $(STAMP)
 	FED_ACCESS_CHECK=off $(PY) benchmarks/aggregation.py
 
-# Server optimizers, data modes and compressed updates, each row a real `fed demo` run: one table (digits and the LM).
+# Server optimizers, data modes and compressed updates, each row a real `fed demo` run: one table (digits and the LM);
+# then DiLoCo by update encoding (fp32, int8, topk, Streaming DiLoCo F = 4) on the LM and tiny HF tasks at the same
+# tokens: bytes up and down per outer step and peak per sync from the participants' logs, against issue 45's targets.
+# `make bench-learning LEARNING_ARGS="--only encodings"` for that part alone (2 participants x 16 outer steps of 5 inner).
 bench-learning: $(STAMP)
-	FED_ACCESS_CHECK=off $(PY) benchmarks/learning.py
+	FED_ACCESS_CHECK=off $(PY) benchmarks/learning.py $(LEARNING_ARGS)
 
 # The LM task's rounds simulated in process (no stack): FedAvg vs DiLoCo's outer rule over a grid of settings.
 # The Hugging Face task inside a participant against the same loop bare (tokens/s, transfers); --size 0.5b on a GPU.

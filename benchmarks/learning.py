@@ -13,7 +13,7 @@ the same participants, rounds and inner steps. Their bytes are the sizes the par
 they uploaded and fetched, not computed ones.
 
     .venv/bin/python benchmarks/learning.py [--rounds 15] [--participants 8] [--only digits|lm|encodings]
-        [--enc-rounds 8] [--enc-steps 10] [--topk-percent 2] [--out DIR]
+        [--enc-rounds 16] [--enc-steps 5] [--topk-percent 2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -252,8 +252,8 @@ def main() -> None:
     parser.add_argument("--enc-tasks", nargs="+", choices=["lm", "hf"], default=["lm", "hf"],
                         help="encodings: the tasks of the DiLoCo-by-encoding rows")
     parser.add_argument("--enc-participants", type=int, default=2, help="encodings: participants of every row")
-    parser.add_argument("--enc-rounds", type=int, default=8, help="encodings: DiLoCo's outer steps")
-    parser.add_argument("--enc-steps", type=int, default=10, help="encodings: H inner steps per outer step")
+    parser.add_argument("--enc-rounds", type=int, default=16, help="encodings: DiLoCo's outer steps")
+    parser.add_argument("--enc-steps", type=int, default=5, help="encodings: H inner steps per outer step")
     parser.add_argument("--topk-percent", type=float, default=2.0, help="encodings: topk's share of each chunk")
     parser.add_argument("--topk-chunk", type=int, default=4096, help="encodings: topk's elements per chunk")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning")
