@@ -14,6 +14,8 @@ not selected) catches up: it starts again from the global model, whose every fra
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,8 +45,9 @@ class OwnModel:
     def __init__(self, directory: Path) -> None:
         self.path = directory / "own-model.safetensors"
 
-    def trained_round(self) -> int | None:
-        """The round the kept model finished training, if one is kept and readable."""
+    def kept(self) -> tuple[int, int] | None:
+        """The round the kept model trained (and the steps it trained on after its upload), if one is kept and
+        readable."""
         if not self.path.exists():
             return None
         try:
@@ -52,20 +55,21 @@ class OwnModel:
                 first = f.read(8)
                 size = self.path.stat().st_size
                 header = wire.parse_header_prefix(first + f.read(wire.header_length(first, size)), size)
-            return int(header.metadata["fed.trained"])
+            return int(header.metadata["fed.trained"]), int(header.metadata.get("fed.ahead", "0"))
         except (wire.WireError, KeyError, ValueError, OSError):
             return None
 
-    def resume(self, model: nn.Module, round_no: int, fragments: int, mix: float) -> bool:
+    def resume(self, model: nn.Module, round_no: int, fragments: int, mix: float) -> int | None:
         """Turn `model`, which holds round `round_no`'s global, into our own: the kept one, with the fragment the
-        round before synced mixed in from the global. False (the global as it is) when no model of the round
-        before is kept."""
+        round before synced mixed in from the global; the steps it trained ahead (`fragment_overlap`). None (the
+        global as it is) when no model of the round before is kept."""
         import torch
 
         from participant.tensors import TensorMismatch, load_into
 
-        if round_no == 0 or self.trained_round() != round_no - 1:
-            return False
+        kept = self.kept()
+        if round_no == 0 or kept is None or kept[0] != round_no - 1:
+            return None
         merged = synced_tensors(model, fragments, round_no - 1) or frozenset()
         held = {n: t.detach().clone() for n, t in model.state_dict().items() if n in merged}
         try:
@@ -74,7 +78,7 @@ class OwnModel:
             log.warning("our own model %s does not load (%s); training from the global model", self.path, exc)
             for name, value in held.items():
                 model.state_dict()[name].copy_(value)
-            return False
+            return None
         with torch.no_grad():
             state = model.state_dict()
             for name, value in held.items():
@@ -83,11 +87,62 @@ class OwnModel:
                     own.mul_(mix).add_(value.to(own.dtype), alpha=1 - mix)
                 else:
                     own.copy_(value)
-        return True
+        return kept[1]
 
-    def keep(self, model: nn.Module, round_no: int) -> None:
-        """Our model as trained in round `round_no`, kept for the next round (written whole, then renamed)."""
+    def keep(self, model: nn.Module, round_no: int, ahead: int = 0) -> None:
+        """Our model as trained in round `round_no` (and `ahead` steps after its upload), kept for the next round
+        (written whole, then renamed)."""
         tensors: dict[str, torch.Tensor] = dict(model.state_dict())
         from participant.tensors import to_bytes
 
-        write_atomic(self.path, to_bytes(tensors, {"fed.trained": str(round_no)}))
+        write_atomic(self.path, to_bytes(tensors, {"fed.trained": str(round_no), "fed.ahead": str(ahead)}))
+
+
+class Ahead:
+    """Training on after an upload (`fragment_overlap`, the paper's overlap tau): a thread trains our own model up
+    to `steps` more steps on the round's data while the round aggregates, then keeps it (`OwnModel.keep`); the
+    next round waits for it (`finish`), cutting it short, and goes on from there."""
+
+    def __init__(self, own: OwnModel) -> None:
+        self.own = own
+        self._thread: threading.Thread | None = None
+        self._cut = threading.Event()
+
+    def start(self, train: Callable[[Callable[[int, int], None]], object], model: nn.Module, round_no: int,
+              steps: int) -> None:
+        self.finish()
+        self._cut.clear()
+
+        def run() -> None:
+            done = [0]
+
+            def progress(step: int, total: int) -> None:
+                done[0] = step
+                if self._cut.is_set() or step >= steps:
+                    raise _Cut()
+
+            try:
+                train(progress)
+            except _Cut:
+                pass
+            except Exception as exc:  # noqa: BLE001 - training ahead is extra: the round goes on without it
+                log.warning("round %d: training on after the upload failed (%s); going on from the upload", round_no,
+                            exc)
+                return
+            if done[0]:
+                self.own.keep(model, round_no, done[0])
+                log.info("round %d: trained %d step(s) on after the upload", round_no, done[0])
+
+        self._thread = threading.Thread(target=run, name="train-ahead", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """Cut the training ahead short (after its current step) and wait for it to keep what it trained."""
+        if self._thread is not None:
+            self._cut.set()
+            self._thread.join()
+            self._thread = None
+
+
+class _Cut(Exception):
+    """Training ahead stops here (enough steps, or the next round started)."""

@@ -32,7 +32,7 @@ from participant.fragment_fetch import rebuild_from_fragment
 from participant.journal import JournalKeeper
 from participant.protocol import ForeignInitialModel, ParticipantError, UnfitModel, closed_while_training
 from participant.remote import Remote, Stopped
-from participant.streaming import OwnModel, synced_tensors
+from participant.streaming import Ahead, OwnModel, synced_tensors
 from participant.ui import Reporter
 from shared import keys
 from shared.config import DataMode, RunConfig
@@ -278,6 +278,9 @@ class Training:
         self.outbox = outbox if outbox is not None else cache_dir.parent / "outbox"
         self.residual = Residual(cache_dir.parent)  # error feedback of compressed updates
         self.own_model = OwnModel(cache_dir.parent)  # Streaming DiLoCo: our model between rounds
+        self.ahead = Ahead(self.own_model)  # and its training on after an upload (`fragment_overlap`)
+        self.train_on: Callable[[Callable[[int, int], None]], object] | None = None
+        self.train_on_model: Any = None
         # files a process killed mid-write or mid-download left behind
         leftovers = [*self.outbox.glob("*"), *cache_dir.glob(f"*{UNVERIFIED_SUFFIX}"), *cache_dir.glob(".*.part")]
         for left in leftovers:
@@ -445,6 +448,9 @@ class Training:
                 self.residual.commit()
             else:
                 self.residual.discard()
+            train_on, model, self.train_on, self.train_on_model = self.train_on, self.train_on_model, None, None
+            if sent and train_on is not None:  # Streaming DiLoCo's overlap: train on while the round aggregates
+                self.ahead.start(train_on, model, a.round, work.config.fragment_overlap)
 
     def _send(self, work: Workload, a: Train, path: Path, samples: int, metrics: dict[str, float]) -> bool:
         size = path.stat().st_size
@@ -485,11 +491,14 @@ class Training:
         self.global_evals = {a.digest: dict(global_eval)}  # a witness compares the round's updates with it
         synced = None  # with fragments (Streaming DiLoCo): our own model goes on, and the round syncs one fragment
         if config.fragments > 1:
-            own = self.own_model.resume(model, a.round, config.fragments, config.fragment_mix)
+            self.ahead.finish()
+            ahead = self.own_model.resume(model, a.round, config.fragments, config.fragment_mix)
             synced = synced_tensors(model, config.fragments, a.round)
+            if ahead and config.local_steps > ahead:  # (steps trained on after the last upload: this round's first)
+                config = config.model_copy(update={"local_steps": config.local_steps - ahead})
             log.info("round %d: training %s, syncing fragment %d of %d (%d tensors)", a.round,
-                     "our own model" if own else "from the global model", a.round % config.fragments,
-                     config.fragments, len(synced or ()))
+                     "from the global model" if ahead is None else f"our own model ({ahead} step(s) ahead)",
+                     a.round % config.fragments, config.fragments, len(synced or ()))
         seed = train_seed(a.seed, self.pid)
         torch.manual_seed(seed)
         self.doing(f"training round {a.round}")
@@ -536,6 +545,10 @@ class Training:
         path = self.outbox / f"update-{a.round:06d}{MODEL_SUFFIX}"
         if synced is not None:
             self.own_model.keep(model, a.round)
+            if config.fragment_overlap and work.node is None:  # trained on once the update is sent (`train`)
+                overlap = config.model_copy(update={"local_steps": config.fragment_overlap})
+                self.train_on = lambda progress: work.train(model, indices, overlap, progress, seed + 1, a.round)
+                self.train_on_model = model
         if config.encoding.is_delta:  # the delta from the global model, compressed (`shared.compress`)
             write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(),
                          self.residual if config.error_feedback else None, synced)

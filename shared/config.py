@@ -279,6 +279,10 @@ class RunConfig(BaseModel):
     fragment_mix: float = Field(
         0.5, ge=0, le=1, description="Streaming DiLoCo: a participant's local values of a synced fragment become "
         "this x its own + (1 - this) x the new global's (the paper's mixing factor alpha; 0: the global's).")
+    fragment_overlap: int = Field(
+        0, ge=0, description="Streaming DiLoCo: inner steps a participant trains its own model on after uploading "
+        "its fragment, while the round aggregates (the paper's tau; the round's new global is mixed in after them). "
+        "They count toward the next round's local_steps; cut short when the next round starts first. 0: none.")
     error_feedback: bool = Field(True, description="Participants keep what quantization lost and add it to their "
                                  "next round's delta (bf16, int8), so no part of an update is lost for good.")
     max_update_bytes: int = Field(
@@ -354,6 +358,9 @@ class RunConfig(BaseModel):
             raise ValueError(f"download_encoding topk with fragments = {self.fragments}: the coordinator's error "
                              "feedback would go on changing, in every round, tensors the round does not sync; use "
                              "full, bf16 or int8 downloads with fragments")
+        if self.fragment_overlap and (self.fragments < 2 or self.fragment_overlap >= self.local_steps):
+            raise ValueError(f"fragment_overlap ({self.fragment_overlap}) needs fragments > 1 and fewer steps than "
+                             f"local_steps ({self.local_steps}): its steps are the next round's first")
         if self.update_encoding is UpdateEncoding.TOPK and self.witness_nodes:
             raise ValueError("update_encoding topk cannot be witnessed (witness_nodes = 0, or int8 updates): a witness "
                              "judges one update by the round's aggregate with and without it, and a topk update "

@@ -1,5 +1,6 @@
 """Streaming DiLoCo with topk updates, end to end: real participant processes sync one fragment of two a round as
-sparse 2-bit deltas with error feedback and fetch each new global as the synced fragment's bytes, one of them is
+sparse 2-bit deltas with error feedback, training on while each round aggregates, and fetch each new global as the
+synced fragment's bytes, one of them is
 killed mid-run and started again (its residual and own model survive), the model still learns, and `fed verify`
 recomputes every fragment's global."""
 
@@ -29,8 +30,10 @@ def _accuracy(model: object) -> float:
 
 def test_topk_streaming_diloco_learns_through_a_restart_and_verifies(local_run: Callable[..., Run]) -> None:
     # Given a run of three participants syncing fragments of two, in topk (5 % at 2 bits), with DiLoCo's outer steps
+    # with 12 inner steps a round, 3 of them trained on after each upload while the round aggregates
     config = e2e_config(update_encoding="topk", topk_percent=5, fragments=2, server_optimizer="diloco",
-                        total_rounds=10, max_round_train_time=30, liveness_timeout=20)
+                        local_steps=12, fragment_overlap=3, total_rounds=10, max_round_train_time=30,
+                        liveness_timeout=20)
     run = local_run(config)
     run.start_participants(["p1", "p2", "p3"])
 
@@ -63,6 +66,11 @@ def test_topk_streaming_diloco_learns_through_a_restart_and_verifies(local_run: 
     # the digits model's two layers are 87 % and 16 % of it, about half on average
     rebuilt = [int(n) for n in REBUILT.findall(run.procs.procs["p1"].log.read_text())]
     assert len(rebuilt) >= 5 and sum(rebuilt) / len(rebuilt) < 0.6 * model_bytes, (rebuilt, model_bytes)
+
+    # and each trained on after its uploads, going on from there in the next round with the new fragment mixed in
+    p1_log = run.procs.procs["p1"].log.read_text()
+    assert re.search(r"trained [1-3] step\(s\) on after the upload", p1_log), p1_log[-3000:]
+    assert re.search(r"training our own model \([1-3] step\(s\) ahead\)", p1_log), p1_log[-3000:]
 
     # and the model learned: the final global is far better than the initial one
     first = _accuracy(task.build_model(config.seed))

@@ -1,0 +1,66 @@
+"""A participant's own model in a fragmented run (`participant.streaming`): the round after a sync mixes the synced
+fragment in from the global with `fragment_mix` and keeps its own values elsewhere; a gap starts from the global;
+training on after an upload is kept with its step count and cut short by the next round."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from participant.streaming import Ahead, OwnModel, synced_tensors
+
+
+def model(value: float) -> nn.Module:
+    m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(value)
+    return m
+
+
+def test_the_round_after_a_sync_mixes_the_synced_fragment_in_and_keeps_the_rest(tmp_path: Path) -> None:
+    own = OwnModel(tmp_path)
+    own.keep(model(1.0), round_no=4)
+    held = model(0.0)  # round 5's global
+    synced = synced_tensors(held, 2, 4)  # what round 4 synced
+    assert synced == frozenset({"0.weight", "0.bias"})  # (layers dealt out strided: "0" then "2")
+    assert own.resume(held, 5, fragments=2, mix=0.25) == 0
+    for name, value in held.state_dict().items():
+        want = 0.25 if name in synced else 1.0  # 0.25 x ours + 0.75 x the global's
+        assert torch.allclose(value, torch.full_like(value, want)), name
+
+
+def test_a_gap_starts_again_from_the_global(tmp_path: Path) -> None:
+    own = OwnModel(tmp_path)
+    own.keep(model(1.0), round_no=2)
+    held = model(0.0)
+    assert own.resume(held, 5, fragments=2, mix=0.5) is None  # (kept from round 2, not 4)
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in held.state_dict().values())
+    assert OwnModel(tmp_path / "none").resume(held, 5, 2, 0.5) is None
+
+
+def test_training_on_after_an_upload_is_kept_with_its_steps_and_cut_by_the_next_round(tmp_path: Path) -> None:
+    own = OwnModel(tmp_path)
+    ahead = Ahead(own)
+    m = model(1.0)
+    reached = threading.Event()
+
+    def train(progress) -> None:  # type: ignore[no-untyped-def]
+        for step in range(1, 100):
+            with torch.no_grad():
+                m[0].bias.add_(1.0)
+            progress(step, 99)
+            if step == 2:  # the next round starts while this trains on: it waits for the step under way
+                reached.set()
+                ahead._cut.wait(10)
+
+    ahead.start(train, m, round_no=7, steps=5)
+    assert reached.wait(10)
+    ahead.finish()  # cut short after the step under way (the third), and what was trained is kept
+    assert own.kept() == (7, 3)
+    held = model(0.0)
+    assert own.resume(held, 8, fragments=2, mix=1.0) == 3
+    assert torch.allclose(held.state_dict()["0.bias"], torch.full((4,), 4.0))
