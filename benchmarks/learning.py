@@ -251,6 +251,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["digits", "lm", "encodings"])
     parser.add_argument("--enc-tasks", nargs="+", choices=["lm", "hf"], default=["lm", "hf"],
                         help="encodings: the tasks of the DiLoCo-by-encoding rows")
+    parser.add_argument("--enc-rows", nargs="+", help="encodings: only the rows of these labels (e.g. fp32 "
+                        "'topk 2-bit'; the ratios need fp32's)")
     parser.add_argument("--enc-participants", type=int, default=2, help="encodings: participants of every row")
     parser.add_argument("--enc-rounds", type=int, default=16, help="encodings: DiLoCo's outer steps")
     parser.add_argument("--enc-steps", type=int, default=5, help="encodings: H inner steps per outer step")
@@ -292,6 +294,8 @@ def main() -> None:
     if args.only in (None, "encodings"):
         for task in args.enc_tasks:
             for label, settings in DILOCO_ENCODINGS:
+                if args.enc_rows and label not in args.enc_rows:
+                    continue
                 outer.append(diloco_encoding(task, label, args, args.out, **settings))
                 r = outer[-1]
                 print(f"  {task} DiLoCo {label}: final {r.final:.4f}, up {r.up:,} B ({r.wall:.0f} s)", flush=True)
