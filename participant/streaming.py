@@ -7,8 +7,13 @@ just synced into its model, `fragment_mix` x its own values + (1 - fragment_mix)
 merges an arriving fragment. Every other tensor stays its own.
 
 The model is kept in the state directory after each round's training, with the round it trained, so a restart
-goes on from it. A participant that did not train the round before (it joined, restarted past a round, or was
-not selected) catches up: it starts again from the global model, whose every fragment is the latest sync.
+goes on from it. A participant that did not train some rounds since (it restarted past a round, or was not
+selected) catches up: the fragments those rounds synced are taken from the global, whose every fragment is its
+latest sync; one that missed a sync of every fragment starts again from the global.
+
+The own model is the participant's error feedback: it keeps everything an update did not send (its whole
+deviation from the global, which each merge shrinks by fragment_mix), so no separate residual is carried with
+fragments — one would send the same unsent progress twice.
 """
 
 from __future__ import annotations
@@ -60,18 +65,23 @@ class OwnModel:
             return None
 
     def resume(self, model: nn.Module, round_no: int, fragments: int, mix: float) -> int | None:
-        """Turn `model`, which holds round `round_no`'s global, into our own: the kept one, with the fragment the
-        round before synced mixed in from the global; the steps it trained ahead (`fragment_overlap`). None (the
-        global as it is) when no model of the round before is kept."""
+        """Turn `model`, which holds round `round_no`'s global, into our own: the kept one (trained in round k),
+        with the fragment round k synced mixed in from the global, and every fragment a later round synced without
+        us taken from the global (caught up); the steps it trained ahead (`fragment_overlap`). None (the global as
+        it is) when no model of an earlier round is kept, or every fragment was synced without us since."""
         import torch
 
         from participant.tensors import TensorMismatch, load_into
 
         kept = self.kept()
-        if round_no == 0 or kept is None or kept[0] != round_no - 1:
+        if kept is None or not 0 <= kept[0] < round_no:
             return None
-        merged = synced_tensors(model, fragments, round_no - 1) or frozenset()
-        held = {n: t.detach().clone() for n, t in model.state_dict().items() if n in merged}
+        missed = {r % fragments for r in range(kept[0] + 1, round_no)}
+        if len(missed) == fragments:
+            return None
+        caught_up = {n for r in missed for n in synced_tensors(model, fragments, r) or ()}
+        merged = (synced_tensors(model, fragments, kept[0]) or frozenset()) - caught_up
+        held = {n: t.detach().clone() for n, t in model.state_dict().items() if n in merged | caught_up}
         try:
             load_into(model, self.path)
         except (TensorMismatch, wire.WireError, OSError, ValueError) as exc:
@@ -83,10 +93,13 @@ class OwnModel:
             state = model.state_dict()
             for name, value in held.items():
                 own = state[name]
-                if own.is_floating_point():
+                if name in merged and own.is_floating_point():
                     own.mul_(mix).add_(value.to(own.dtype), alpha=1 - mix)
                 else:
                     own.copy_(value)
+        if caught_up:
+            log.info("round %d: caught up %d tensor(s) synced since round %d from the global model", round_no,
+                     len(caught_up), kept[0])
         return kept[1]
 
     def keep(self, model: nn.Module, round_no: int, ahead: int = 0) -> None:

@@ -550,8 +550,9 @@ class Training:
                 self.train_on = lambda progress: work.train(model, indices, overlap, progress, seed + 1, a.round)
                 self.train_on_model = model
         if config.encoding.is_delta:  # the delta from the global model, compressed (`shared.compress`)
-            write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(),
-                         self.residual if config.error_feedback else None, synced)
+            # (with fragments, the own model carries what was not sent: `participant.streaming`)
+            residual = self.residual if config.error_feedback and synced is None else None
+            write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(), residual, synced)
         else:
             save_model(model, path, meta.to_metadata())
         log.info("round %d: trained in %.2fs: loss %.4f, test accuracy %.4f (global model %.4f)", a.round, seconds,

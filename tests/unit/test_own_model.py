@@ -33,13 +33,26 @@ def test_the_round_after_a_sync_mixes_the_synced_fragment_in_and_keeps_the_rest(
         assert torch.allclose(value, torch.full_like(value, want)), name
 
 
-def test_a_gap_starts_again_from_the_global(tmp_path: Path) -> None:
+def test_a_gap_catches_up_the_fragments_synced_without_us(tmp_path: Path) -> None:
+    own = OwnModel(tmp_path)
+    own.keep(model(1.0), round_no=3)
+    held = model(0.0)  # round 5's global: round 3 synced fragment 1 (ours), round 4 fragment 0 without us
+    assert own.resume(held, 5, fragments=3, mix=0.25) == 0
+    synced_3, synced_4 = synced_tensors(held, 3, 3), synced_tensors(held, 3, 4)
+    assert synced_3 and synced_4
+    for name, value in held.state_dict().items():
+        want = 0.0 if name in synced_4 else 0.25 if name in synced_3 else 1.0
+        assert torch.allclose(value, torch.full_like(value, want)), name
+
+
+def test_a_gap_past_every_fragments_sync_starts_again_from_the_global(tmp_path: Path) -> None:
     own = OwnModel(tmp_path)
     own.keep(model(1.0), round_no=2)
     held = model(0.0)
-    assert own.resume(held, 5, fragments=2, mix=0.5) is None  # (kept from round 2, not 4)
+    assert own.resume(held, 5, fragments=2, mix=0.5) is None  # (rounds 3 and 4 synced both fragments)
     assert all(torch.equal(v, torch.zeros_like(v)) for v in held.state_dict().values())
     assert OwnModel(tmp_path / "none").resume(held, 5, 2, 0.5) is None
+    assert own.resume(held, 2, 2, 0.5) is None  # (a model kept from this round or later is not ours to go on)
 
 
 def test_training_on_after_an_upload_is_kept_with_its_steps_and_cut_by_the_next_round(tmp_path: Path) -> None:
