@@ -78,6 +78,23 @@ class Residual:
             log.info("error feedback: carrying the kept residual of %d tensors (L2 norm %.4g)", len(arrays), norm)
         return dict(arrays)
 
+    def shift(self, retained: Mapping[str, np.ndarray], model: Mapping[str, torch.Tensor], round_no: int) -> None:
+        """Take from the kept residual what the own model of a fragmented run retained at round `round_no`'s merge
+        (`participant.streaming.OwnModel.resume`): carried in both, it would be sent twice. Once a round: the
+        residual says which round it was shifted for, so a restart's second merge leaves it alone."""
+        arrays: dict[str, np.ndarray] = {}
+        if self.kept.exists():
+            try:
+                found, header = wire.decode(self.kept.read_bytes())
+            except wire.WireError:
+                found, header = {}, None
+            if header is not None and header.metadata.get("fed.shifted") == str(round_no):
+                return
+            arrays = {n: np.array(a, np.float32) for n, a in found.items()}
+        for name, value in retained.items():
+            arrays[name] = arrays.get(name, np.zeros(tuple(model[name].shape), np.float32)) - value
+        write_atomic(self.kept, wire.encode(arrays, {"fed.shifted": str(round_no)}))
+
     def commit(self) -> None:
         """The update was sent: what its encoding lost is carried into the next round."""
         if self.next.exists():

@@ -11,9 +11,10 @@ goes on from it. A participant that did not train some rounds since (it restarte
 selected) catches up: the fragments those rounds synced are taken from the global, whose every fragment is its
 latest sync; one that missed a sync of every fragment starts again from the global.
 
-The own model is the participant's error feedback: it keeps everything an update did not send (its whole
-deviation from the global, which each merge shrinks by fragment_mix), so no separate residual is carried with
-fragments — one would send the same unsent progress twice.
+Error feedback (`participant.compressed.Residual`) carries what an update did not send, as without fragments. The
+mix keeps fragment_mix x our deviation from the new global in the own model, and the next delta of that fragment
+holds it again; so the residual gives up that much at the merge (`Residual.shift`): over the next sync, the own
+model and the residual together carry exactly what was not sent.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from participant.compressed import native, write_atomic
 from shared import wire
@@ -64,11 +67,14 @@ class OwnModel:
         except (wire.WireError, KeyError, ValueError, OSError):
             return None
 
-    def resume(self, model: nn.Module, round_no: int, fragments: int, mix: float) -> int | None:
+    def resume(self, model: nn.Module, round_no: int, fragments: int, mix: float,
+               retained: dict[str, np.ndarray] | None = None) -> int | None:
         """Turn `model`, which holds round `round_no`'s global, into our own: the kept one (trained in round k),
         with the fragment round k synced mixed in from the global, and every fragment a later round synced without
         us taken from the global (caught up); the steps it trained ahead (`fragment_overlap`). None (the global as
-        it is) when no model of an earlier round is kept, or every fragment was synced without us since."""
+        it is) when no model of an earlier round is kept, or every fragment was synced without us since. What the
+        mix retains of our own deviation from the global, fragment_mix x (own - global), goes into `retained` (by
+        tensor, float32): the error feedback takes it out of what it carries (`Residual.shift`)."""
         import torch
 
         from participant.tensors import TensorMismatch, load_into
@@ -94,6 +100,9 @@ class OwnModel:
             for name, value in held.items():
                 own = state[name]
                 if name in merged and own.is_floating_point():
+                    if retained is not None:
+                        kept_deviation = (own.float() - value.float()) * mix
+                        retained[name] = native(kept_deviation).astype(np.float32)
                     own.mul_(mix).add_(value.to(own.dtype), alpha=1 - mix)
                 else:
                     own.copy_(value)

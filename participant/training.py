@@ -492,7 +492,10 @@ class Training:
         synced = None  # with fragments (Streaming DiLoCo): our own model goes on, and the round syncs one fragment
         if config.fragments > 1:
             self.ahead.finish()
-            ahead = self.own_model.resume(model, a.round, config.fragments, config.fragment_mix)
+            retained: dict[str, np.ndarray] = {}
+            ahead = self.own_model.resume(model, a.round, config.fragments, config.fragment_mix, retained)
+            if retained and config.error_feedback and config.encoding.is_delta:
+                self.residual.shift(retained, model.state_dict(), a.round)
             synced = synced_tensors(model, config.fragments, a.round)
             if ahead and config.local_steps > ahead:  # (steps trained on after the last upload: this round's first)
                 config = config.model_copy(update={"local_steps": config.local_steps - ahead})
@@ -550,9 +553,8 @@ class Training:
                 self.train_on = lambda progress: work.train(model, indices, overlap, progress, seed + 1, a.round)
                 self.train_on_model = model
         if config.encoding.is_delta:  # the delta from the global model, compressed (`shared.compress`)
-            # (with fragments, the own model carries what was not sent: `participant.streaming`)
-            residual = self.residual if config.error_feedback and synced is None else None
-            write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(), residual, synced)
+            write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(),
+                         self.residual if config.error_feedback else None, synced)
         else:
             save_model(model, path, meta.to_metadata())
         log.info("round %d: trained in %.2fs: loss %.4f, test accuracy %.4f (global model %.4f)", a.round, seconds,

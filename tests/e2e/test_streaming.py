@@ -1,7 +1,7 @@
 """Streaming DiLoCo with topk updates, end to end: real participant processes sync one fragment of two a round as
 sparse 2-bit deltas with error feedback, training on while each round aggregates, and fetch each new global as the
 synced fragment's bytes, one of them is
-killed mid-run and started again (its own model, which holds what it has not sent, survives), the model still learns, and `fed verify`
+killed mid-run and started again (its residual and own model survive), the model still learns, and `fed verify`
 recomputes every fragment's global."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_topk_streaming_diloco_learns_through_a_restart_and_verifies(local_run: 
 
     run.wait_for(p2_counted, 120, "p2's update counted in round 2 or later")
     state_dir = run.workdir / "participants" / "p2"
-    assert (state_dir / "own-model.safetensors").exists()  # (its error feedback: what it has not sent yet)
+    assert (state_dir / "residual.safetensors").exists() and (state_dir / "own-model.safetensors").exists()
     run.procs.kill("p2")
     restarted_at = run.state().round
     run.procs.spawn(["p2"])
@@ -53,11 +53,10 @@ def test_topk_streaming_diloco_learns_through_a_restart_and_verifies(local_run: 
     rounds = sorted(run.store.rounds(), key=lambda r: r.round)
     assert [r.round for r in rounds] == list(range(10)) and all(r.aggregated for r in rounds)
     assert any("p2" in r.counted for r in rounds if r.round > restarted_at), [(r.round, r.counted) for r in rounds]
-    # and its error feedback survived the restart: it went on training its own model, which holds what it has not
-    # sent yet (fragments take the place of a residual: `participant.streaming`)
+    # and its error feedback survived the restart: it carried the residual kept before it on, and went on training its
+    # own model
     log = run.procs.procs["p2"].log.read_text()
-    assert "training our own model" in log, log[-3000:]
-    assert not (state_dir / "residual.safetensors").exists()
+    assert "error feedback: carrying the kept residual" in log and "training our own model" in log, log[-3000:]
 
     # and each sync sent one fragment as a sparse delta: a small part of the fp32 model's bytes
     final = run.state()

@@ -7,10 +7,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
+from participant.compressed import Residual
 from participant.streaming import Ahead, OwnModel, synced_tensors
+from shared import wire
 
 
 def model(value: float) -> nn.Module:
@@ -27,10 +30,24 @@ def test_the_round_after_a_sync_mixes_the_synced_fragment_in_and_keeps_the_rest(
     held = model(0.0)  # round 5's global
     synced = synced_tensors(held, 2, 4)  # what round 4 synced
     assert synced == frozenset({"0.weight", "0.bias"})  # (layers dealt out strided: "0" then "2")
-    assert own.resume(held, 5, fragments=2, mix=0.25) == 0
+    retained: dict = {}
+    assert own.resume(held, 5, fragments=2, mix=0.25, retained=retained) == 0
     for name, value in held.state_dict().items():
         want = 0.25 if name in synced else 1.0  # 0.25 x ours + 0.75 x the global's
         assert torch.allclose(value, torch.full_like(value, want)), name
+    # and what the mix kept of our deviation from the global is said, for the error feedback to give up
+    assert set(retained) == synced and all(np.allclose(v, 0.25) for v in retained.values())
+
+
+def test_the_residual_gives_up_what_the_mix_retained_once_a_round(tmp_path: Path) -> None:
+    residual = Residual(tmp_path)
+    m = model(0.0)
+    residual.kept.write_bytes(wire.encode({"0.bias": np.full(4, 1.0, np.float32)}))
+    retained = {"0.bias": np.full(4, 0.25, np.float32), "0.weight": np.full((4, 3), 0.5, np.float32)}
+    residual.shift(retained, m.state_dict(), 5)
+    residual.shift(retained, m.state_dict(), 5)  # (a restart's second merge of round 5)
+    kept = residual.load(m.state_dict())
+    assert kept is not None and np.allclose(kept["0.bias"], 0.75) and np.allclose(kept["0.weight"], -0.5)
 
 
 def test_a_gap_catches_up_the_fragments_synced_without_us(tmp_path: Path) -> None:
