@@ -88,21 +88,27 @@ def test_bf16_delta_decodes_to_the_rounded_delta() -> None:
 
 def test_error_feedback_carries_what_quantization_lost() -> None:
     """Summed over rounds, the decoded deltas track the true deltas to within one round's error."""
-    rng = np.random.default_rng(2)
+    sent_sum, true_sum, residual = rounds_of_error_feedback(Encoding("int8", 64), 20, seed=2)
+    # what was sent plus what is still held back is exactly what was trained: nothing is lost for good
+    np.testing.assert_allclose(sent_sum + residual, true_sum, atol=1e-5)
+    assert np.abs(residual).max() <= np.abs(true_sum).max() / 100
+
+
+def rounds_of_error_feedback(enc: Encoding, rounds: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`rounds` updates in `enc` from one global, each carrying the last one's residual: the decoded deltas of
+    head.weight summed, the true deltas summed, and the residual left."""
+    rng = np.random.default_rng(seed)
     base = model(rng)
-    enc = Encoding("int8", 64)
     residual: dict[str, np.ndarray] | None = None
     true_sum = np.zeros_like(base["head.weight"])
     sent_sum = np.zeros_like(base["head.weight"])
-    for _ in range(20):
+    for _ in range(rounds):
         trained = trained_from(base, rng)
         encoded, residual = encode_delta(trained, base, enc, residual)
         sent_sum += decode_arrays(encoded, base, enc)["head.weight"] - base["head.weight"]
         true_sum += trained["head.weight"] - base["head.weight"]
     assert residual is not None
-    # what was sent plus what is still held back is exactly what was trained: nothing is lost for good
-    np.testing.assert_allclose(sent_sum + residual["head.weight"], true_sum, atol=1e-5)
-    assert np.abs(residual["head.weight"]).max() <= np.abs(true_sum).max() / 100
+    return sent_sum, true_sum, residual["head.weight"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -117,6 +123,13 @@ def test_a_decoded_source_reads_any_range_as_the_decoded_files_bytes(kind: str, 
     encoded, _ = encode_delta(trained, base, enc)
     manifest = manifest_of(base)
     assert manifest_of(encoded) == encoded_manifest(manifest, enc)
+    assert_read_as_decoded(base, encoded, enc, begin, length)
+
+
+def assert_read_as_decoded(base: dict[str, np.ndarray], encoded: dict[str, np.ndarray], enc: Encoding, begin: int,
+                           length: int) -> None:
+    """`DecodedSource` reads bytes [begin, begin + length) (clipped to the model) as the decoded weights' bytes."""
+    manifest = manifest_of(base)
     decoded_bytes = ArraySource(manifest, decode_arrays(encoded, base, enc)).data
     source = DecodedSource(manifest, enc, ArraySource(manifest, base),
                            ArraySource(encoded_manifest(manifest, enc), encoded))

@@ -3,7 +3,6 @@ conserves every delta, any byte range decoded exactly, its size, and every lie a
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -23,27 +22,13 @@ from shared.compress import (
     wire_ratio,
 )
 from shared.wire import Manifest, decode, encode, spec_of
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
+from tests.unit.test_compress import BF16, assert_read_as_decoded, manifest_of, rounds_of_error_feedback, trained_from
+from tests.unit.test_compress import model as dense_model
 
 
 def model(rng: np.random.Generator, dtype: np.dtype = np.dtype(np.float32)) -> dict[str, np.ndarray]:
-    return {
-        "emb.weight": rng.normal(0, 1, (37, 11)).astype(dtype),  # 407: chunks do not divide it
-        "head.bias": rng.normal(0, 1, (5,)).astype(dtype),
-        "head.weight": rng.normal(0, 1, (5, 300)).astype(dtype),
-        "empty": np.zeros((0, 3), dtype),
-        "steps": np.array([7, 9], np.int64),
-    }
-
-
-def manifest_of(arrays: dict[str, np.ndarray]) -> Manifest:
-    return Manifest({n: spec_of(n, a) for n, a in arrays.items()})
-
-
-def trained_from(base: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return {n: (a + rng.normal(0, 0.01, a.shape)).astype(a.dtype) if a.dtype.kind == "f" or a.dtype == BF16
-            else a + 1 for n, a in base.items()}
+    """test_compress's model (407 elements in emb.weight: chunks do not divide it) and an empty tensor."""
+    return dense_model(rng, dtype) | {"empty": np.zeros((0, 3), dtype)}
 
 
 def independent_topk(delta: np.ndarray, enc: Encoding) -> np.ndarray:
@@ -105,21 +90,10 @@ def test_what_is_sent_plus_what_is_kept_is_the_delta_plus_the_carried_error(bits
 
 
 def test_error_feedback_over_rounds_loses_nothing_for_good() -> None:
-    rng = np.random.default_rng(5)
-    base = model(rng)
-    enc = Encoding.topk(2.0, 2, 64)
-    residual = None
-    sent_sum = np.zeros_like(base["head.weight"])
-    true_sum = np.zeros_like(base["head.weight"])
-    for _ in range(30):
-        trained = trained_from(base, rng)
-        encoded, residual = encode_delta(trained, base, enc, residual)
-        sent_sum += decode_arrays(encoded, base, enc)["head.weight"] - base["head.weight"]
-        true_sum += trained["head.weight"] - base["head.weight"]
-    assert residual is not None
-    np.testing.assert_allclose(sent_sum + residual["head.weight"], true_sum, atol=1e-5)
+    sent_sum, true_sum, residual = rounds_of_error_feedback(Encoding.topk(2.0, 2, 64), 30, seed=5)
+    np.testing.assert_allclose(sent_sum + residual, true_sum, atol=1e-5)
     # and what is sent is most of it: the residual stays bounded while the total grows
-    assert np.linalg.norm(residual["head.weight"]) < np.linalg.norm(true_sum)
+    assert np.linalg.norm(residual) < np.linalg.norm(true_sum)
 
 
 @settings(max_examples=60, deadline=None)
@@ -132,15 +106,7 @@ def test_a_decoded_source_reads_any_range_of_topk_as_the_decoded_files_bytes(bit
     base = model(rng, BF16 if dtype == "bfloat16" else np.dtype(np.float32))
     enc = Encoding("topk", bits=bits, chunk=chunk, keep=min(keep, chunk))
     encoded, _ = encode_delta(trained_from(base, rng), base, enc)
-    manifest = manifest_of(base)
-    decoded_bytes = ArraySource(manifest, decode_arrays(encoded, base, enc)).data
-    source = DecodedSource(manifest, enc, ArraySource(manifest, base),
-                           ArraySource(encoded_manifest(manifest, enc), encoded))
-    begin = min(begin, manifest.nbytes)
-    length = min(length, manifest.nbytes - begin)
-    buf = bytearray(length)
-    source.readinto(begin, memoryview(buf))
-    assert bytes(buf) == bytes(decoded_bytes[begin : begin + length])
+    assert_read_as_decoded(base, encoded, enc, begin, length)
 
 
 def test_topk_sends_over_30_times_fewer_bytes_than_fp32() -> None:
