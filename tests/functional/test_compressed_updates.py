@@ -132,3 +132,41 @@ def test_a_topk_update_that_lies_is_refused_with_its_reason(harness_factory, cas
     # and the run goes on: a good update from alice's peer is accepted
     good, _ = encode_delta({k: v + 0.2 for k, v in base.items()}, base, enc)
     assert _send(h, "bob", good, enc)["accepted"]
+
+
+def test_shard_workers_sum_sparse_updates_to_the_dense_reference(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    """A 64 MB model, three topk updates, three shards: the global the shard workers write is the FedAvg of the
+    weights the updates stand for, computed densely in memory here."""
+    from shared.digest import PIECE_BYTES
+    from tests.functional.test_large_models import PIDS as BIG_PIDS
+    from tests.functional.test_large_models import big_model
+
+    h: Harness = harness_factory(update_encoding="topk", min_clients=3, min_per_round=3, min_updates=3,
+                                 total_rounds=2, dataset_size=60, max_update_bytes=256 << 20,
+                                 shard_bytes=3 * PIECE_BYTES)
+    enc = h.config.encoding
+    h.scheduled_tick()
+    for pid in BIG_PIDS:
+        h.join_alive(pid)
+    h.offer(BIG_PIDS[0], big_model(0, np.dtype(np.float32)))
+    base = h.global_model(0)
+    decoded, samples = {}, {}
+    for i, pid in enumerate(BIG_PIDS):
+        trained = {k: v + (big_model(i + 1, v.dtype)[k] - v) * np.float32(0.01) if v.dtype == np.float32 else v
+                   for k, v in base.items()}
+        encoded, _ = encode_delta(trained, base, enc)
+        samples[pid] = 10 + 5 * i
+        reply = _send(h, pid, encoded, enc, samples=samples[pid])
+        assert reply["accepted"], reply
+        decoded[pid] = decode_arrays(encoded, base, enc)
+        assert sum(a.nbytes for a in encoded.values()) < sum(a.nbytes for a in base.values()) / 50
+    assert h.state().aggregated == 1, h.state()
+    out = h.global_model(1)
+    total = sum(samples.values())
+    for name, value in base.items():
+        if value.dtype != np.float32:
+            continue
+        want = sum(decoded[p][name].astype(np.float64) * samples[p] for p in BIG_PIDS) / total
+        np.testing.assert_allclose(out[name].astype(np.float64), want, rtol=1e-6, atol=1e-6)
+    checks = verify_run(h.deps)
+    assert [(c.round, c.ok) for c in checks] == [(0, True)], checks
