@@ -79,9 +79,10 @@ class Residual:
         return dict(arrays)
 
     def shift(self, retained: Mapping[str, np.ndarray], model: Mapping[str, torch.Tensor], round_no: int) -> None:
-        """Take from the kept residual what the own model of a fragmented run retained at round `round_no`'s merge
-        (`participant.streaming.OwnModel.resume`): carried in both, it would be sent twice. Once a round: the
-        residual says which round it was shifted for, so a restart's second merge leaves it alone."""
+        """Take from the kept residual what the own model of a fragmented run retained when the model it kept in
+        round `round_no` was merged (`participant.streaming.OwnModel.resume`): carried in both, it would be sent
+        twice. Once for that model: the residual says which round's model it was shifted for, so a second merge
+        of it (after a restart, or a round not sent) leaves it alone."""
         arrays: dict[str, np.ndarray] = {}
         if self.kept.exists():
             try:

@@ -493,9 +493,10 @@ class Training:
         if config.fragments > 1:
             self.ahead.finish()
             retained: dict[str, np.ndarray] = {}
+            kept = self.own_model.kept()  # (the merge of the model kept in round k shifts the residual once)
             ahead = self.own_model.resume(model, a.round, config.fragments, config.fragment_mix, retained)
-            if retained and config.error_feedback and config.encoding.is_delta:
-                self.residual.shift(retained, model.state_dict(), a.round)
+            if retained and kept is not None and config.error_feedback and config.encoding.is_delta:
+                self.residual.shift(retained, model.state_dict(), kept[0])
             synced = synced_tensors(model, config.fragments, a.round)
             if ahead and config.local_steps > ahead:  # (steps trained on after the last upload: this round's first)
                 config = config.model_copy(update={"local_steps": config.local_steps - ahead})

@@ -44,8 +44,8 @@ def test_the_residual_gives_up_what_the_mix_retained_once_a_round(tmp_path: Path
     m = model(0.0)
     residual.kept.write_bytes(wire.encode({"0.bias": np.full(4, 1.0, np.float32)}))
     retained = {"0.bias": np.full(4, 0.25, np.float32), "0.weight": np.full((4, 3), 0.5, np.float32)}
-    residual.shift(retained, m.state_dict(), 5)
-    residual.shift(retained, m.state_dict(), 5)  # (a restart's second merge of round 5)
+    residual.shift(retained, m.state_dict(), 4)
+    residual.shift(retained, m.state_dict(), 4)  # (a second merge of the model kept in round 4: a restart)
     kept = residual.load(m.state_dict())
     assert kept is not None and np.allclose(kept["0.bias"], 0.75) and np.allclose(kept["0.weight"], -0.5)
 
