@@ -29,7 +29,7 @@ import numpy as np
 
 from participant.compressed import native, write_atomic
 from shared import wire
-from shared.fragments import round_fragment
+from shared.fragments import fragments_of, round_fragment
 
 if TYPE_CHECKING:
     import torch
@@ -38,12 +38,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("participant")
 
 
-def manifest_of(model: nn.Module) -> wire.Manifest:
-    return wire.Manifest({n: wire.spec_of(n, native(t)) for n, t in model.state_dict().items()})
-
-
 def synced_tensors(model: nn.Module, fragments: int, round_no: int) -> frozenset[str] | None:
     """The tensors round `round_no` syncs (its update holds them alone); None: every tensor."""
+    from participant.tensors import manifest_of
+
     return round_fragment(manifest_of(model), fragments, round_no)
 
 
@@ -77,7 +75,7 @@ class OwnModel:
         tensor, float32): the error feedback takes it out of what it carries (`Residual.shift`)."""
         import torch
 
-        from participant.tensors import TensorMismatch, load_into
+        from participant.tensors import TensorMismatch, load_into, manifest_of
 
         kept = self.kept()
         if kept is None or not 0 <= kept[0] < round_no:
@@ -85,8 +83,9 @@ class OwnModel:
         missed = {r % fragments for r in range(kept[0] + 1, round_no)}
         if len(missed) == fragments:
             return None
-        caught_up = {n for r in missed for n in synced_tensors(model, fragments, r) or ()}
-        merged = (synced_tensors(model, fragments, kept[0]) or frozenset()) - caught_up
+        split = fragments_of(manifest_of(model), fragments)
+        caught_up = {n for f in missed for n in split[f]}
+        merged = split[kept[0] % fragments] - caught_up
         held = {n: t.detach().clone() for n, t in model.state_dict().items() if n in merged | caught_up}
         try:
             load_into(model, self.path)

@@ -22,6 +22,8 @@ from safetensors.torch import save as _st_save
 from safetensors.torch import save_file as _st_save_file
 from torch import nn
 
+from shared.wire import Manifest, TensorSpec
+
 ModelSource = bytes | Path
 
 # safetensors' dtype tags of the dtypes a model file may hold
@@ -126,6 +128,14 @@ Specs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # a model's tensor na
 
 def specs_of(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+
+
+_TAGS = {dtype: tag for tag, dtype in _TORCH_DTYPES.items()}
+
+
+def manifest_of(model: nn.Module) -> Manifest:
+    """The manifest of the file `model` saves to, from its tensors' shapes and dtypes (nothing copied off a GPU)."""
+    return Manifest({name: TensorSpec(_TAGS[t.dtype], tuple(t.shape)) for name, t in model.state_dict().items()})
 
 
 def check_fits(specs: Specs, source: ModelSource) -> None:
