@@ -367,6 +367,16 @@ def topk_entries(numel: int, c0: int, c1: int, packed: np.ndarray, index: np.nda
     return np.concatenate(positions), np.concatenate(values)
 
 
+def topk_dense(numel: int, packed: np.ndarray, index: np.ndarray, steps: np.ndarray,
+               encoding: Encoding) -> np.ndarray:
+    """A whole topk tensor of `numel` elements as the float32 delta it sends (zero where it sends nothing);
+    CompressError as `topk_entries`."""
+    at, values = topk_entries(numel, 0, blocks(numel, encoding.chunk), packed, index, steps, encoding)
+    dense = np.zeros(numel, np.float32)
+    dense[at] = values
+    return dense
+
+
 def decode_arrays(
     encoded: dict[str, np.ndarray], base: dict[str, np.ndarray], encoding: Encoding,
     only: frozenset[str] | None = None,
@@ -387,12 +397,8 @@ def decode_arrays(
         if encoding.kind == "bf16":
             delta = value.astype(np.float32)
         elif encoding.kind == "topk":
-            delta = np.zeros(ref.size, np.float32)
-            count = blocks(ref.size, encoding.chunk)
-            at, values = topk_entries(ref.size, 0, count, value, encoded[name + INDEX_SUFFIX],
-                                      encoded[name + SCALE_SUFFIX], encoding)
-            delta[at] = values
-            delta = delta.reshape(ref.shape)
+            delta = topk_dense(ref.size, value, encoded[name + INDEX_SUFFIX], encoded[name + SCALE_SUFFIX],
+                               encoding).reshape(ref.shape)
         else:
             delta = dequantize(value.reshape(-1), encoded[name + SCALE_SUFFIX], encoding.block).reshape(ref.shape)
         out[name] = _add(ref, delta)

@@ -48,8 +48,8 @@ from shared.compress import (
     dequantize,
     kept_before,
     quantize,
+    topk_dense,
     topk_encode,
-    topk_entries,
 )
 from shared.digest import PIECE_BYTES, combine
 from shared.keys import DIGEST_PATTERN
@@ -117,12 +117,9 @@ def step_of(codes: Codes, count: int, encoding: Encoding) -> np.ndarray:
     if encoding.kind == "int8":
         return dequantize(codes.codes, codes.scales, encoding.block)
     try:
-        at, values = topk_entries(count, 0, sizes[1], codes.codes, codes.positions, codes.scales, encoding)
+        return topk_dense(count, codes.codes, codes.positions, codes.scales, encoding)
     except CompressError as exc:
         raise DeltaError(f"the delta's {exc}") from None
-    dense = np.zeros(count, np.float32)
-    dense[at] = values
-    return dense
 
 
 def applied(base: np.ndarray, codes: Codes, encoding: Encoding) -> np.ndarray:
