@@ -279,8 +279,8 @@ class Training:
         self.residual = Residual(cache_dir.parent)  # error feedback of compressed updates
         self.own_model = OwnModel(cache_dir.parent)  # Streaming DiLoCo: our model between rounds
         self.ahead = Ahead(self.own_model)  # and its training on after an upload (`fragment_overlap`)
-        self.train_on: Callable[[Callable[[int, int], None]], object] | None = None
-        self.train_on_model: Any = None
+        # (the training on, and the model it trains, that the round's upload starts: `fragment_overlap`)
+        self.train_on: tuple[Callable[[Callable[[int, int], None]], object], Any] | None = None
         # files a process killed mid-write or mid-download left behind
         leftovers = [*self.outbox.glob("*"), *cache_dir.glob(f"*{UNVERIFIED_SUFFIX}"), *cache_dir.glob(".*.part")]
         for left in leftovers:
@@ -448,9 +448,9 @@ class Training:
                 self.residual.commit()
             else:
                 self.residual.discard()
-            train_on, model, self.train_on, self.train_on_model = self.train_on, self.train_on_model, None, None
+            train_on, self.train_on = self.train_on, None
             if sent and train_on is not None:  # Streaming DiLoCo's overlap: train on while the round aggregates
-                self.ahead.start(train_on, model, a.round, work.config.fragment_overlap)
+                self.ahead.start(*train_on, a.round, work.config.fragment_overlap)
 
     def _send(self, work: Workload, a: Train, path: Path, samples: int, metrics: dict[str, float]) -> bool:
         size = path.stat().st_size
@@ -551,8 +551,8 @@ class Training:
             self.own_model.keep(model, a.round)
             if config.fragment_overlap and work.node is None:  # trained on once the update is sent (`train`)
                 overlap = config.model_copy(update={"local_steps": config.fragment_overlap})
-                self.train_on = lambda progress: work.train(model, indices, overlap, progress, seed + 1, a.round)
-                self.train_on_model = model
+                self.train_on = (lambda progress: work.train(model, indices, overlap, progress, seed + 1, a.round),
+                                 model)
         if config.encoding.is_delta:  # the delta from the global model, compressed (`shared.compress`)
             write_update(model.state_dict(), held_model, config.encoding, path, meta.to_metadata(),
                          self.residual if config.error_feedback else None, synced)
